@@ -1,0 +1,27 @@
+# Fresh machine: `make run` (the main job) or `make test` (set up, then the test suite).
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: setup run test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# The pinned CPU build of torch first on machines without an NVIDIA GPU: a plain `torch`
+# requirement would pull a multi-GB CUDA build.
+setup: $(BIN)/python
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0; fi
+	$(BIN)/python -m pip install -q -e ".[test]"
+
+run: setup
+	PYTHONUNBUFFERED=1 $(BIN)/k3rl run --preset small $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest tests $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,47 @@
+"""Block Attention Residuals (AttnRes): the depth-wise softmax mix of block snapshots.
+
+The residual stream between layers is the partial sum ``p`` of the current block beside a list
+``B`` of completed block snapshots (the embedding output is the first). ``mix`` scores every
+candidate ``v`` in ``B + [p]`` with ``s = sum_i (v_i / rms(v)) * w_i * gamma_i`` (rms without a
+weight, fp32) and returns ``sum_v softmax(s)_v * v`` in the activation dtype.
+
+``w * gamma`` depends only on weights. Inference engines precompute it; that cache must be
+recomputed whenever weights change (``AttnResMix.refresh_cache``), or rollouts silently use stale
+scores. Training never uses the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def attn_res_mix(p: torch.Tensor, blocks: list[torch.Tensor], w_gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """p ``[..., D]``, blocks: list of ``[..., D]``, w_gamma ``[D]`` -> ``[..., D]`` (p's dtype)."""
+    V = torch.stack(list(blocks) + [p], dim=0).float()  # [C, ..., D]
+    normed = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
+    scores = (normed * w_gamma.float()).sum(-1)  # [C, ...]
+    weights = torch.softmax(scores, dim=0)
+    return (weights.unsqueeze(-1) * V).sum(0).to(p.dtype)
+
+
+class ResProj(nn.Module):
+    """Holds a public ``<name>.weight`` of shape ``[1, D]`` (w: a Linear(D, 1) without bias).
+    Zero-initialised, so a fresh model starts with a uniform average over the candidates."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, dim))
+
+
+class ResNorm(nn.Module):
+    """Holds a public ``<name>.weight`` of shape ``[D]`` (gamma)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+def w_gamma(proj: ResProj, norm: ResNorm) -> torch.Tensor:
+    """The score vector ``w * gamma`` ``[D]`` of one mixing site."""
+    return proj.weight[0] * norm.weight

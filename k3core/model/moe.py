@@ -1,0 +1,160 @@
+"""LatentMoE: K3's mixture of experts, routed in a latent width.
+
+  logits  = x W_gate^T (fp32);  scores = sigmoid(logits)                              [N, E]
+  chosen  = top-k of (scores + e_score_correction_bias)   (grouped top-k, noaux_tc)   [N, k]
+  weights = scores[chosen] / sum(scores[chosen]) * routed_scaling_factor              unbiased scores
+  y       = routed_expert_up_proj(rmsnorm(sum_j weights_j * expert_j(routed_expert_down_proj(x))))
+            + shared_experts(x)
+
+The bias shifts *selection* only, never the weights; it is a persistent fp32 buffer the optimizer
+never sees (the release sets it by Quantile Balancing, no auxiliary loss; it is frozen here).
+Experts are SiTU-GLU MLPs in the latent width, stored stacked: ``experts.w13`` ``[E, 2I, Dl]`` (rows
+``[w1 (gate); w3 (up)]`` of the public ``experts.E.w1``/``w3``) and ``experts.w2`` ``[E, Dl, I]``.
+
+Dispatch computes only the chosen (token, expert) pairs: sort the pairs by expert, run each active
+expert on its contiguous slice (``torch._grouped_mm`` on CUDA where it applies), scatter the weighted
+outputs back. ``dense_reference_moe`` runs every expert on every token: it exists for tests only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3core.model.mlp import SiTUMLP
+from k3core.model.norm import RMSNorm
+from k3core.ops.situ import situ_glu
+
+
+def select_experts(biased: torch.Tensor, k: int, num_groups: int = 1, topk_groups: int = 1) -> torch.Tensor:
+    """Grouped top-k (DeepSeek-V3 ``noaux_tc``): keep the ``topk_groups`` groups whose two best
+    biased scores sum highest, then the top ``k`` experts inside them. biased ``[N, E]`` -> ``[N, k]``."""
+    if num_groups > 1:
+        N, E = biased.shape
+        grouped = biased.view(N, num_groups, E // num_groups)
+        group_score = grouped.topk(min(2, E // num_groups), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool)
+        keep.scatter_(1, group_score.topk(topk_groups, dim=-1).indices, True)
+        biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(N, E)
+    return biased.topk(k, dim=-1).indices
+
+
+class Router(nn.Module):
+    """Public names: ``gate.weight`` ``[E, D]``, ``gate.e_score_correction_bias`` ``[E]`` (fp32 buffer)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[N, D]`` -> sigmoid scores ``[N, E]`` in fp32."""
+        return torch.sigmoid(x.float() @ self.weight.float().t())
+
+
+class RoutedExperts(nn.Module):
+    """E SiTU-GLU experts of width I in latent width Dl, stacked for grouped matmuls."""
+
+    def __init__(self, num_experts: int, latent_size: int, intermediate_size: int, beta: float, linear_beta: float):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.beta, self.linear_beta = beta, linear_beta
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, latent_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, latent_size, intermediate_size))
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on rows x ``[n, Dl]`` -> ``[n, Dl]``."""
+        return situ_glu(x @ self.w13[e].t(), self.beta, self.linear_beta) @ self.w2[e].t()
+
+    def grouped_forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert, ``counts[e]`` rows each -> ``[n, Dl]`` in the same order."""
+        if _grouped_mm_ok(x_sorted, self.w13):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            h = torch._grouped_mm(x_sorted, self.w13.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(situ_glu(h, self.beta, self.linear_beta), self.w2.transpose(-2, -1), offs=offs)
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                outs.append(self.expert_forward(e, x_sorted[start:start + n]))
+                start += n
+        return torch.cat(outs, 0) if outs else x_sorted.new_zeros(0, self.w2.shape[1])
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm runs on CUDA (sm90+) in bf16 with 16-byte-aligned inner dims."""
+    return (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and x.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0 and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        D, Dl = config.hidden_size, config.routed_expert_hidden_size
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
+        self.num_groups, self.topk_groups = config.num_expert_group, config.topk_group
+        self.renormalize, self.scaling = config.moe_renormalize, config.routed_scaling_factor
+        self.gate = Router(D, config.num_experts)
+        self.routed_expert_down_proj = nn.Linear(D, Dl, bias=False)
+        self.routed_expert_norm = RMSNorm(Dl, config.rms_norm_eps) if config.use_routed_expert_norm else nn.Identity()
+        self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
+        self.experts = RoutedExperts(config.num_experts, Dl, config.moe_intermediate_size,
+                                     config.activation_situ_beta, config.activation_situ_linear_beta)
+        self.shared_experts = (SiTUMLP(D, config.shared_expert_intermediate_size, config.activation_situ_beta,
+                                       config.activation_situ_linear_beta) if config.num_shared_experts else None)
+
+    def route(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[N, D]`` -> (expert ids ``[N, k]`` int64, weights ``[N, k]`` fp32, differentiable)."""
+        scores = self.gate(x)
+        if forced_ids is None:
+            with torch.no_grad():
+                ids = select_experts(scores + self.gate.e_score_correction_bias, self.top_k,
+                                     self.num_groups, self.topk_groups)
+        else:
+            ids = forced_ids.to(device=x.device, dtype=torch.long)
+            if ids.shape != (x.shape[0], self.top_k):
+                raise ValueError(f"forced expert ids have shape {tuple(ids.shape)}, expected {(x.shape[0], self.top_k)}")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
+                raise ValueError(f"forced expert ids must lie in [0, {self.num_experts})")
+        w = scores.gather(1, ids)
+        if self.renormalize:
+            w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
+        return ids, w * self.scaling
+
+    def forward(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[..., D]`` -> (y ``[..., D]``, expert ids ``[..., k]``)."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        ids, w = self.route(x2, None if forced_ids is None else forced_ids.reshape(-1, self.top_k))
+        xl = self.routed_expert_down_proj(x2)
+        yl = sparse_dispatch(self.experts, xl, ids, w)
+        y = self.routed_expert_up_proj(self.routed_expert_norm(yl))
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x2)
+        return y.view(shape), ids.view(*shape[:-1], self.top_k)
+
+
+def sparse_dispatch(experts: RoutedExperts, xl: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Only the chosen pairs: xl ``[N, Dl]``, ids/w ``[N, k]`` -> weighted sum ``[N, Dl]``."""
+    N, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    counts = torch.bincount(flat, minlength=experts.num_experts)
+    out = experts.grouped_forward(xl.index_select(0, token), counts)
+    weighted = out * w.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(xl).index_add_(0, token, weighted.to(xl.dtype))
+
+
+def dense_reference_moe(moe: LatentMoE, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Every expert on every token, combined through a dense ``[N, E]`` weight matrix. Tests only."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    ids, w = moe.route(x2, None if forced_ids is None else forced_ids.reshape(-1, moe.top_k))
+    combine = torch.zeros(x2.shape[0], moe.num_experts, dtype=torch.float32, device=x.device).scatter_add(1, ids, w.float())
+    xl = moe.routed_expert_down_proj(x2)
+    all_out = torch.stack([moe.experts.expert_forward(e, xl) for e in range(moe.num_experts)], dim=1)  # [N, E, Dl]
+    yl = (combine.unsqueeze(-1) * all_out.float()).sum(1).to(xl.dtype)
+    y = moe.routed_expert_up_proj(moe.routed_expert_norm(yl))
+    if moe.shared_experts is not None:
+        y = y + moe.shared_experts(x2)
+    return y.view(shape)

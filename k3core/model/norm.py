@@ -1,0 +1,27 @@
+"""RMSNorm, computed in fp32: ``weight * x / sqrt(mean(x^2) + eps)``, returned in the input dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x ``[..., D]``, weight ``[D]`` or None (no scale). fp32 inside, x's dtype out."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Public name: ``<name>.weight`` of shape ``[dim]``."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
