@@ -1,0 +1,709 @@
+"""O_DIRECT storage writer for torch.distributed.checkpoint (DCP).
+
+    dcp.save(state_dict, storage_writer=ODirectFileSystemWriter(path))
+    dcp.load(state_dict, storage_reader=FileSystemReader(path))      # the stock reader
+
+This module owns one thing: how a rank's DCP data files reach the disk. Planning (which rank
+writes which item), the metadata's content and reading stay with DCP.
+
+File format: exactly the stock `FileSystemWriter`'s (torch 2.11 .. 2.13, TORCH_SAVE format).
+Each write item is a `torch.save` blob (tensors) or raw bytes (BYTE_IO items) packed back to back;
+the metadata records `(relative_path, offset, length)` per item, and the stock
+`FileSystemReader` slices the file there. Only the route to the disk differs:
+
+  * Serialisation writes into a fixed pool of page-aligned host buffers (one anonymous mmap) instead
+    of a buffered file. A full buffer goes to an I/O thread, which `pwrite`s it through a file
+    descriptor opened with `O_DIRECT` while the caller serialises into the next buffer (double
+    buffering). Host memory for file data is `num_buffers * buffer_bytes` whatever the checkpoint
+    size, and the page cache does not fill up with checkpoint bytes that nobody will read back.
+    (Like the stock writer, a tensor that is not on the CPU, or whose storage is larger than the
+    tensor, is first copied to a CPU tensor of its own size: that transient copy is bounded by the
+    largest item, not by the checkpoint.)
+  * Every write starts at a multiple of the buffer size, itself a multiple of the direct-I/O
+    alignment (statx STATX_DIOALIGN where the kernel reports it, else 4096). The unaligned tail is
+    padded with zeros to the alignment, written with O_DIRECT, and the file is then `ftruncate`d to
+    its logical length.
+  * Where O_DIRECT is refused (open or write fails with EINVAL, statx says direct I/O is
+    unsupported) or is meaningless (tmpfs/ramfs: the page cache is the storage), the same pipeline
+    writes through a buffered descriptor, and the writer emits one `ODirectFallbackWarning`.
+
+Durability and publication (a crash at any instant never leaves a `.metadata` naming data that is
+missing or half written):
+
+  * data files get per-save names (`__{rank}_{n}.{tag}.distcp`), so a save into a directory that
+    already holds a checkpoint never touches the files the old `.metadata` names;
+  * each data file is fsynced, then the directory, before a rank reports its results;
+  * `finish` writes the metadata to a temporary file, fsyncs it, `os.replace`s it over `.metadata`
+    (atomic: a reader sees the old or the new one, never none; the stock writer unlinks the old one
+    first) and fsyncs the directory. Only then are data files that no metadata names any more
+    (the previous save's, or debris of a killed save) removed.
+
+Not supported (raise ValueError): stream-transform `_extensions` and `SerializationFormat.SAFETENSORS`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import inspect
+import math
+import mmap
+import os
+import pickle
+import queue
+import struct
+import threading
+import time
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import filesystem as _dcp_fs
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+__all__ = [
+    "ODirectFileSystemWriter",
+    "ODirectFallbackWarning",
+    "WriteStats",
+    "AlignedBufferPool",
+    "dio_alignment",
+    "is_memory_filesystem",
+]
+
+# Private to torch but unchanged from 2.4 through 2.13: the reader unpickles `_StorageInfo`
+# records from the metadata, so the writer must produce exactly that type.
+_StorageInfo = _dcp_fs._StorageInfo
+_DATA_SUFFIX = ".distcp"
+_METADATA_NAME = ".metadata"
+# Recorded in the metadata by torch >= 2.6 writers; absent from older torch.
+_DCP_VERSION = getattr(_dcp_fs, "CURRENT_DCP_VERSION", None)
+
+MiB = 1 << 20
+_DEFAULT_ALIGN = 4096
+
+# statx(2) / statfs(2) constants (include/uapi/linux/stat.h, magic.h).
+_AT_EMPTY_PATH = 0x1000
+_STATX_DIOALIGN = 0x2000
+_STATX_DIO_MEM_ALIGN_OFFSET = 152  # byte offsets of stx_dio_mem_align / stx_dio_offset_align
+_TMPFS_MAGIC = 0x01021994
+_RAMFS_MAGIC = 0x858458F6
+
+
+class ODirectFallbackWarning(RuntimeWarning):
+    """O_DIRECT was refused or is meaningless on the target filesystem; writes are buffered."""
+
+
+# --------------------------------------------------------------------------- filesystem probes
+
+
+def _libc() -> Any | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def dio_alignment(fd: int) -> int | None:
+    """File-offset alignment that O_DIRECT needs for the open file `fd`.
+
+    From statx(STATX_DIOALIGN) (Linux >= 6.1, glibc >= 2.28): the larger of the memory and
+    file-offset alignments. Returns None when the kernel or filesystem does not report it, and 0
+    when it reports that direct I/O is not supported for this file.
+    """
+    libc = _libc()
+    if libc is None or not hasattr(libc, "statx"):
+        return None
+    buf = ctypes.create_string_buffer(256)  # sizeof(struct statx)
+    if libc.statx(fd, b"", _AT_EMPTY_PATH, _STATX_DIOALIGN, buf) != 0:
+        return None
+    (mask,) = struct.unpack_from("I", buf.raw, 0)
+    if not mask & _STATX_DIOALIGN:
+        return None
+    mem_align, offset_align = struct.unpack_from("II", buf.raw, _STATX_DIO_MEM_ALIGN_OFFSET)
+    if offset_align == 0:
+        return 0
+    return max(mem_align, offset_align)
+
+
+def is_memory_filesystem(path: str | os.PathLike) -> bool:
+    """True when `path` lives on tmpfs or ramfs, where file data is page cache by definition."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "statfs") or struct.calcsize("P") != 8:
+        return False
+    buf = ctypes.create_string_buffer(256)  # sizeof(struct statfs) is 120 on 64-bit Linux
+    if libc.statfs(os.fsencode(path), buf) != 0:
+        return False
+    (f_type,) = struct.unpack_from("q", buf.raw, 0)  # __fsword_t f_type comes first
+    return (f_type & 0xFFFFFFFF) in (_TMPFS_MAGIC, _RAMFS_MAGIC)
+
+
+def _fsync_dir(path: str | os.PathLike) -> None:
+    """Make the directory entries (created / renamed / removed files) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """pwrite all of `data` at `offset` (a regular file may return a short count)."""
+    done = 0
+    while done < len(data):
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"pwrite returned {n}")
+        done += n
+
+
+# --------------------------------------------------------------------------- buffers and I/O
+
+
+class AlignedBufferPool:
+    """`count` buffers of `nbytes` each, carved from one anonymous mmap (so page aligned).
+
+    `acquire()` blocks until a buffer is free: the pool is the writer's whole host-memory budget
+    for file data. Accounting: `capacity_bytes` (constant) and `peak_in_use_bytes`.
+    """
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        if count < 1 or nbytes < 1 or nbytes % mmap.PAGESIZE:
+            raise ValueError(f"need count >= 1 and nbytes a multiple of {mmap.PAGESIZE}")
+        self.count, self.nbytes = count, nbytes
+        self._map = mmap.mmap(-1, count * nbytes)
+        self._view = memoryview(self._map)
+        self.buffers = [self._view[i * nbytes : (i + 1) * nbytes] for i in range(count)]
+        self._free = list(range(count))
+        self._cond = threading.Condition()
+        self._in_use = 0
+        self.peak_in_use_bytes = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.count * self.nbytes
+
+    def acquire(self) -> int:
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            self._in_use += 1
+            self.peak_in_use_bytes = max(self.peak_in_use_bytes, self._in_use * self.nbytes)
+            return self._free.pop()
+
+    def release(self, index: int) -> None:
+        with self._cond:
+            self._free.append(index)
+            self._in_use -= 1
+            self._cond.notify()
+
+    def close(self) -> None:
+        for b in self.buffers:
+            b.release()
+        self._view.release()
+        try:
+            self._map.close()
+        except BufferError:
+            # a view is still referenced (e.g. from a traceback being propagated); the mapping
+            # is unmapped when that reference goes away
+            pass
+
+
+class _IOThreads:
+    """Threads that pwrite submitted buffers and hand them back to the pool.
+
+    A failure is recorded on the file it belongs to (`_AlignedFile.error`); the serialising thread
+    raises it at its next write or at commit. Buffers are always returned, so nothing deadlocks.
+    """
+
+    def __init__(self, pool: AlignedBufferPool, threads: int) -> None:
+        self.pool = pool
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"odirect-io-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, file: _AlignedFile, buf: int, nbytes: int, offset: int) -> None:
+        self._jobs.put((file, buf, nbytes, offset))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            file, buf, nbytes, offset = job
+            try:
+                if file.error is None:
+                    file.write_at(self.pool.buffers[buf][:nbytes], offset)
+            except BaseException as e:  # noqa: BLE001 - handed to the serialising thread
+                file.error = e
+            finally:
+                self.pool.release(buf)
+                file.write_done()
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join()
+
+
+class _AlignedFile:
+    """Append-only binary file object for `torch.save`: bytes land in pool buffers, full buffers
+    are written by the I/O threads at buffer-aligned offsets, `commit()` writes the padded tail,
+    truncates to the logical length, fsyncs and closes.
+
+    `tell()` is the logical length so far, which is what DCP records as an item's offset.
+    """
+
+    def __init__(self, path: Path, io: _IOThreads, direct: bool, on_fallback) -> None:
+        self.path, self._io, self._pool = path, io, io.pool
+        self._on_fallback = on_fallback
+        self.error: BaseException | None = None
+        self._pos = 0  # logical bytes written
+        self._buf: int | None = None  # pool buffer being filled
+        self._fill = 0
+        self._buf_offset = 0  # file offset of the buffer being filled
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._mode_lock = threading.Lock()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        self.direct = False
+        self.align = 1
+        if direct:
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                on_fallback(f"open({path}, O_DIRECT) failed with EINVAL")
+        self.opened_direct = self.direct
+        if not self.direct:
+            self.fd = os.open(path, flags, 0o644)
+        else:
+            align = dio_alignment(self.fd)
+            if align == 0:
+                self._to_buffered("statx reports no direct I/O support")
+            else:
+                self.align = align or _DEFAULT_ALIGN
+                if self._pool.nbytes % self.align:
+                    os.close(self.fd)
+                    raise ValueError(
+                        f"buffer_bytes={self._pool.nbytes} is not a multiple of the "
+                        f"direct-I/O alignment {self.align} of {path}"
+                    )
+
+    # ---- file-object protocol used by torch.save / DCP
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def flush(self) -> None:
+        """No-op: bytes reach the disk when a buffer fills and at commit()."""
+
+    def write(self, data) -> int:
+        src = memoryview(data).cast("B")
+        n, done = len(src), 0
+        if self.error is not None:
+            # Never raise into torch.save: its zip writer would mask the cause with its own
+            # "unexpected pos" error. The caller checks `raise_if_failed()` after every item.
+            self._pos += n
+            return n
+        while done < n:
+            if self._buf is None:
+                self._buf, self._fill = self._pool.acquire(), 0
+            dst = self._pool.buffers[self._buf]
+            k = min(n - done, len(dst) - self._fill)
+            dst[self._fill : self._fill + k] = src[done : done + k]
+            self._fill += k
+            done += k
+            if self._fill == len(dst):
+                self._submit(self._fill)
+        self._pos += n
+        return n
+
+    # ---- called by the I/O threads
+    def write_at(self, data: memoryview, offset: int) -> None:
+        try:
+            _pwrite_all(self.fd, data, offset)
+        except OSError as e:
+            # opened_direct, not direct: another I/O thread may have just cleared O_DIRECT after
+            # this write had already been refused
+            if not (self.opened_direct and e.errno == errno.EINVAL):
+                raise
+            self._to_buffered(f"pwrite(O_DIRECT) to {self.path} failed with EINVAL")
+            _pwrite_all(self.fd, data, offset)
+
+    def write_done(self) -> None:
+        with self._cond:
+            self._pending -= 1
+            self._cond.notify_all()
+
+    # ---- internals
+    def _to_buffered(self, reason: str) -> None:
+        """Clear O_DIRECT on the open descriptor (Linux allows it through F_SETFL)."""
+        with self._mode_lock:
+            if not self.direct:
+                return
+            import fcntl
+
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+        self._on_fallback(reason)
+
+    def _submit(self, nbytes: int) -> None:
+        with self._cond:
+            self._pending += 1
+        self._io.submit(self, self._buf, nbytes, self._buf_offset)
+        self._buf_offset += nbytes
+        self._buf = None
+
+    def _wait_idle(self) -> None:
+        with self._cond:
+            while self._pending:
+                self._cond.wait()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise OSError(f"writing {self.path} failed: {self.error!r}") from self.error
+
+    def commit(self, sync: bool) -> None:
+        """Write the tail, wait for every write of this file, truncate, fsync, close."""
+        try:
+            self.raise_if_failed()
+            if self._buf is not None:
+                nbytes = self._fill
+                if self.direct:
+                    # pad to the alignment; the padding is cut off by the ftruncate below
+                    nbytes = -(-self._fill // self.align) * self.align
+                    self._pool.buffers[self._buf][self._fill : nbytes] = bytes(nbytes - self._fill)
+                self._submit(nbytes)
+            self._wait_idle()
+            self.raise_if_failed()
+            if self._buf_offset != self._pos:
+                os.ftruncate(self.fd, self._pos)
+            if sync:
+                os.fsync(self.fd)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Give the buffer back, let in-flight writes drain, close the descriptor (idempotent)."""
+        if self._buf is not None:
+            self._pool.release(self._buf)
+            self._buf = None
+        self._wait_idle()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# --------------------------------------------------------------------------- the DCP writer
+
+
+@dataclasses.dataclass
+class WriteStats:
+    """What the last `write_data` call did on this rank (the writer's own accounting)."""
+
+    files: int = 0
+    payload_bytes: int = 0  # logical bytes of all data files (what the reader sees)
+    direct_files: int = 0  # files that finished with O_DIRECT still on
+    buffered_files: int = 0
+    pool_bytes: int = 0  # host memory reserved for file data: num_buffers * buffer_bytes
+    peak_pool_bytes_in_use: int = 0
+    seconds: float = 0.0
+
+
+def _item_nbytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
+
+
+def _split_into_files(items: list[WriteItem], files: int) -> list[list[WriteItem]]:
+    """The stock writer's bucketing: BYTE_IO items round robin, tensors largest first onto the
+    least loaded file."""
+    if files == 1:
+        return [list(items)]
+    buckets: list[list[WriteItem]] = [[] for _ in range(files)]
+    loads = [0] * files
+    byte_items = [it for it in items if it.type == WriteItemType.BYTE_IO]
+    tensor_items = sorted(
+        (it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_nbytes, reverse=True
+    )
+    for i, it in enumerate(byte_items):
+        buckets[i % files].append(it)
+    for it in tensor_items:
+        j = loads.index(min(loads))
+        buckets[j].append(it)
+        loads[j] += _item_nbytes(it)
+    return buckets
+
+
+def _cpu_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    """The item's tensor on the CPU with minimal storage, as the stock loader produces it
+    (torch.save writes the whole storage, so a view of a larger storage is cloned)."""
+    tensor = planner.resolve_data(item).detach().cpu()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone()
+    return tensor
+
+
+class ODirectFileSystemWriter(FileSystemWriter):
+    """Drop-in for `torch.distributed.checkpoint.FileSystemWriter` that writes data files with
+    O_DIRECT through a bounded pool of aligned buffers (see the module docstring).
+
+    Args (the stock ones keep their meaning):
+        path: checkpoint directory.
+        single_file_per_rank: one file per rank (per `thread_count` bucket) instead of per item.
+        sync_files: fsync data files, metadata and directory (default True). Without it a crash
+            can leave a published checkpoint whose data never reached the disk.
+        thread_count: serialising threads per rank (each writes its own file).
+        per_thread_copy_ahead, cache_staged_state_dict, overwrite: passed to `FileSystemWriter`.
+        buffer_bytes: size of one pool buffer, a multiple of the page size and of the direct-I/O
+            alignment; it is also the size of one pwrite.
+        num_buffers: pool size (>= 2: one being filled while another is written).
+        io_threads: threads issuing pwrites (more than one keeps several writes in flight).
+        direct: False writes through the page cache (same pipeline, no warning).
+        remove_stale: after publishing, delete `__*_*.distcp` files that the new metadata does not
+            name (the previous checkpoint's data, debris of a killed save).
+
+    After a save, `last_stats` holds this rank's `WriteStats`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        thread_count: int = 1,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = True,
+        _extensions: Any = None,
+        serialization_format: Any = None,
+        *,
+        buffer_bytes: int = 16 * MiB,
+        num_buffers: int = 4,
+        io_threads: int = 1,
+        direct: bool = True,
+        remove_stale: bool = True,
+    ) -> None:
+        if _extensions:
+            raise ValueError("ODirectFileSystemWriter does not support stream-transform _extensions")
+        if serialization_format is not None and getattr(serialization_format, "value", None) != "torch_save":
+            raise ValueError("ODirectFileSystemWriter writes the TORCH_SAVE format only")
+        if num_buffers < 2 or io_threads < 1 or thread_count < 1:
+            raise ValueError("need num_buffers >= 2, io_threads >= 1, thread_count >= 1")
+        if buffer_bytes % _DEFAULT_ALIGN or buffer_bytes % mmap.PAGESIZE:
+            raise ValueError(f"buffer_bytes must be a multiple of {max(_DEFAULT_ALIGN, mmap.PAGESIZE)}")
+        super().__init__(
+            path,
+            single_file_per_rank=single_file_per_rank,
+            sync_files=sync_files,
+            thread_count=thread_count,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+        )
+        self.buffer_bytes = buffer_bytes
+        self.num_buffers = num_buffers
+        self.io_threads = io_threads
+        self.direct = direct
+        self.remove_stale = remove_stale
+        self.last_stats: WriteStats | None = None
+        self._fallback_lock = threading.Lock()
+        self._fallback_warned = False
+        self._is_coordinator = True
+
+    # ---- setup: remember rank / coordinator whatever the torch version passes
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._is_coordinator = is_coordinator
+        params = inspect.signature(super().set_up_storage_writer).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        else:  # older torch: set_up_storage_writer(is_coordinator)
+            super().set_up_storage_writer(is_coordinator)
+            self.rank = kwargs.get("rank")
+            self.use_collectives = kwargs.get("use_collectives", True)
+
+    def _warn_fallback(self, reason: str) -> None:
+        with self._fallback_lock:
+            if self._fallback_warned:
+                return
+            self._fallback_warned = True
+        warnings.warn(
+            f"ODirectFileSystemWriter: {reason}; writing {self.path} through the page cache "
+            "(same bounded buffers, no O_DIRECT)",
+            ODirectFallbackWarning,
+            stacklevel=2,
+        )
+
+    # ---- data
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        t0 = time.perf_counter()
+        directory = Path(self.path)
+        prefix = plan.storage_data.prefix
+        tag = uuid.uuid4().hex[:12]
+        if self.single_file_per_rank:
+            groups = _split_into_files(plan.items, self.thread_count)
+        else:
+            groups = [[item] for item in plan.items]
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for i, group in enumerate(groups):
+            jobs.put((f"{prefix}{i}.{tag}{_DATA_SUFFIX}", group))
+
+        direct = self.direct
+        if direct and is_memory_filesystem(directory):
+            self._warn_fallback(f"{directory} is on tmpfs/ramfs, where O_DIRECT gives nothing")
+            direct = False
+
+        stats = WriteStats(files=len(groups))
+        results: list[WriteResult] = []
+        failures: list[BaseException] = []
+        lock = threading.Lock()
+        pool = AlignedBufferPool(max(self.num_buffers, 2), self.buffer_bytes)
+        io = _IOThreads(pool, self.io_threads)
+
+        def serialise() -> None:
+            while not failures:
+                try:
+                    name, group = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    file_results, file_direct, nbytes = self._write_file(
+                        directory / name, name, group, planner, io, direct
+                    )
+                except BaseException as e:  # noqa: BLE001 - re-raised below
+                    with lock:
+                        failures.append(e)
+                    return
+                with lock:
+                    results.extend(file_results)
+                    stats.payload_bytes += nbytes
+                    stats.direct_files += int(file_direct)
+                    stats.buffered_files += int(not file_direct)
+
+        try:
+            workers = [threading.Thread(target=serialise) for _ in range(1, self.thread_count)]
+            for w in workers:
+                w.start()
+            serialise()
+            for w in workers:
+                w.join()
+        finally:
+            io.close()
+            stats.pool_bytes = pool.capacity_bytes
+            stats.peak_pool_bytes_in_use = pool.peak_in_use_bytes
+            pool.close()
+        if failures:
+            raise failures[0]
+        if self.sync_files:
+            _fsync_dir(directory)
+        stats.seconds = time.perf_counter() - t0
+        self.last_stats = stats
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_file(
+        self,
+        path: Path,
+        name: str,
+        items: list[WriteItem],
+        planner: SavePlanner,
+        io: _IOThreads,
+        direct: bool,
+    ) -> tuple[list[WriteResult], bool, int]:
+        """One data file: BYTE_IO items first, then tensors in plan order (the stock CPU order)."""
+        f = _AlignedFile(path, io, direct, self._warn_fallback)
+        results = []
+        try:
+            for item in items:
+                if item.type != WriteItemType.BYTE_IO:
+                    continue
+                offset = f.tell()
+                f.write(planner.resolve_data(item).getbuffer())
+                f.raise_if_failed()
+                results.append(self._result(item, name, offset, f.tell() - offset))
+            for item in items:
+                if item.type == WriteItemType.BYTE_IO:
+                    continue
+                tensor = _cpu_tensor(planner, item)
+                offset = f.tell()
+                torch.save(tensor, f)
+                del tensor
+                f.raise_if_failed()
+                results.append(self._result(item, name, offset, f.tell() - offset))
+            f.commit(self.sync_files)
+        except BaseException:
+            f.abort()
+            raise
+        return results, f.direct, f.tell()
+
+    @staticmethod
+    def _result(item: WriteItem, name: str, offset: int, length: int) -> WriteResult:
+        return WriteResult(
+            index=item.index,
+            size_in_bytes=length,
+            storage_data=_StorageInfo(name, offset, length),
+        )
+
+    # ---- publication
+    def _metadata_name(self) -> str:
+        rank = getattr(self, "rank", None)
+        if not getattr(self, "use_collectives", True) and rank is not None:
+            return f"__{rank}{_METADATA_NAME}"
+        return _METADATA_NAME
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Publish `.metadata` atomically (temp file, fsync, rename over, fsync the directory),
+        then remove data files it does not name."""
+        if _DCP_VERSION is not None:
+            metadata.version = _DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        directory = Path(self.path)
+        final = self._metadata_name()
+        tmp = directory / f"{final}.{uuid.uuid4().hex[:12]}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                pickle.dump(metadata, f)
+                f.flush()
+                if self.sync_files:
+                    os.fsync(f.fileno())
+            os.replace(tmp, directory / final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.sync_files:
+            _fsync_dir(directory)
+        if self.remove_stale:
+            self._remove_stale(directory, final, metadata)
+
+    def _remove_stale(self, directory: Path, final: str, metadata: Metadata) -> None:
+        named = {info.relative_path for info in metadata.storage_data.values()}
+        if final == _METADATA_NAME:
+            owned = lambda n: n.startswith("__")  # noqa: E731 - every rank's data files
+        else:  # rank-local metadata: only this rank's files are ours to judge
+            owned = lambda n: n.startswith(f"__{self.rank}_")  # noqa: E731
+        removed = False
+        for entry in os.scandir(directory):
+            n = entry.name
+            stale_data = n.endswith(_DATA_SUFFIX) and owned(n) and n not in named
+            stale_tmp = n.startswith(f"{final}.") and n.endswith(".tmp")
+            if (stale_data or stale_tmp) and entry.is_file(follow_symlinks=False):
+                os.unlink(entry.path)
+                removed = True
+        if removed and self.sync_files:
+            _fsync_dir(directory)
