@@ -1,0 +1,299 @@
+"""Save and load K3 checkpoints in the public Hugging Face layout (safetensors shards + index).
+
+Owns: ``save_hf`` (native model or state dict -> public shards, bf16 or MXFP4), ``load_hf`` (public
+shards -> native tensors, in place), ``load_model`` and ``init_checkpoint`` (a fresh seeded model in
+the public layout). Names, shapes and dtypes come from ``k3core.checkpoint.names``.
+
+Crash safety of ``save_hf``: shard assignment is planned up front from sizes (so every shard gets its
+final ``model-000NN-of-000MM.safetensors`` name at once); shards, then ``config.json``, then
+``model.safetensors.index.json`` (last, atomically: temporary name, fsync, rename, directory fsync)
+are written into a staging directory beside ``path``, which then replaces ``path`` in one step
+(``files.publish_dir``). A writer killed at any moment leaves the previous checkpoint at ``path``
+untouched, and no index anywhere names a shard that is missing or partial.
+
+Memory: the writer holds one public tensor at a time (plus its MXFP4 codes); the reader holds one
+stored tensor at a time and copies it into the native tensor's storage, so the model is never in
+memory twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from k3core.checkpoint.files import CONFIG_NAME, INDEX_NAME, atomic_write_json, publish_dir, remove_stale_staging, staging_dir_for
+from k3core.checkpoint.names import Entry, Layout, is_out_of_scope, materialize, meta_model, public_dtype, public_layout
+from k3core.checkpoint.safetensors_file import ST_TO_DTYPE, write_safetensors
+from k3core.config import K3Config, mxfp4_quantization_config
+
+__all__ = ["save_hf", "load_hf", "load_model", "init_checkpoint", "SaveResult", "CheckpointFormatError",
+           "INDEX_NAME", "CONFIG_NAME", "shard_name", "plan_shards", "read_index", "checkpoint_target",
+           "DEFAULT_MAX_SHARD_BYTES"]
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the HF default ("5GB")
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint whose files do not match the public layout of its config."""
+
+
+@dataclass
+class SaveResult:
+    path: Path
+    target: str
+    shards: list[str]
+    num_keys: int
+    total_size: int  # tensor bytes, as the index's metadata.total_size
+
+
+def shard_name(i: int, n: int) -> str:
+    """1-based shard ``i`` of ``n``, named like the release."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def plan_shards(layout: Layout, max_shard_bytes: int) -> list[list[Entry]]:
+    """Greedy, in layout order: a shard closes when the next entry would push it past the bound.
+    An entry (an MXFP4 pair included) is never split; one larger than the bound gets its own shard."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for ent in layout.entries:
+        n = ent.nbytes()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(ent)
+        size += n
+    return shards
+
+
+def _codec():
+    try:
+        from k3core.ops import mxfp4
+    except ImportError as e:  # pragma: no cover - the codec ships with k3core
+        raise ImportError("k3core.ops.mxfp4 (the MXFP4 codec) is needed for mxfp4 checkpoints") from e
+    return mxfp4
+
+
+def _export(ent: Entry, native: torch.Tensor) -> list[torch.Tensor]:
+    """The stored tensor(s) of one entry, in ``ent.stored()`` order."""
+    if ent.codec == "mxfp4":
+        packed, scale = _codec().quantize(ent.native_view(native).detach(), name=ent.public)
+        return [packed, scale]
+    return [ent.to_public(native)]
+
+
+def _native_state(model_or_state_dict, layout: Layout) -> Mapping[str, torch.Tensor]:
+    state = model_or_state_dict.state_dict() if isinstance(model_or_state_dict, nn.Module) else model_or_state_dict
+    missing = [k for k in layout.native if k not in state]
+    unexpected = [k for k in state if k not in layout.native]
+    if missing or unexpected:
+        raise CheckpointFormatError(f"state dict does not match the config: missing {missing[:5]}"
+                                    f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                                    f"{' ...' if len(unexpected) > 5 else ''}")
+    for k, shape in layout.native.items():
+        if tuple(state[k].shape) != shape:
+            raise CheckpointFormatError(f"{k}: shape {list(state[k].shape)}, the config implies {list(shape)}")
+    return state
+
+
+def save_hf(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], path: str | os.PathLike,
+            config: K3Config | None = None, target: str = "bf16",
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> SaveResult:
+    """Write a native K3 model (or its state dict) to ``path`` in the public layout.
+
+    ``target="bf16"``: every tensor in its public dtype (bf16, fp32 for the tensors the release keeps
+    fp32). ``target="mxfp4"``: routed experts as MXFP4 pairs (``k3core.ops.mxfp4.quantize``), and
+    ``config.json`` declares ``quantization_config``. ``path`` is replaced as a whole (files in it that
+    are not checkpoint files, e.g. a tokenizer, are kept); see the module docstring for crash safety.
+    """
+    if config is None:
+        config = getattr(model_or_state_dict, "config", None)
+        if not isinstance(config, K3Config):
+            raise ValueError("save_hf needs config= when given a state dict")
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} exists and is not a directory")
+    layout = public_layout(config, target)
+    state = _native_state(model_or_state_dict, layout)
+    plan = plan_shards(layout, max_shard_bytes)
+    n = len(plan)
+    remove_stale_staging(path)
+    staging = staging_dir_for(path)
+    weight_map: dict[str, str] = {}
+    total = 0
+    try:
+        for i, entries in enumerate(plan, 1):
+            name = shard_name(i, n)
+            stored = [s for ent in entries for s in ent.stored()]
+
+            def stream(entries=entries) -> Iterator[tuple[str, torch.Tensor]]:
+                for ent in entries:
+                    for (key, _, _), t in zip(ent.stored(), _export(ent, state[ent.native])):
+                        yield key, t
+
+            write_safetensors(staging / name, stored, stream())
+            for key, shape, dtype in stored:
+                weight_map[key] = name
+                total += torch.Size(shape).numel() * dtype.itemsize
+        out_cfg = config.replace(quantization_config=mxfp4_quantization_config() if target == "mxfp4" else None)
+        out_cfg.to_json_file(staging / CONFIG_NAME)
+        atomic_write_json(staging / INDEX_NAME, {"metadata": {"total_size": total},
+                                                 "weight_map": dict(sorted(weight_map.items()))})
+        publish_dir(staging, path, keep=_not_checkpoint_file)
+    except BaseException:
+        import shutil
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return SaveResult(path, target, [shard_name(i, n) for i in range(1, n + 1)], len(weight_map), total)
+
+
+def _not_checkpoint_file(name: str) -> bool:
+    """Files of an older version of ``path`` that ``save_hf`` does not own (kept across a save)."""
+    return not (name in (INDEX_NAME, CONFIG_NAME, "model.safetensors")
+                or (name.startswith("model-") and name.endswith(".safetensors")))
+
+
+# ---------------------------------------------------------------------------------------------- load
+def read_index(path: str | os.PathLike) -> dict[str, str]:
+    """weight_map of ``path/model.safetensors.index.json`` (key -> shard file name)."""
+    p = Path(path) / INDEX_NAME
+    try:
+        with open(p) as f:
+            index = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{p} not found: not a complete checkpoint (the index is written last)") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointFormatError(f"{p}: not valid JSON ({e})") from e
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointFormatError(f"{p}: no 'weight_map' object of key -> shard file")
+    for shard in set(wm.values()):
+        if "/" in shard or "\\" in shard or shard in ("", ".", ".."):
+            raise CheckpointFormatError(f"{p}: shard name {shard!r} is not a plain file name")
+    return wm
+
+
+def checkpoint_target(config: K3Config) -> str:
+    """The target format a checkpoint's config.json declares."""
+    return "bf16" if config.quantization_config is None else "mxfp4"
+
+
+def check_keys(layout: Layout, keys) -> list[str]:
+    """Out-of-scope keys (vision tower); raises on a missing or an unexpected text key."""
+    expected = layout.by_key
+    keys = set(keys)
+    out_of_scope = sorted(k for k in keys if is_out_of_scope(k))
+    missing = [k for k in expected if k not in keys]
+    unexpected = sorted(k for k in keys if k not in expected and not is_out_of_scope(k))
+    if missing:
+        raise CheckpointFormatError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) for the "
+                                    f"{layout.target} layout of this config")
+    if unexpected:
+        raise CheckpointFormatError(f"unexpected tensor {unexpected[0]!r} ({len(unexpected)} unexpected in all) "
+                                    f"for the {layout.target} layout of this config")
+    return out_of_scope
+
+
+def _decode(ent: Entry, stored: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    if ent.codec == "mxfp4":
+        packed, scale = stored
+        return _codec().dequantize(packed, scale, dtype)
+    return ent.narrow_public(stored[0])
+
+
+@torch.no_grad()
+def load_hf(path: str | os.PathLike, config: K3Config | None = None, model: nn.Module | None = None,
+            device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Read the public checkpoint at ``path`` into native tensors.
+
+    With ``model`` (materialised, not on the meta device): every parameter and persistent buffer is
+    overwritten in place (values converted to the parameter's dtype and device) and the model is
+    returned. Without: a native state dict is returned, on ``device``, fp32 tensors fp32 and the rest
+    in ``dtype`` (default: the file's bf16). ``config`` defaults to the checkpoint's ``config.json``;
+    the format (bf16 or MXFP4) is always the checkpoint's own. MXFP4 pairs are dequantised.
+    Every stored tensor's shape and dtype are checked against the layout before it is read.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    ckpt_cfg = K3Config.from_json_file(path / CONFIG_NAME)
+    config = config or ckpt_cfg
+    layout = public_layout(config, checkpoint_target(ckpt_cfg))
+    weight_map = read_index(path)
+    check_keys(layout, weight_map)
+    if model is not None:
+        state = _native_state(model, layout)
+        for k, t in state.items():
+            if t.device.type == "meta":
+                raise ValueError(f"model tensor {k} is on the meta device: materialise it first (k3core.checkpoint.names.materialize)")
+    else:
+        state = {k: torch.empty(s, device=device,
+                                dtype=public_dtype(k) if dtype is None or public_dtype(k) == torch.float32 else dtype)
+                 for k, s in layout.native.items()}
+    by_shard: dict[str, list[Entry]] = defaultdict(list)
+    for ent in layout.entries:
+        shards = {weight_map[k] for k, _, _ in ent.stored()}
+        if len(shards) != 1:
+            raise CheckpointFormatError(f"{ent.public}: weight_packed and weight_scale are in different shards {sorted(shards)}")
+        by_shard[shards.pop()].append(ent)
+    for shard, entries in by_shard.items():
+        fp = path / shard
+        if not fp.is_file():
+            raise CheckpointFormatError(f"{fp}: shard named by the index is missing")
+        try:
+            handle = safe_open(str(fp), framework="pt", device="cpu")
+        except Exception as e:
+            raise CheckpointFormatError(f"{fp}: not a readable safetensors file ({e})") from e
+        with handle as f:
+            present = set(f.keys())
+            for ent in entries:
+                stored = []
+                for key, shape, dt in ent.stored():
+                    if key not in present:
+                        raise CheckpointFormatError(f"{key!r}: the index says {shard}, which does not hold it")
+                    sl = f.get_slice(key)
+                    got_dt, got_shape = ST_TO_DTYPE.get(sl.get_dtype()), tuple(sl.get_shape())
+                    if got_dt != dt or got_shape != shape:
+                        raise CheckpointFormatError(f"{key!r} in {shard}: {sl.get_dtype()} {list(got_shape)}, expected "
+                                                    f"{dt} {list(shape)} ({layout.target} layout of this config)")
+                    stored.append(f.get_tensor(key))
+                view = ent.native_view(state[ent.native])
+                view.copy_(_decode(ent, stored, view.dtype))
+    if model is not None:
+        if getattr(model, "use_inference_caches", False) and hasattr(model, "refresh_inference_caches"):
+            model.refresh_inference_caches()  # weights changed: AttnRes w*gamma must follow
+        return model
+    return state
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype = torch.bfloat16, config: K3Config | None = None):
+    """A ``K3ForCausalLM`` built on the meta device, materialised on ``device`` in ``dtype`` (fp32
+    where the release keeps fp32) and filled from ``path``: no throwaway initialisation."""
+    config = config or K3Config.from_json_file(Path(path) / CONFIG_NAME)
+    model = meta_model(config)
+    materialize(model, device)
+    model.cast(dtype)
+    return load_hf(path, config=config, model=model)
+
+
+def init_checkpoint(preset_or_config: str | K3Config, out_dir: str | os.PathLike, seed: int = 0,
+                    format: str = "bf16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> SaveResult:
+    """A fresh random model (``K3ForCausalLM.reset_parameters(seed)``) saved in the public layout
+    (``format`` "bf16" or "mxfp4"). Same preset and seed -> the same bytes."""
+    config = K3Config.preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
+    config = config.replace(quantization_config=None)
+    model = meta_model(config)
+    materialize(model, "cpu")
+    model.reset_parameters(seed)
+    model.cast(torch.bfloat16)
+    return save_hf(model, out_dir, config, target=format, max_shard_bytes=max_shard_bytes)
