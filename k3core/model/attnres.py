@@ -15,12 +15,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3core.model.norm import at_least_fp32
+
 
 def attn_res_mix(p: torch.Tensor, blocks: list[torch.Tensor], w_gamma: torch.Tensor, eps: float) -> torch.Tensor:
     """p ``[..., D]``, blocks: list of ``[..., D]``, w_gamma ``[D]`` -> ``[..., D]`` (p's dtype)."""
-    V = torch.stack(list(blocks) + [p], dim=0).float()  # [C, ..., D]
+    V = at_least_fp32(torch.stack(list(blocks) + [p], dim=0))  # [C, ..., D]
     normed = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
-    scores = (normed * w_gamma.float()).sum(-1)  # [C, ...]
+    scores = (normed * w_gamma.to(V.dtype)).sum(-1)  # [C, ...]
     weights = torch.softmax(scores, dim=0)
     return (weights.unsqueeze(-1) * V).sum(0).to(p.dtype)
 

@@ -31,7 +31,7 @@ from k3core.model.kda import KimiDeltaAttention
 from k3core.model.mla import GatedMLA
 from k3core.model.mlp import SiTUMLP
 from k3core.model.moe import LatentMoE
-from k3core.model.norm import RMSNorm
+from k3core.model.norm import RMSNorm, at_least_fp32
 
 # Parameters (and buffers) that stay fp32 whatever the model dtype, as in the release.
 FP32_NAME_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
@@ -168,10 +168,10 @@ class K3ForCausalLM(nn.Module):
         """Recompute every weight-derived inference cache (AttnRes ``w * gamma``). Must run after
         every weight change while ``use_inference_caches`` is on, or decoding uses stale scores."""
         for layer in self.model.layers:
-            layer._attn_site.cache = w_gamma(layer.self_attention_res_proj, layer.self_attention_res_norm).detach().float().clone()
-            layer._mlp_site.cache = w_gamma(layer.mlp_res_proj, layer.mlp_res_norm).detach().float().clone()
+            layer._attn_site.cache = w_gamma(layer.self_attention_res_proj, layer.self_attention_res_norm).detach().clone()
+            layer._mlp_site.cache = w_gamma(layer.mlp_res_proj, layer.mlp_res_norm).detach().clone()
         m = self.model
-        m._out_site.cache = w_gamma(m.output_attn_res_proj, m.output_attn_res_norm).detach().float().clone()
+        m._out_site.cache = w_gamma(m.output_attn_res_proj, m.output_attn_res_norm).detach().clone()
 
     # ------------------------------------------------------------------ forward
     def _check_ids(self, input_ids: torch.Tensor) -> None:
@@ -248,5 +248,5 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     V = logits.shape[-1]
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= V):
         raise ValueError(f"targets must lie in [0, {V}); mask padded positions with loss_mask instead of ids outside the vocabulary")
-    lf = logits.float()
+    lf = at_least_fp32(logits)
     return lf.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lf, dim=-1)

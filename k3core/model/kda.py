@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3core.model.cache import KDALayerCache
-from k3core.model.norm import rms_norm
+from k3core.model.norm import at_least_fp32, rms_norm
 from k3core.ops.kda import kda, kda_gate, kda_step
 
 
@@ -40,11 +40,11 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[B, T, C]``, tail ``[B, C, kernel-1]`` or None (zeros) -> (y ``[B, T, C]``, new tail)."""
         B, T, C = x.shape
-        xt = x.transpose(1, 2).float()
+        xt = at_least_fp32(x.transpose(1, 2))
         if tail is None:
             tail = xt.new_zeros(B, C, self.kernel - 1)
         xp = torch.cat([tail, xt], dim=2)
-        y = F.conv1d(xp, self.weight.float(), groups=C)
+        y = F.conv1d(xp, self.weight.to(xp.dtype), groups=C)
         return F.silu(y).transpose(1, 2).to(x.dtype), xp[..., xp.shape[-1] - (self.kernel - 1):]
 
 
@@ -87,7 +87,7 @@ class KimiDeltaAttention(nn.Module):
         v, cv = self.v_conv1d(v_in, cache.conv_v if cache is not None else None)
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K)
         g = kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        beta = torch.sigmoid(at_least_fp32(self.b_proj(x)))
         if mask is not None:  # a pad neither decays nor writes the state
             g = g.masked_fill(~mask.unsqueeze(-1), 0.0)
             beta = beta.masked_fill(~mask, 0.0)

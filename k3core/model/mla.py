@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3core.model.cache import MLALayerCache
-from k3core.model.norm import RMSNorm
+from k3core.model.norm import RMSNorm, at_least_fp32
 
 
 def _attend_mask(q_len: int, k_valid: torch.Tensor, offset: int) -> torch.Tensor:
@@ -105,7 +105,7 @@ class GatedMLA(nn.Module):
         q_nope, q_tail = q.split([self.nope, self.tail], dim=-1)
         q_lat = torch.einsum("bthn,hnr->bhtr", q_nope, W_k)
         scores = torch.einsum("bhtr,bsr->bhts", q_lat, c) + torch.einsum("bthe,bse->bhts", q_tail, k_tail)
-        scores = (scores.float() * self.scale).masked_fill(~_attend_mask(T, cache.valid, offset), float("-inf"))
+        scores = (at_least_fp32(scores) * self.scale).masked_fill(~_attend_mask(T, cache.valid, offset), float("-inf"))
         p = torch.softmax(scores, dim=-1).to(c.dtype)
         ctx = torch.einsum("bhts,bsr->bhtr", p, c)
         return torch.einsum("bhtr,hvr->bthv", ctx, W_v)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from k3core.model.mlp import SiTUMLP
-from k3core.model.norm import RMSNorm
+from k3core.model.norm import RMSNorm, at_least_fp32
 from k3core.ops.situ import situ_glu
 
 
@@ -49,7 +49,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[N, D]`` -> sigmoid scores ``[N, E]`` in fp32."""
-        return torch.sigmoid(x.float() @ self.weight.float().t())
+        xf = at_least_fp32(x)
+        return torch.sigmoid(xf @ self.weight.to(xf.dtype).t())
 
 
 class RoutedExperts(nn.Module):
@@ -150,10 +151,10 @@ def dense_reference_moe(moe: LatentMoE, x: torch.Tensor, forced_ids: torch.Tenso
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     ids, w = moe.route(x2, None if forced_ids is None else forced_ids.reshape(-1, moe.top_k))
-    combine = torch.zeros(x2.shape[0], moe.num_experts, dtype=torch.float32, device=x.device).scatter_add(1, ids, w.float())
+    combine = torch.zeros(x2.shape[0], moe.num_experts, dtype=w.dtype, device=x.device).scatter_add(1, ids, w)
     xl = moe.routed_expert_down_proj(x2)
     all_out = torch.stack([moe.experts.expert_forward(e, xl) for e in range(moe.num_experts)], dim=1)  # [N, E, Dl]
-    yl = (combine.unsqueeze(-1) * all_out.float()).sum(1).to(xl.dtype)
+    yl = (combine.unsqueeze(-1) * at_least_fp32(all_out)).sum(1).to(xl.dtype)
     y = moe.routed_expert_up_proj(moe.routed_expert_norm(yl))
     if moe.shared_experts is not None:
         y = y + moe.shared_experts(x2)

@@ -1,0 +1,186 @@
+"""Artifact store: atomic publication of files and directories under one root, local or fsspec.
+
+Every artifact is built at a temporary local name, fsync'ed, then published in one step:
+``os.replace`` for a local file, ``os.rename`` of the whole directory for a local directory, and for
+remote roots (``memory://``, ``s3://``, ...) an upload of every file followed by a ``_COMPLETE``
+marker written last. A reader only trusts a directory that has its marker, so a crash at any point
+leaves either the previous state or the new, complete artifact, never a half-written one where a
+good one is expected. Publishing an artifact that already exists is a no-op (idempotent stages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+COMPLETE = "_COMPLETE"
+
+
+def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_tree(path: str | os.PathLike) -> str:
+    """One hash over a directory: sorted relative names and their file hashes."""
+    root = Path(path)
+    h = hashlib.sha256()
+    for p in sorted(x for x in root.rglob("*") if x.is_file() and x.name != COMPLETE):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + sha256_file(p).encode() + b"\n")
+    return h.hexdigest()
+
+
+def fsync_tree(path: Path) -> None:
+    if path.is_file():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        return
+    for p in sorted(path.rglob("*"), reverse=True):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ArtifactStore:
+    """root: a local path, ``file://`` URL or any fsspec URL. Paths inside are relative (``rel``)."""
+
+    def __init__(self, root: str | os.PathLike):
+        root = str(root)
+        self.fs, base = fsspec.core.url_to_fs(root)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        if self.is_local:
+            self.base = os.path.abspath(base)
+            self.root = self.base
+            self.cache = Path(self.base)
+        else:
+            self.base = base.rstrip("/")
+            self.root = root.rstrip("/")
+            key = hashlib.sha256(self.root.encode()).hexdigest()[:16]
+            self.cache = Path(os.environ.get("K3RL_CACHE_DIR", Path.home() / ".cache" / "k3rl")) / key
+
+    # ----------------------------------------------------------------- names
+    def uri(self, rel: str) -> str:
+        """A URI that is also a valid Prefect asset key (``file:///abs/path``, ``s3://b/k``, ...)."""
+        if self.is_local:
+            return Path(self.base, rel).as_uri()
+        return f"{self.root}/{rel}"
+
+    def local_path(self, rel: str) -> Path:
+        return self.cache / rel
+
+    def _remote(self, rel: str) -> str:
+        return f"{self.base}/{rel}"
+
+    # ----------------------------------------------------------------- state
+    def exists(self, rel: str) -> bool:
+        if self.is_local:
+            p = Path(self.base, rel)
+            return p.is_file() or (p.is_dir() and (p / COMPLETE).exists())
+        r = self._remote(rel)
+        return self.fs.isfile(r) or self.fs.exists(f"{r}/{COMPLETE}")
+
+    @contextlib.contextmanager
+    def publish(self, rel: str, is_dir: bool = False):
+        """Yield a temporary local path to build the artifact in; publish it atomically on success,
+        delete it on failure. If the artifact already exists, the new build is discarded."""
+        final = Path(self.base if self.is_local else self.cache, rel)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        if is_dir:
+            tmp.mkdir()
+        try:
+            yield tmp
+            if is_dir:
+                (tmp / COMPLETE).write_text("")
+            fsync_tree(tmp)
+            if self.is_local:
+                if self.exists(rel):
+                    return
+                if is_dir:
+                    if final.exists():  # an incomplete leftover from a crashed publish
+                        shutil.rmtree(final)
+                    os.rename(tmp, final)
+                else:
+                    os.replace(tmp, final)
+                fsync_dir(final.parent)
+            else:
+                if not self.exists(rel):
+                    self._upload(tmp, rel, is_dir)
+                if final.exists():
+                    shutil.rmtree(final) if final.is_dir() else final.unlink()
+                os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
+
+    def _upload(self, tmp: Path, rel: str, is_dir: bool) -> None:
+        r = self._remote(rel)
+        if not is_dir:
+            self.fs.put_file(str(tmp), r)
+            return
+        for p in sorted(tmp.rglob("*")):
+            if p.is_file() and p.name != COMPLETE:
+                self.fs.makedirs(f"{r}/{p.parent.relative_to(tmp)}".rstrip("/."), exist_ok=True)
+                self.fs.put_file(str(p), f"{r}/{p.relative_to(tmp)}")
+        self.fs.pipe_file(f"{r}/{COMPLETE}", b"")  # the marker last: readers trust only complete dirs
+
+    def open_local(self, rel: str) -> Path:
+        """A local path holding the published artifact (downloaded once for remote roots)."""
+        if not self.exists(rel):
+            raise FileNotFoundError(f"artifact {self.uri(rel)} does not exist or was never completely published")
+        if self.is_local:
+            return Path(self.base, rel)
+        local = self.cache / rel
+        if local.exists():
+            return local
+        r = self._remote(rel)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        tmp = local.parent / f".dl-{local.name}-{uuid.uuid4().hex[:8]}"
+        if self.fs.isfile(r):
+            self.fs.get_file(r, str(tmp))
+        else:
+            self.fs.get(r, str(tmp), recursive=True)
+        os.rename(tmp, local)
+        return local
+
+    def write_text(self, rel: str, text: str) -> str:
+        with self.publish(rel) as tmp:
+            tmp.write_text(text)
+        return self.uri(rel)
+
+    def replace_text(self, rel: str, text: str) -> str:
+        """Overwrite (not idempotent): used for pointers such as ``latest``, updated last."""
+        final = Path(self.base if self.is_local else self.cache, rel)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp.write_text(text)
+        fsync_tree(tmp)
+        if not self.is_local:
+            self.fs.put_file(str(tmp), self._remote(rel))
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+        return self.uri(rel)
+
+    def read_text(self, rel: str) -> str:
+        if self.is_local:
+            return Path(self.base, rel).read_text()
+        return self.fs.cat_file(self._remote(rel)).decode()

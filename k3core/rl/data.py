@@ -1,0 +1,60 @@
+"""Prompt streams and the rollout / score tables (Parquet schemas).
+
+Prompts are split once, by a stable hash of their text, into a training stream and a held-out
+stream (1 in ``HELDOUT_MOD``): held-out reward is measured on prompts training never sees. Each
+iteration's prompts come from an RNG seeded by (seed, iteration), so the data position is a pure
+function of the iteration (the "data cursor" a resume restores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pyarrow as pa
+
+from k3core.rl.envs import checked_prompts
+
+HELDOUT_MOD = 8
+
+ROLLOUT_SCHEMA = pa.schema([
+    ("iteration", pa.int32()),
+    ("prompt_index", pa.int32()),
+    ("sample_index", pa.int32()),
+    ("prompt", pa.string()),
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("output_ids", pa.list_(pa.int32())),
+    ("completion", pa.string()),
+    ("logprobs", pa.list_(pa.float32())),
+    ("routing", pa.list_(pa.int16())),  # [positions, n_moe, k] flattened, prompt positions first
+    ("finish_reason", pa.string()),
+    ("weight_version", pa.int64()),
+])
+
+SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + [
+    ("reward", pa.float32()),
+    ("advantage", pa.float32()),
+])
+
+
+def is_heldout(prompt: str) -> bool:
+    return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % HELDOUT_MOD == 0
+
+
+def _draw(env, rng: random.Random, n: int, want_heldout: bool, spec: str, max_tries: int = 200) -> list[str]:
+    out: list[str] = []
+    for _ in range(max_tries):
+        out += [p for p in checked_prompts(env, rng, max(n, 8), spec) if is_heldout(p) == want_heldout]
+        if len(out) >= n:
+            return out[:n]
+    kind = "held-out" if want_heldout else "training"
+    raise ValueError(f"environment {spec!r} produced too few distinct {kind} prompts ({len(out)} of {n}); "
+                     f"its prompt space may be too small for a held-out split")
+
+
+def training_prompts(env, seed: int, iteration: int, n: int, spec: str = "?") -> list[str]:
+    return _draw(env, random.Random(f"train:{seed}:{iteration}"), n, False, spec)
+
+
+def heldout_prompts(env, seed: int, n: int, spec: str = "?") -> list[str]:
+    return _draw(env, random.Random(f"heldout:{seed}"), n, True, spec)

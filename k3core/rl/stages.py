@@ -1,0 +1,194 @@
+"""The work of each pipeline stage, on paths and tables (the Prefect tasks in ``tasks/`` wrap these).
+
+Nothing here knows about Prefect or the artifact store: functions take local paths and return
+tables or small dicts. The trainer state is a torch.distributed.checkpoint directory holding the
+model, the optimizer, the RNG states, the data cursor and the iteration; rollout weights are a
+public-layout checkpoint whose routed experts are MXFP4.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from k3core.config import K3Config
+from k3core.model import K3ForCausalLM
+from k3core.rl.data import ROLLOUT_SCHEMA, SCORED_SCHEMA
+from k3core.rl.envs import checked_reward
+from k3core.rl.grpo import group_advantages
+from k3core.rl.train import GRPOConfig, RLSequence, grpo_train_step, sft_step
+from k3core.rollout.engine import RolloutEngine, SamplingParams
+from k3core.tokenizer import ByteTokenizer
+
+ROUTED_EXPERT_SUFFIXES = (".experts.w13", ".experts.w2")
+
+
+# ------------------------------------------------------------------ weights and engine
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
+    from k3core.checkpoint.hf import load_model
+
+    return load_model(path, dtype=dtype)
+
+
+def mxfp4_roundtrip(w: torch.Tensor) -> torch.Tensor:
+    """What an MXFP4 engine holds for a routed-expert weight: dequantize(quantize(w))."""
+    from k3core.ops.mxfp4 import dequantize, quantize
+
+    packed, scale = quantize(w.detach())
+    return dequantize(packed, scale, dtype=w.dtype)
+
+
+def engine_state(model: K3ForCausalLM, quantize_experts: bool) -> dict[str, torch.Tensor]:
+    """The tensors a transfer sends: every parameter and persistent buffer, routed experts re-quantised
+    to MXFP4 on the way when the engine runs quantised."""
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    if quantize_experts:
+        sd = {k: mxfp4_roundtrip(v) if k.endswith(ROUTED_EXPERT_SUFFIXES) else v for k, v in sd.items()}
+    return sd
+
+
+def build_engine(weights_path: str | Path, weight_version: int, dtype: torch.dtype = torch.float32) -> RolloutEngine:
+    """An engine from a public-layout checkpoint (MXFP4 pairs are dequantised on load)."""
+    return RolloutEngine(load_policy(weights_path, dtype), weight_version)
+
+
+# ------------------------------------------------------------------ rollout and scoring
+def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str], params: SamplingParams,
+                  iteration: int) -> pa.Table:
+    comps = engine.generate([tok.encode(p) for p in prompts], params, pad_id=tok.pad_id)
+    rows = {f.name: [] for f in ROLLOUT_SCHEMA}
+    for c in comps:
+        rows["iteration"].append(iteration)
+        rows["prompt_index"].append(c.prompt_index)
+        rows["sample_index"].append(c.sample_index)
+        rows["prompt"].append(prompts[c.prompt_index])
+        rows["prompt_ids"].append(c.prompt_ids)
+        rows["output_ids"].append(c.output_ids)
+        rows["completion"].append(tok.decode(c.output_ids))
+        rows["logprobs"].append(c.logprobs)
+        rows["routing"].append(c.routing.reshape(-1).tolist())
+        rows["finish_reason"].append(c.finish_reason)
+        rows["weight_version"].append(c.weight_version)
+    return pa.table(rows, schema=ROLLOUT_SCHEMA)
+
+
+def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int) -> tuple[pa.Table, dict]:
+    """Rewards (checked: finite, in [0, 1]) and GRPO group-normalised advantages."""
+    if rollouts.num_rows == 0:
+        raise ValueError("no rollouts to score: the rollout table is empty")
+    prompts, comps = rollouts.column("prompt").to_pylist(), rollouts.column("completion").to_pylist()
+    rewards = torch.tensor([checked_reward(env, p, c, env_spec) for p, c in zip(prompts, comps)])
+    order = sorted(range(rollouts.num_rows), key=lambda i: (rollouts["prompt_index"][i].as_py(),
+                                                            rollouts["sample_index"][i].as_py()))
+    rollouts = rollouts.take(order)
+    rewards = rewards[order]
+    adv = group_advantages(rewards, group_size)
+    table = rollouts.append_column("reward", pa.array(rewards.tolist(), pa.float32()))
+    table = table.append_column("advantage", pa.array(adv.tolist(), pa.float32())).cast(SCORED_SCHEMA)
+    lens = [len(x) for x in table.column("output_ids").to_pylist()]
+    stats = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+             "response_length_mean": sum(lens) / len(lens),
+             "solved_fraction": float((rewards == 1.0).float().mean())}
+    return table, stats
+
+
+def table_to_sequences(table: pa.Table, n_moe: int, top_k: int) -> list[RLSequence]:
+    seqs = []
+    for r in table.to_pylist():
+        routing = torch.tensor(r["routing"], dtype=torch.int16).view(-1, n_moe, top_k) if n_moe else None
+        seqs.append(RLSequence(r["prompt_ids"], r["output_ids"], r["logprobs"], r["advantage"], routing))
+    return seqs
+
+
+@torch.no_grad()
+def evaluate(engine: RolloutEngine, tok: ByteTokenizer, env, env_spec: str, prompts: list[str],
+             max_new_tokens: int) -> dict:
+    """Greedy decoding on held-out prompts: mean reward and solved fraction."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_id,))
+    comps = engine.generate([tok.encode(p) for p in prompts], params, pad_id=tok.pad_id)
+    rewards = [checked_reward(env, prompts[c.prompt_index], tok.decode(c.output_ids), env_spec) for c in comps]
+    return {"heldout_reward": sum(rewards) / len(rewards),
+            "heldout_solved": sum(r == 1.0 for r in rewards) / len(rewards), "heldout_n": len(rewards)}
+
+
+# ------------------------------------------------------------------ trainer state (DCP)
+def make_optimizer(model: K3ForCausalLM, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.99),
+                             weight_decay=weight_decay, foreach=True)
+
+
+def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: torch.optim.Optimizer,
+                       extra: dict, storage_writer_factory=None) -> None:
+    """DCP save of model, optimizer, RNG states and ``extra`` (iteration, data cursor, ...) into
+    ``out_dir`` (the caller publishes the directory atomically), plus ``config.json``."""
+    out_dir = Path(out_dir)
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd,
+             "rng": {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate())},
+             "extra": json.dumps(extra)}
+    writer = storage_writer_factory(out_dir) if storage_writer_factory else None
+    dcp.save(state, checkpoint_id=str(out_dir), storage_writer=writer)
+    model.config.to_json_file(out_dir / "config.json")
+    (out_dir / "extra.json").write_text(json.dumps(extra, indent=2))
+
+
+def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.float32):
+    """(model, optimizer, extra) from a trainer-state directory written by ``save_trainer_state``."""
+    from k3core.checkpoint.hf import meta_model
+
+    path = Path(path)
+    config = K3Config.from_json_file(path / "config.json")
+    model = meta_model(config)
+    model.to_empty(device="cpu")
+    model.cast(dtype)
+    opt = make_optimizer(model, lr)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "rng": {"torch": torch.get_rng_state(), "python": ""}, "extra": ""}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    torch.set_rng_state(state["rng"]["torch"])
+    py = json.loads(state["rng"]["python"])
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    return model, opt, json.loads(state["extra"])
+
+
+# ------------------------------------------------------------------ training
+def train_on_table(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, table: pa.Table, cfg: GRPOConfig,
+                   pad_id: int, micro_batch: int | None = None) -> dict:
+    """One GRPO step over the whole scored batch (sequences with zero advantage carry no signal and
+    are skipped; a batch where every group is uniform is a no-op step)."""
+    n_moe, k = len(model.moe_layer_ids), model.config.num_experts_per_token
+    seqs = [s for s in table_to_sequences(table, n_moe, k) if s.advantage != 0.0]
+    if not seqs:
+        return {"skipped": 1.0, "sequences": 0}
+    m = grpo_train_step(model, optimizer, seqs, cfg, pad_id)
+    m["sequences"] = len(seqs)
+    m["skipped"] = 0.0
+    return m
+
+
+def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, tok: ByteTokenizer, steps: int, batch_size: int,
+                      lr: float, seed: int, log=None) -> dict:
+    """Teach the answer format from ``env.reference`` on training prompts (never held-out ones)."""
+    from k3core.rl.data import training_prompts
+
+    if not hasattr(env, "reference"):
+        raise ValueError(f"environment {env_spec!r} has no reference(prompt) method: run with --warmup-steps 0")
+    torch.manual_seed(seed)
+    opt = make_optimizer(model, lr)
+    losses, t0 = [], time.perf_counter()
+    for step in range(steps):
+        prompts = training_prompts(env, seed + 7919, step, batch_size, env_spec)
+        seqs = [RLSequence(tok.encode(p), tok.encode(env.reference(p), bos=False) + [tok.eos_id]) for p in prompts]
+        losses.append(sft_step(model, opt, seqs, tok.pad_id)["loss"])
+        if log and (step % 25 == 0 or step == steps - 1):
+            log(f"warm-up step {step + 1}/{steps}: loss {losses[-1]:.3f}")
+    return {"warmup_steps": steps, "warmup_loss_first": losses[0] if losses else None,
+            "warmup_loss_last": losses[-1] if losses else None, "warmup_seconds": time.perf_counter() - t0}
