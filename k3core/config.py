@@ -215,6 +215,11 @@ class K3Config:
                     and qc.get("quant_method") == "compressed-tensors"):
                 p.append("quantization_config must be the release's compressed-tensors mxfp4-pack-quantized "
                          "declaration (see k3core.config.mxfp4_quantization_config()) or absent")
+        if self.quantization_config is not None:
+            for name in ("moe_intermediate_size", "routed_expert_hidden_size"):
+                v = getattr(self, name)
+                if isinstance(v, int) and v % 32:
+                    p.append(f"{name} ({v}) must be a multiple of 32 for MXFP4 routed experts (blocks of 32)")
         return p
 
     def validate(self) -> None:
@@ -411,7 +416,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_attention_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=16,
         intermediate_size=128, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
-        moe_intermediate_size=32, routed_expert_hidden_size=48, attn_res_block_size=2,
+        moe_intermediate_size=32, routed_expert_hidden_size=64, attn_res_block_size=2,
     ),
     # The CPU RL demo: byte-level vocabulary, 8 layers (3:1 KDA:MLA), 2 AttnRes blocks.
     "small": dict(
