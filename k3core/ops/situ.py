@@ -106,10 +106,10 @@ def _forward_torch(x2d: torch.Tensor, beta: float, linear_beta: float, workspace
         g, u, t = ws[0, : r1 - r0], ws[1, : r1 - r0], ws[2, : r1 - r0]
         g.copy_(x2d[r0:r1, :H])
         u.copy_(x2d[r0:r1, H:])
-        torch.div(g, beta, out=t)
-        t.tanh_().mul_(beta)  # beta * tanh(g / beta)
+        torch.div(g, beta, out=t).tanh_().mul_(beta)  # beta * tanh(g / beta)
         t.mul_(g.sigmoid_())  # a
         u.div_(linear_beta).tanh_().mul_(linear_beta)  # b
+        # (not mul(out=out[r0:r1]): on CPU a dtype-casting out= allocates a temporary)
         out[r0:r1].copy_(t.mul_(u))
     return out
 
@@ -138,16 +138,16 @@ def _backward_torch(
         torch.div(s, beta, out=tg).tanh_()
         s.sigmoid_()
         tu.copy_(x2d[r0:r1, H:]).div_(linear_beta).tanh_()
-        go.copy_(grad2d[r0:r1])
-        # d_up
-        torch.mul(tu, tu, out=w).neg_().add_(1.0)
-        w.mul_(go).mul_(tg).mul_(s).mul_(beta)
-        dx[r0:r1, H:].copy_(w)
-        # d_gate
-        torch.neg(s, out=w).add_(1.0).mul_(tg).mul_(beta)  # beta * tg * (1 - s)
-        w.addcmul_(tg, tg, value=-1.0).add_(1.0)  # + (1 - tg^2)
-        w.mul_(s).mul_(tu).mul_(linear_beta).mul_(go)
-        dx[r0:r1, :H].copy_(w)
+        go.copy_(grad2d[r0:r1]).mul_(s)  # grad * s, a factor of both halves
+        # d_up = beta * tg * (grad * s) * (1 - tu^2)
+        torch.mul(tu, tu, out=w)
+        torch.addcmul(go, go, w, value=-1.0, out=w).mul_(tg)
+        dx[r0:r1, H:].copy_(w.mul_(beta))
+        # d_gate = lb * tu * (grad * s) * (1 - tg^2 + beta * tg * (1 - s)), with the bracket
+        # computed as -(tg * (tg + beta * s - beta) - 1) and its sign folded into -lb
+        torch.add(tg, s, alpha=beta, out=w).sub_(beta).mul_(tg).sub_(1.0)
+        w.mul_(tu).mul_(go)
+        dx[r0:r1, :H].copy_(w.mul_(-linear_beta))
     return dx
 
 

@@ -5,6 +5,12 @@ absent on CPU-only hosts). Both kernels read x = [gate | up] as bf16/fp16/fp32, 
 fp32 registers and write the input dtype, so nothing but the outputs touches HBM:
 forward reads 2 and writes 1 element per output element, backward reads 3 and writes 2.
 
+tanh and sigmoid are built from exp2 as fractions n/d with d in [1, 2] (`_tanh_frac`,
+`_sigmoid_frac`), so both kernels need 3 exp2 and 1 division per element (libdevice tanh plus
+sigmoid would take about 6 special-function ops: at bf16 traffic the forward would then be as
+much bound by the SFUs as by HBM), and 1 - tanh^2, 1 - sigmoid come without cancellation.
+With TRITON_INTERPRET=1 the kernels also run on CPU tensors (tests do that where triton exists).
+
 Tiles are [BLOCK_R rows, BLOCK_H columns] with the columns contiguous in memory, so loads and
 stores vectorise; offsets are int64 (R * 2H exceeds 2^31 at 100k tokens x 16 experts).
 """
@@ -14,7 +20,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 # Elements per program and warps, picked for a memory-bound elementwise kernel on H100/H200
 # (16 resp. 8 fp32 values per thread). `benchmarks/situ.py --device cuda --sweep` times others.
@@ -22,10 +27,47 @@ FWD_ELEMS, FWD_WARPS = 4096, 8
 BWD_ELEMS, BWD_WARPS = 2048, 8
 MAX_BLOCK_H = 1024
 
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+# Below SMALL, tanh(a) comes from its odd series a - a^3/3 + 2a^5/15 - 17a^7/315 + 62a^9/2835
+# (next term < 1e-8 relative), because (1 - e^-2a) / (1 + e^-2a) loses digits to cancellation.
+SMALL: tl.constexpr = tl.constexpr(0.25)
+C3: tl.constexpr = tl.constexpr(-1.0 / 3.0)
+C5: tl.constexpr = tl.constexpr(2.0 / 15.0)
+C7: tl.constexpr = tl.constexpr(-17.0 / 315.0)
+C9: tl.constexpr = tl.constexpr(62.0 / 2835.0)
+
+
+@triton.jit
+def _tanh_frac(y, inv_scale):
+    """tanh(y * inv_scale) = n / d and 1 - tanh^2 = e / d^2, with d in [1, 2].
+
+    With a = |y| * inv_scale and z = exp(-2a) in [0, 1]: tanh = (1 - z) / (1 + z) and
+    1 - tanh^2 = 4z / (1 + z)^2, free of cancellation and overflow (z -> 0 saturates exactly);
+    small a uses the series with d = 1. Returning fractions lets callers share one reciprocal.
+    """
+    a = tl.abs(y) * inv_scale
+    z = tl.exp2(a * (-2.0 * LOG2E))
+    small = a < SMALL
+    a_s = tl.minimum(a, SMALL)  # keeps the unused series finite for huge or infinite a
+    a2 = a_s * a_s
+    p = a_s * (1.0 + a2 * (C3 + a2 * (C5 + a2 * (C7 + a2 * C9))))
+    n = tl.where(small, p, 1.0 - z)
+    d = tl.where(small, 1.0, 1.0 + z)
+    e = tl.where(small, 1.0 - p * p, 4.0 * z)
+    return tl.where(y < 0, -n, n), d, e
+
+
+@triton.jit
+def _sigmoid_frac(g):
+    """sigmoid(g) = n / d and 1 - sigmoid(g) = m / d, with z = exp(-|g|) and d = 1 + z in [1, 2]."""
+    z = tl.exp2(tl.abs(g) * (-LOG2E))
+    pos = g >= 0
+    return tl.where(pos, 1.0, z), 1.0 + z, tl.where(pos, z, 1.0)
+
 
 @triton.jit(do_not_specialize=["R"])
 def _situ_glu_fwd_kernel(
-    x_ptr, out_ptr, R, H, beta, linear_beta, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr
+    x_ptr, out_ptr, R, H, beta, linear_beta, inv_beta, inv_lb, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -33,11 +75,13 @@ def _situ_glu_fwd_kernel(
     gate_ptrs = x_ptr + rows[:, None] * (2 * H) + cols[None, :]
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + H, mask=mask, other=0.0).to(tl.float32)
-    # tanh (libdevice) and sigmoid = 1 / (1 + exp(-g)) saturate to +-1 and 0/1, never NaN.
-    a = beta * libdevice.tanh(gate / beta) * tl.sigmoid(gate)
-    b = linear_beta * libdevice.tanh(up / linear_beta)
+    n1, d1, _e1 = _tanh_frac(gate, inv_beta)
+    n2, d2, _m2 = _sigmoid_frac(gate)
+    n3, d3, _e3 = _tanh_frac(up, inv_lb)
+    # beta*tanh(g/beta) * sigmoid(g) * lb*tanh(u/lb): three exp2 and one division per element
+    out = (beta * linear_beta) * (n1 * n2 * n3) / (d1 * d2 * d3)
     out_ptrs = out_ptr + rows[:, None] * H + cols[None, :]
-    tl.store(out_ptrs, (a * b).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -51,6 +95,8 @@ def _situ_glu_bwd_kernel(
     stride_grad_c,
     beta,
     linear_beta,
+    inv_beta,
+    inv_lb,
     BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -62,12 +108,17 @@ def _situ_glu_bwd_kernel(
     up = tl.load(x_ptr + gate_offs + H, mask=mask, other=0.0).to(tl.float32)
     grad_ptrs = grad_ptr + rows[:, None] * stride_grad_r + cols[None, :] * stride_grad_c
     grad = tl.load(grad_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tg = libdevice.tanh(gate / beta)
-    s = tl.sigmoid(gate)
-    tu = libdevice.tanh(up / linear_beta)
+    n1, d1, e1 = _tanh_frac(gate, inv_beta)
+    n2, d2, m2 = _sigmoid_frac(gate)
+    n3, d3, e3 = _tanh_frac(up, inv_lb)
+    r = 1.0 / (d1 * d2 * d3)  # one division; each 1/d_i is r times the other two
+    r1, r2, r3 = r * d2 * d3, r * d1 * d3, r * d1 * d2
+    tg, s, tu = n1 * r1, n2 * r2, n3 * r3  # tanh(g/beta), sigmoid(g), tanh(u/lb)
+    one_m_tg2, one_m_s, one_m_tu2 = e1 * r1 * r1, m2 * r2, e3 * r3 * r3
+    gs = grad * s
     # d/dg [beta*tanh(g/beta)*sigmoid(g)] = s * ((1 - tg^2) + beta*tg*(1 - s)); d/du [lb*tanh(u/lb)] = 1 - tu^2
-    d_gate = grad * (linear_beta * tu) * s * ((1.0 - tg * tg) + beta * tg * (1.0 - s))
-    d_up = grad * (beta * tg * s) * (1.0 - tu * tu)
+    d_gate = gs * (linear_beta * tu) * (one_m_tg2 + beta * tg * one_m_s)
+    d_up = gs * (beta * tg) * one_m_tu2
     tl.store(dx_ptr + gate_offs, d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
     tl.store(dx_ptr + gate_offs + H, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -89,9 +140,19 @@ def situ_glu_fwd(
         return out
     block_r, block_h, num_warps = config or launch_config(H, FWD_ELEMS, FWD_WARPS)
     grid = (triton.cdiv(R, block_r), triton.cdiv(H, block_h))
-    with torch.cuda.device(x2d.device):
+    with torch.cuda.device_of(x2d):  # launch on x2d's GPU (a no-op for CPU tensors, TRITON_INTERPRET=1)
         _situ_glu_fwd_kernel[grid](
-            x2d, out, R, H, beta, linear_beta, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps
+            x2d,
+            out,
+            R,
+            H,
+            beta,
+            linear_beta,
+            1.0 / beta,
+            1.0 / linear_beta,
+            BLOCK_R=block_r,
+            BLOCK_H=block_h,
+            num_warps=num_warps,
         )
     return out
 
@@ -110,7 +171,7 @@ def situ_glu_bwd(
         return dx
     block_r, block_h, num_warps = config or launch_config(H, BWD_ELEMS, BWD_WARPS)
     grid = (triton.cdiv(R, block_r), triton.cdiv(H, block_h))
-    with torch.cuda.device(x2d.device):
+    with torch.cuda.device_of(x2d):  # launch on x2d's GPU (a no-op for CPU tensors, TRITON_INTERPRET=1)
         _situ_glu_bwd_kernel[grid](
             x2d,
             grad2d,
@@ -121,6 +182,8 @@ def situ_glu_bwd(
             grad2d.stride(1),
             beta,
             linear_beta,
+            1.0 / beta,
+            1.0 / linear_beta,
             BLOCK_R=block_r,
             BLOCK_H=block_h,
             num_warps=num_warps,

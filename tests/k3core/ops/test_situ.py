@@ -15,6 +15,10 @@ the last term covers sigmoid underflowing to 0 where the exact value is below ~1
 
 from __future__ import annotations
 
+import importlib.util
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -226,6 +230,61 @@ def test_peak_memory_bounded_by_workspace_cpu():
     # the same measurement sees the naive graph's six fp32 [R, H] tensors
     _, naive_peak = peak_bytes(lambda: situ_glu_reference(x))
     assert naive_peak >= 6 * R * H * 4 + out_bytes
+
+
+# --- triton kernels under TRITON_INTERPRET=1 (CPU tensors; wherever triton is installed) -------
+
+
+@pytest.fixture(scope="module")
+def interpreted_kernels():
+    """k3core/ops/situ_triton.py loaded afresh with TRITON_INTERPRET=1 (read at @triton.jit time)."""
+    pytest.importorskip("triton")
+    path = Path(__import__("k3core.ops.situ", fromlist=["x"]).__file__).with_name("situ_triton.py")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        spec = importlib.util.spec_from_file_location("situ_triton_interpreted", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    return module
+
+
+# the interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest): one bf16 ulp
+@pytest.mark.parametrize("dtype,rtol", [(torch.float32, FP32_RTOL), (torch.bfloat16, 2.0**-7)])
+def test_triton_kernels_interpreted(interpreted_kernels, dtype, rtol):
+    st = interpreted_kernels
+    torch.manual_seed(8)
+    cases = [
+        ((torch.randn(21, 2 * 40) * 8).to(dtype), (8, 32, 4)),  # masked rows and columns
+        (saturating_input(dtype, rows=2), (2, 64, 4)),
+    ]
+    for x, cfg in cases:
+        x[0, :6] = torch.tensor([1e-6, -1e-3, 0.2, -0.3, 0.99, -1.01]).to(dtype)  # series / exp edge
+        R, H = x.shape[0], x.shape[1] // 2
+        grad = torch.randn(H).to(dtype).expand(R, H)  # stride-0 rows
+        check_against_closed_form(
+            lambda t: _InterpretedSitu.apply(t, st, cfg), x, grad, rtol
+        )
+
+
+class _InterpretedSitu(torch.autograd.Function):
+    """The interpreted kernels behind autograd, to reuse `check_against_closed_form`."""
+
+    @staticmethod
+    def forward(ctx, x, st, cfg):
+        ctx.save_for_backward(x)
+        ctx.st, ctx.cfg = st, cfg
+        return st.situ_glu_fwd(x, BETA, LB, cfg)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return ctx.st.situ_glu_bwd(x, grad, BETA, LB, ctx.cfg), None, None
 
 
 # --- GPU: triton kernels and the CUDA torch fallback -----------------------------------
