@@ -513,15 +513,20 @@ def layer_backward_workspace(config: K3Config, layer: int, kernels: Kernels = Ke
 
 
 def _logits_bytes(config: K3Config, tokens: float, kernels: Kernels) -> tuple[float, float]:
-    """(saved, peak) bytes of the loss head on a GPU holding ``tokens`` tokens. Full logits
-    (k3core): the fp32 copy for log-softmax is saved; backward adds its fp32 gradient and the bf16
-    logits gradient. Chunked: one chunk at a time, per-token log-probabilities kept."""
-    V = config.vocab_size
+    """(saved, peak) bytes of the output head on a GPU holding ``tokens`` tokens: the output AttnRes
+    mix, final norm and lm_head input, then the loss. Full logits (k3core's ``token_logprobs``): the
+    fp32 copy for log-softmax is saved; backward adds its fp32 gradient and the bf16 logits
+    gradient. Chunked: one chunk at a time, per-token log-probabilities kept."""
+    V, D = config.vocab_size, config.hidden_size
+    eager = kernels.elementwise == "eager"
+    # the output AttnRes mix over every snapshot, the final norm and the lm_head input come first
+    head = (_mix_terms(snapshots_before(config, config.num_hidden_layers) + 1, D, eager, saves_partial_sum=False)
+            + _norm_terms(D, eager) + BF16 * D) * tokens
     per_row_peak = (FP32 + FP32 + BF16) * V
     if kernels.logits_chunk:
         rows = min(tokens, kernels.logits_chunk)
-        return FP32 * tokens, rows * per_row_peak
-    return FP32 * V * tokens, tokens * per_row_peak
+        return head + FP32 * tokens, head + rows * per_row_peak
+    return head + FP32 * V * tokens, head + tokens * per_row_peak
 
 
 # =====================================================================================  pipeline
@@ -881,8 +886,14 @@ def _layout_report(config: K3Config, hw: Hardware, tokens: float, layout: Layout
             nonrouted += pc.tail
         per_gpu_params = nonrouted / (layout.tp * dp_shard) + routed / routed_shard
         gather = 0.0
-        if layout.fsdp and dp_shard > 1:  # two layers' non-routed weights gathered (prefetch)
-            gather = 2 * max(pc.per_layer[i][0] for i in range(start, start + n)) / layout.tp * GPU_WEIGHT_BF16
+        if layout.fsdp and dp_shard > 1:
+            # FSDP gathers a layer's weights before use, the next one in flight (prefetch): the
+            # TP shard of the non-routed weights, and the EP shard of the experts when FSDP shards
+            # them beyond EP
+            experts_gathered = routed_shard > layout.ep
+            gather = 2 * GPU_WEIGHT_BF16 * max(pc.per_layer[i][0] / layout.tp
+                                               + (pc.per_layer[i][1] / layout.ep if experts_gathered else 0.0)
+                                               for i in range(start, start + n))
         owned = nonrouted / (layout.tp * layout.dp * layout.cp) + routed / layout.gpus_per_stage
         ctx = stage_memory(config, tokens, range(start, start + n), inflight=layout.pp - s,
                            k_in=snapshots_before(config, start), is_last=s == st.pp - 1, kernels=kernels,
@@ -1014,7 +1025,7 @@ _CONTEXT_LABELS = {
     "situ_shared": "SiTU-GLU shared", "situ_dense": "SiTU-GLU dense", "attnres_norms": "AttnRes mix + RMSNorms",
     "routing": "routing (router, dispatch)", "routing_record": "routing record (replay ids)",
     "stash": "layer-input stash", "block_grads": "AttnRes snapshot grads", "backward_workspace": "backward workspace",
-    "logits_saved": "logits saved", "logits_backward": "logits backward extra",
+    "logits_saved": "output head + logits saved", "logits_backward": "logits backward extra",
 }
 
 
