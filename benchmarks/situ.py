@@ -38,8 +38,9 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn, device, iters, warmup=2):
+def time_ms(fn, device, iters, warmup=None):
     """(median, best) wall time of fn() in ms (CUDA: events around each call)."""
+    warmup = warmup if warmup is not None else (3 if device.type == "cuda" else 1)
     for _ in range(warmup):
         fn()
     sync(device)
@@ -115,7 +116,7 @@ def main():
         torch.set_num_threads(args.threads)
     R = args.rows or (16 * (8192 if cuda else 512) // (8 if args.quick else 1))
     H = args.hidden or (3072 if cuda else 1024) // (4 if args.quick else 1)
-    iters = args.iters or (3 if args.quick else (20 if cuda else 5))
+    iters = args.iters or (3 if args.quick else (20 if cuda else 3))
     torch.manual_seed(0)
     x = (torch.randn(R, 2 * H, device=device) * 4).bfloat16().requires_grad_()
     grad = torch.randn(R, H, device=device).bfloat16()
@@ -127,6 +128,8 @@ def main():
     if not args.no_compile:
         variants["compile(naive)"] = torch.compile(situ_glu_reference)
     variants["ours"] = situ_glu
+    if cuda:  # the CUDA torch fallback (no triton), for reference
+        variants["ours torch-path"] = lambda t: situ_glu(t, backend="torch")
 
     rows = {}
     for name, fn in variants.items():
@@ -150,12 +153,12 @@ def main():
         rows[name] = dict(saved=saved_b, peak=peak, ms=ms, best=best, first_s=first_s)
 
     naive = rows["naive"]
-    print(f"\n{'variant':<15} {'saved MiB':>10} {'vs naive':>9} {'peak MiB':>10} {'vs naive':>9} "
+    print(f"\n{'variant':<18} {'saved MiB':>10} {'vs naive':>9} {'peak MiB':>10} {'vs naive':>9} "
           f"{'fwd+bwd ms':>11} {'best ms':>8} {'speedup':>8} {'1st call s':>11}")
     for name, r in rows.items():
         saved = "n/a" if r["saved"] is None else mib(r["saved"])
         saved_ratio = "n/a" if r["saved"] is None else f"{r['saved'] / naive['saved']:.4f}"
-        print(f"{name:<15} {saved:>10} {saved_ratio:>9} {mib(r['peak']):>10} "
+        print(f"{name:<18} {saved:>10} {saved_ratio:>9} {mib(r['peak']):>10} "
               f"{r['peak'] / naive['peak']:>9.3f} {r['ms']:>11.2f} {r['best']:>8.2f} {naive['ms'] / r['ms']:>7.2f}x "
               f"{r['first_s']:>11.1f}")
     ours = rows["ours"]
@@ -171,6 +174,17 @@ def main():
         print(f"HBM copy bandwidth (1 GiB y.copy_(x), read+write): {copy:,.0f} GB/s")
         print(f"ours effective bandwidth ({BYTES_PER_OUTPUT} B/output, fwd+bwd): {eff:,.0f} GB/s = "
               f"{100 * eff / copy:.1f}% of copy ({'meets' if eff >= 0.8 * copy else 'MISSES'} the 80% target)")
+        try:
+            from k3core.ops import situ_triton as st
+        except ImportError:
+            print("triton not importable: 'ours' ran the CUDA torch fallback")
+            return
+        x2d = x.detach()
+        f = time_ms(lambda: st.situ_glu_fwd(x2d, 4.0, 25.0), device, iters)[0]
+        b = time_ms(lambda: st.situ_glu_bwd(x2d, grad, 4.0, 25.0), device, iters)[0]
+        print(f"triton kernels alone: fwd {f:.3f} ms = {6 * R * H / f / 1e6:,.0f} GB/s "
+              f"({100 * 6 * R * H / f / 1e6 / copy:.1f}% of copy), bwd {b:.3f} ms = "
+              f"{10 * R * H / b / 1e6:,.0f} GB/s ({100 * 10 * R * H / b / 1e6 / copy:.1f}% of copy)")
         if args.sweep:
             sweep_triton(x, grad, iters)
 

@@ -106,7 +106,8 @@ def _situ_glu_bwd_kernel(
     gate_offs = rows[:, None] * (2 * H) + cols[None, :]
     gate = tl.load(x_ptr + gate_offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + gate_offs + H, mask=mask, other=0.0).to(tl.float32)
-    grad_ptrs = grad_ptr + rows[:, None] * stride_grad_r + cols[None, :] * stride_grad_c
+    # int64 column term too: a transposed gradient has a column stride of R
+    grad_ptrs = grad_ptr + rows[:, None] * stride_grad_r + cols[None, :].to(tl.int64) * stride_grad_c
     grad = tl.load(grad_ptrs, mask=mask, other=0.0).to(tl.float32)
     n1, d1, e1 = _tanh_frac(gate, inv_beta)
     n2, d2, m2 = _sigmoid_frac(gate)
