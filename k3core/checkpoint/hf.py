@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -33,7 +34,8 @@ from k3core.checkpoint.names import Entry, Layout, is_out_of_scope, materialize,
 from k3core.checkpoint.safetensors_file import ST_TO_DTYPE, write_safetensors
 from k3core.config import K3Config, mxfp4_quantization_config
 
-__all__ = ["save_hf", "load_hf", "load_model", "init_checkpoint", "SaveResult", "CheckpointFormatError",
+__all__ = ["save_hf", "load_hf", "load_model", "init_checkpoint", "quantize_checkpoint", "SaveResult",
+           "CheckpointFormatError", "meta_model", "materialize",
            "INDEX_NAME", "CONFIG_NAME", "shard_name", "plan_shards", "read_index", "checkpoint_target",
            "DEFAULT_MAX_SHARD_BYTES"]
 
@@ -119,11 +121,18 @@ def save_hf(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], path: s
         config = getattr(model_or_state_dict, "config", None)
         if not isinstance(config, K3Config):
             raise ValueError("save_hf needs config= when given a state dict")
+    layout = public_layout(config, target)
+    state = _native_state(model_or_state_dict, layout)
+    return _write_checkpoint(path, layout, max_shard_bytes, lambda ent: _export(ent, state[ent.native]))
+
+
+def _write_checkpoint(path: str | os.PathLike, layout: Layout, max_shard_bytes: int,
+                      produce: Callable[[Entry], list[torch.Tensor]]) -> SaveResult:
+    """Plan shards, stream every entry's stored tensors (``produce``) into them, then config, then the
+    index, in a staging directory published over ``path`` in one step."""
     path = Path(path).absolute()
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{path} exists and is not a directory")
-    layout = public_layout(config, target)
-    state = _native_state(model_or_state_dict, layout)
     plan = plan_shards(layout, max_shard_bytes)
     n = len(plan)
     remove_stale_staging(path)
@@ -137,23 +146,54 @@ def save_hf(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], path: s
 
             def stream(entries=entries) -> Iterator[tuple[str, torch.Tensor]]:
                 for ent in entries:
-                    for (key, _, _), t in zip(ent.stored(), _export(ent, state[ent.native])):
+                    for (key, _, _), t in zip(ent.stored(), produce(ent)):
                         yield key, t
 
             write_safetensors(staging / name, stored, stream())
             for key, shape, dtype in stored:
                 weight_map[key] = name
                 total += torch.Size(shape).numel() * dtype.itemsize
-        out_cfg = config.replace(quantization_config=mxfp4_quantization_config() if target == "mxfp4" else None)
-        out_cfg.to_json_file(staging / CONFIG_NAME)
+        qc = mxfp4_quantization_config() if layout.target == "mxfp4" else None
+        layout.config.replace(quantization_config=qc).to_json_file(staging / CONFIG_NAME)
         atomic_write_json(staging / INDEX_NAME, {"metadata": {"total_size": total},
                                                  "weight_map": dict(sorted(weight_map.items()))})
         publish_dir(staging, path, keep=_not_checkpoint_file)
     except BaseException:
-        import shutil
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return SaveResult(path, target, [shard_name(i, n) for i in range(1, n + 1)], len(weight_map), total)
+    return SaveResult(path, layout.target, [shard_name(i, n) for i in range(1, n + 1)], len(weight_map), total)
+
+
+def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> SaveResult:
+    """A bf16 public checkpoint -> the same checkpoint with MXFP4 routed experts, streamed tensor by
+    tensor (never the whole model in memory). Byte-identical to ``save_hf(load_hf(src), dst,
+    target="mxfp4")``: the public bf16 expert tensor is exactly the native view it came from."""
+    from safetensors import safe_open
+
+    src = Path(src)
+    config = K3Config.from_json_file(src / CONFIG_NAME)
+    if checkpoint_target(config) != "bf16":
+        raise ValueError(f"{src} is already quantised ({config.quantization_config.get('format')}); quantize reads bf16 checkpoints")
+    source = public_layout(config, "bf16")
+    weight_map = read_index(src)
+    check_keys(source, weight_map)
+    handles: dict[str, object] = {}
+
+    def read(key: str, shape, dtype) -> torch.Tensor:
+        shard = weight_map[key]
+        if shard not in handles:
+            handles[shard] = safe_open(str(src / shard), framework="pt", device="cpu")
+        t = handles[shard].get_tensor(key)
+        if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+            raise CheckpointFormatError(f"{key!r} in {shard}: {t.dtype} {list(t.shape)}, expected {dtype} {list(shape)}")
+        return t
+
+    def produce(ent: Entry) -> list[torch.Tensor]:
+        t = read(ent.public, ent.shape, ent.dtype)
+        return list(_codec().quantize(t, name=ent.public)) if ent.codec == "mxfp4" else [t]
+
+    return _write_checkpoint(dst, public_layout(config, "mxfp4"), max_shard_bytes, produce)
 
 
 def _not_checkpoint_file(name: str) -> bool:

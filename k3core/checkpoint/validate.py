@@ -1,0 +1,342 @@
+"""Fail-closed validation of a checkpoint directory in the public layout.
+
+Owns: ``validate_checkpoint`` (and its JSON report). The checks, in the order the first failure is
+reported:
+
+1. ``config.json`` parses as a K3 config (and equals ``config`` when one is given); a
+   ``quantization_config`` present must be exactly the release's MXFP4 declaration.
+2. With a pin: config and index sha256 match it.
+3. Index: a ``weight_map``; every MXFP4 ``weight_scale`` has its ``weight_packed`` (and back) in the
+   same shard; the key set is exactly the layout's (``k3core.checkpoint.names``, the one mapping),
+   vision-tower keys counted as out of scope.
+4. Every shard the index names: present, a whole safetensors file (header offsets cover the file
+   exactly), holding exactly the keys the index assigns to it, each with the layout's shape and dtype.
+5. Streaming sha256 of every file (bounded buffer, several files at once); with a pin, every pinned
+   file present and equal.
+6. Optional byte-level round trip of every text tensor public -> native -> public through the same
+   ``Entry`` transforms the loader and writer use (bitwise: signed zeros and NaN payloads count).
+   MXFP4 pairs go through native-shaped code/scale tensors, so their bytes are checked too.
+
+The JSON report (counts, hashes, timing) is written atomically to ``report_path`` only when every
+check passes; a stale report at that path is removed first, so a report on disk always describes a
+passing checkpoint. Any failure raises ``CheckpointValidationError`` naming the first problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from k3core.checkpoint.files import CONFIG_NAME, INDEX_NAME, atomic_write_json, sha256_file
+from k3core.checkpoint.names import OUT_OF_SCOPE_PREFIXES, Entry, Layout, is_out_of_scope, public_layout
+from k3core.checkpoint.pin import Pin, PinMismatchError, load_pin
+from k3core.checkpoint.safetensors_file import ST_TO_DTYPE, SafetensorsFormatError, read_header
+from k3core.config import K3Config, mxfp4_quantization_config
+
+__all__ = ["validate_checkpoint", "CheckpointValidationError", "roundtrip_checkpoint"]
+
+ROUNDTRIP_BUFFER_BYTES = 1 << 30  # native buffer cap: stacked experts are round-tripped in chunks
+
+
+class CheckpointValidationError(Exception):
+    """The first check a checkpoint failed (``check`` names which)."""
+
+    def __init__(self, check: str, message: str):
+        super().__init__(f"[{check}] {message}")
+        self.check = check
+
+
+def _fail(check: str, message: str) -> None:
+    raise CheckpointValidationError(check, message)
+
+
+# ------------------------------------------------------------------------------------ config
+def _audit_config(root: Path, config: K3Config | None) -> tuple[K3Config, str]:
+    p = root / CONFIG_NAME
+    if not p.is_file():
+        _fail("config", f"{p} is missing")
+    try:
+        with open(p) as f:
+            raw = json.load(f)
+        ckpt = K3Config.from_hf_dict(raw)
+    except (json.JSONDecodeError, ValueError) as e:
+        _fail("config", f"{p}: {e}")
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+    qc = text.get("quantization_config")
+    if qc is not None and qc != mxfp4_quantization_config():
+        want = mxfp4_quantization_config()
+        diff = sorted(k for k in set(qc) | set(want) if qc.get(k) != want.get(k)) if isinstance(qc, dict) else ["<not an object>"]
+        _fail("quantization_config", f"{p}: quantization_config differs from the release's MXFP4 declaration "
+                                     f"in {diff} (see k3core.config.mxfp4_quantization_config())")
+    if config is not None:
+        a = config.replace(quantization_config=None).to_hf_dict()["text_config"]
+        b = ckpt.replace(quantization_config=None).to_hf_dict()["text_config"]
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        if diff:
+            _fail("config", f"{p} does not describe the expected model: {diff[0]} is {b.get(diff[0])!r}, "
+                            f"expected {a.get(diff[0])!r}")
+    return ckpt, ("mxfp4" if qc is not None else "bf16")
+
+
+# ------------------------------------------------------------------------------------- index
+def _read_weight_map(root: Path) -> tuple[dict[str, str], dict]:
+    p = root / INDEX_NAME
+    if not p.is_file():
+        _fail("index", f"{p} is missing")
+    try:
+        with open(p) as f:
+            index = json.load(f)
+    except json.JSONDecodeError as e:
+        _fail("index", f"{p}: not valid JSON ({e})")
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        _fail("index", f"{p}: no 'weight_map' object of key -> shard file name")
+    for shard in set(wm.values()):
+        if "/" in shard or "\\" in shard or shard in ("", ".", ".."):
+            _fail("index", f"{p}: shard name {shard!r} is not a plain file name")
+    return wm, index
+
+
+def _audit_pairs(wm: dict[str, str]) -> int:
+    pairs = 0
+    for key, shard in wm.items():
+        for have, other in ((".weight_scale", ".weight_packed"), (".weight_packed", ".weight_scale")):
+            if key.endswith(have):
+                partner = key[: -len(have)] + other
+                if partner not in wm:
+                    _fail("mxfp4_pair", f"{key!r} has no {other[1:]} partner ({partner!r} is not in the index)")
+                if wm[partner] != shard:
+                    _fail("mxfp4_pair", f"{key!r} is in {shard} but {partner!r} is in {wm[partner]}: a pair must share a shard")
+                pairs += have == ".weight_packed"
+    return pairs
+
+
+def _audit_keys(layout: Layout, wm: dict[str, str]) -> int:
+    out_of_scope = 0
+    for key in sorted(wm):
+        if key in layout.by_key:
+            continue
+        if is_out_of_scope(key):
+            out_of_scope += 1
+            continue
+        _fail("unexpected_tensor", f"{key!r} (in {wm[key]}) is not part of the {layout.target} layout of this config")
+    for key in layout.by_key:
+        if key not in wm:
+            _fail("missing_tensor", f"{key!r} is not in the index ({layout.target} layout of this config)")
+    return out_of_scope
+
+
+def _audit_shards(root: Path, layout: Layout, wm: dict[str, str]) -> dict[str, int]:
+    by_shard: dict[str, set[str]] = defaultdict(set)
+    for key, shard in wm.items():
+        by_shard[shard].add(key)
+    stored = layout.stored_keys()
+    total = 0
+    for shard in sorted(by_shard):
+        p = root / shard
+        if not p.is_file():
+            _fail("missing_shard", f"{shard} is named by the index but does not exist")
+        try:
+            infos, _, _ = read_header(p)
+        except SafetensorsFormatError as e:
+            _fail("shard_format", str(e))
+        extra = sorted(set(infos) - by_shard[shard])
+        if extra:
+            _fail("unexpected_tensor", f"{shard} holds {extra[0]!r}, which the index does not assign to it")
+        for key in sorted(by_shard[shard]):
+            if key not in infos:
+                _fail("missing_tensor", f"the index assigns {key!r} to {shard}, which does not hold it")
+            info = infos[key]
+            total += info.end - info.begin
+            if key not in stored:
+                continue  # out of scope (vision tower): present and well-formed is all we ask
+            shape, dtype = stored[key]
+            if ST_TO_DTYPE[info.dtype] != dtype:
+                _fail("dtype", f"{key!r} in {shard} is {info.dtype}, expected {dtype}")
+            if info.shape != tuple(shape):
+                _fail("shape", f"{key!r} in {shard} has shape {list(info.shape)}, expected {list(shape)}")
+    return {"tensor_bytes": total, "shards": len(by_shard)}
+
+
+# ----------------------------------------------------------------------------------- hashes
+def _hash_all(root: Path, workers: int) -> dict[str, dict]:
+    files = sorted(p for p in root.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        digests = list(pool.map(sha256_file, files))
+    return {p.relative_to(root).as_posix(): {"sha256": d, "size": p.stat().st_size} for p, d in zip(files, digests)}
+
+
+def _check_pin_heads(root: Path, pin: Pin) -> None:
+    for name in (CONFIG_NAME, INDEX_NAME):
+        try:
+            pin.check(name, sha256_file(root / name))
+        except PinMismatchError as e:
+            _fail("pin", str(e))
+
+
+def _check_pin_files(pin: Pin, hashes: dict[str, dict]) -> int:
+    for name in sorted(pin.files):
+        if name not in hashes:
+            _fail("pin", f"{name} is pinned but missing")
+        try:
+            pin.check(name, hashes[name]["sha256"])
+        except PinMismatchError as e:
+            _fail("pin", str(e))
+    return len(pin.files) + 2
+
+
+# ------------------------------------------------------------------------------- round trip
+def _native_buffers(native_shape: tuple[int, ...], ent: Entry, layout: Layout, device="cpu") -> list[torch.Tensor]:
+    """Empty native-shaped buffers for one native tensor: one in the public dtype, or (codes, scales)
+    for MXFP4, whose trailing dim is the packed/scale width of the same rows."""
+    if ent.codec != "mxfp4":
+        return [torch.empty(native_shape, dtype=ent.dtype, device=device)]
+    (_, ps, _), (_, ss, _) = ent.stored()
+    lead = native_shape[:-1]
+    return [torch.empty(*lead, ps[-1], dtype=torch.uint8, device=device),
+            torch.empty(*lead, ss[-1], dtype=torch.uint8, device=device)]
+
+
+def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> int:
+    """-1 when bitwise equal, else the first differing byte offset."""
+    ua, ub = a.contiguous().view(torch.uint8).reshape(-1), b.contiguous().view(torch.uint8).reshape(-1)
+    if ua.shape != ub.shape:
+        return 0
+    ne = (ua != ub).nonzero()
+    return -1 if ne.numel() == 0 else int(ne[0])
+
+
+def roundtrip_checkpoint(root: str | os.PathLike, layout: Layout, wm: dict[str, str],
+                         buffer_bytes: int = ROUNDTRIP_BUFFER_BYTES) -> dict[str, int]:
+    """Public -> native -> public for every text tensor, bitwise. Raises on the first difference."""
+    from safetensors import safe_open
+
+    root = Path(root)
+    handles: dict[str, object] = {}
+
+    def read(key: str) -> torch.Tensor:
+        shard = wm[key]
+        if shard not in handles:
+            handles[shard] = safe_open(str(root / shard), framework="pt", device="cpu")
+        return handles[shard].get_tensor(key)
+
+    groups: dict[str, list[Entry]] = defaultdict(list)
+    for ent in layout.entries:
+        groups[ent.native].append(ent)
+    n = nbytes = 0
+    for native, entries in groups.items():
+        shape = layout.native[native]
+        # stacked experts: chunks of experts, so the native buffer stays bounded
+        if entries[0].expert is not None:
+            per_expert = max(1, sum(e.nbytes() for e in entries) // shape[0])
+            step = max(1, buffer_bytes // per_expert)
+            chunks = [(e0, min(e0 + step, shape[0])) for e0 in range(0, shape[0], step)]
+        else:
+            chunks = [(None, None)]
+        for e0, e1 in chunks:
+            sel = entries if e0 is None else [dataclasses.replace(e, expert=e.expert - e0) for e in entries
+                                              if e0 <= e.expert < e1]
+            cshape = shape if e0 is None else (e1 - e0, *shape[1:])
+            bufs = _native_buffers(cshape, sel[0], layout)
+            stored = {}
+            for ent in sel:  # public -> native (the loader's transform, minus dequantisation)
+                tensors = [read(k) for k, _, _ in ent.stored()]
+                stored[ent.public] = tensors
+                if ent.codec == "mxfp4":
+                    for buf, t in zip(bufs, tensors):
+                        ent.native_view(buf).copy_(t)
+                else:
+                    try:
+                        ent.native_view(bufs[0]).copy_(ent.narrow_public(tensors[0]))
+                    except ValueError as e:
+                        _fail("roundtrip", str(e))
+            for ent in sel:  # native -> public (the writer's transform, minus quantisation)
+                if ent.codec == "mxfp4":
+                    again = [ent.native_view(b).contiguous() for b in bufs]
+                else:
+                    again = [ent.to_public(bufs[0])]
+                for (key, _, _), a, b in zip(ent.stored(), stored[ent.public], again):
+                    off = _bytes_equal(a, b)
+                    if off >= 0:
+                        _fail("roundtrip", f"{key!r}: public -> native -> public changes byte {off} "
+                                           f"({a.dtype} {list(a.shape)} -> {b.dtype} {list(b.shape)})")
+                    n += 1
+                    nbytes += a.numel() * a.element_size()
+    return {"tensors": n, "bytes": nbytes}
+
+
+# ------------------------------------------------------------------------------------- main
+def validate_checkpoint(path: str | os.PathLike, config: K3Config | None = None,
+                        pin: str | os.PathLike | dict | Pin | None = None,
+                        report_path: str | os.PathLike | None = None, roundtrip: bool = False,
+                        workers: int = 4) -> dict:
+    """Validate the checkpoint at ``path`` (see the module docstring); return the report dict.
+
+    ``config``: the model the checkpoint must be (default: its own ``config.json``).
+    ``pin``: a pin file/dict (``k3core.checkpoint.pin``). ``report_path``: where to publish the JSON
+    report on success. Raises ``CheckpointValidationError`` on the first failed check.
+    """
+    t0 = time.monotonic()
+    root = Path(path)
+    if report_path is not None:
+        Path(report_path).unlink(missing_ok=True)
+    if not root.is_dir():
+        _fail("path", f"{root} is not a directory")
+    try:
+        pin_obj = pin if isinstance(pin, Pin) or pin is None else load_pin(pin)
+    except PinMismatchError as e:
+        _fail("pin", str(e))
+    ckpt_cfg, target = _audit_config(root, config)
+    if pin_obj is not None:
+        _check_pin_heads(root, pin_obj)
+    wm, index = _read_weight_map(root)
+    pairs = _audit_pairs(wm)
+    layout = public_layout(config or ckpt_cfg, target)
+    out_of_scope = _audit_keys(layout, wm)
+    shard_stats = _audit_shards(root, layout, wm)
+    t_audit = time.monotonic()
+    hashes = _hash_all(root, workers)
+    pinned = _check_pin_files(pin_obj, hashes) if pin_obj is not None else 0
+    t_hash = time.monotonic()
+    rt = roundtrip_checkpoint(root, layout, wm) if roundtrip else None
+    t_rt = time.monotonic()
+    shards = sorted(set(wm.values()))
+    oos_shards = sorted({wm[k] for k in wm if is_out_of_scope(k)})
+    report = {
+        "ok": True,
+        "path": str(root.absolute()),
+        "format": target,
+        "config_sha256": hashes[CONFIG_NAME]["sha256"],
+        "index_sha256": hashes[INDEX_NAME]["sha256"],
+        "counts": {
+            "files": len(hashes),
+            "shards": len(shards),
+            "index_keys": len(wm),
+            "text_tensors": len(layout.entries),  # logical: an MXFP4 pair counts once
+            "stored_text_tensors": len(layout.by_key),
+            "mxfp4_pairs": pairs,
+            "out_of_scope_tensors": out_of_scope,
+            "tensor_bytes": shard_stats["tensor_bytes"],
+            "file_bytes": sum(h["size"] for h in hashes.values()),
+        },
+        "index_total_size": (index.get("metadata") or {}).get("total_size"),
+        "out_of_scope": {"prefixes": list(OUT_OF_SCOPE_PREFIXES), "tensors": out_of_scope, "shards_with_any": oos_shards,
+                         "note": "vision tower / projector: recognised, hashed, not audited (text backbone only)"},
+        "unreferenced_files": sorted(n for n in hashes if n not in shards and n not in (CONFIG_NAME, INDEX_NAME)),
+        "pin": {"checked": pin_obj is not None, "files_checked": pinned},
+        "roundtrip": rt,
+        "files": hashes,
+        "timing_s": {"audit": round(t_audit - t0, 3), "hash": round(t_hash - t_audit, 3),
+                     "roundtrip": round(t_rt - t_hash, 3), "total": round(time.monotonic() - t0, 3)},
+    }
+    if report_path is not None:
+        atomic_write_json(report_path, report)
+    return report
