@@ -1,0 +1,212 @@
+"""Triton kernels for the MXFP4 codec (see `k3core/ops/mxfp4.py` for the contract and torch path).
+
+Imported lazily by `mxfp4.py`: importing this module needs triton. Both kernels are the torch
+path's integer arithmetic on fp32 bit patterns, one program per GROUPS blocks of 32 elements:
+- quantize reads each block once ([GROUPS, 32] contiguous), reduces |x| bits to the block max,
+  forms the scale byte and the per-block decision points, places each |x| among them by a
+  3-level binary search and packs; it writes 16 bytes + 1 scale byte per block. No float
+  arithmetic touches an element, so flushing denormals cannot change a code.
+- dequantize builds each output value's fp32 bits with integer arithmetic (an add and a shift per
+  element for ordinary scales; an exact integer ldexp for the subnormal/NaN scale bytes), then
+  narrows to the output dtype.
+Both kernels are memory-bound only if their per-element integer work stays small (H200: ~17
+int32 ops/clock/byte of HBM bandwidth), which is why the element math is written this way.
+Offsets are int64: tensors past 2^31 elements exist (a full expert stack).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from k3core.ops import mxfp4
+
+# Blocks per program: 128 blocks = 4096 elements (16 bf16 per thread at 8 warps), a good size
+# for a memory-bound elementwise kernel on H100/H200; `benchmarks/mxfp4.py --device cuda` times it.
+QUANT_GROUPS, QUANT_WARPS = 128, 8
+DEQUANT_GROUPS, DEQUANT_WARPS = 128, 8
+
+
+@triton.jit
+def _ldexp_bits(field, frac, k):
+    """Bits of (1 + frac/2^23) * 2^(field - 127 + k) as int32; same as mxfp4._ldexp_bits."""
+    f = k + field
+    normal = (f << 23) | frac
+    shift = tl.minimum(tl.maximum(1 - f, 0), 31)
+    subnormal = (frac | 0x800000) >> shift
+    return tl.where(f >= 1, normal, subnormal)
+
+
+@triton.jit
+def _point(s, FIELD: tl.constexpr, FRAC: tl.constexpr, TIE_UP: tl.constexpr):
+    """[G, 1] bits of a decision point scaled by 2^s, minus 1 ulp when ties round up, so that
+    "passes" is always "|x| bits > point" (see mxfp4._MIDPOINTS)."""
+    return (_ldexp_bits(FIELD, FRAC, s) - TIE_UP)[:, None]
+
+
+@triton.jit
+def _mxfp4_quantize_kernel(
+    x_ptr,
+    packed_ptr,
+    scale_ptr,
+    n_groups,
+    ROUND_BIAS: tl.constexpr,
+    NEG_ZERO_FIELD: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    gmask = g < n_groups
+    cols = tl.arange(0, 32)
+    mask = gmask[:, None]
+    x = tl.load(x_ptr + g[:, None] * 32 + cols[None, :], mask=mask, other=0.0)
+    if IS_BF16:
+        # bf16 is the top half of fp32: widen the bits, no float conversion.
+        bits = x.to(tl.int16, bitcast=True).to(tl.int32) << 16
+    else:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    amax = tl.max(mag, axis=1)  # [GROUPS]; bits order like values for non-negative floats
+    field = (amax + ROUND_BIAS) >> 23
+    scale = tl.maximum(field - 2, 0)
+    scale = tl.where(amax >= 0x7F800000, 255, scale)  # non-finite block: E8M0 NaN, reported
+    s = scale - 127
+    # Binary search over the 7 decision points (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 times 2^s):
+    # 3 compares and 4 selects per element instead of 7 compares and 7 adds; the points are
+    # per-block values, computed once per block.
+    hi = mag > _point(s, 127, 0x600000, 1)  # 1.75: code >= 4
+    mid = mag > tl.where(hi, _point(s, 128, 0x600000, 1), _point(s, 126, 0x400000, 1))  # 3.5 | 0.75
+    low_pt = tl.where(
+        hi,
+        tl.where(mid, _point(s, 129, 0x200000, 0), _point(s, 128, 0x200000, 0)),  # 5 | 2.5
+        tl.where(mid, _point(s, 127, 0x200000, 0), _point(s, 125, 0x000000, 0)),  # 1.25 | 0.25
+    )
+    code = hi.to(tl.int32) * 4 + mid.to(tl.int32) * 2 + (mag > low_pt).to(tl.int32)
+    keeps_sign = (bits < 0) & (mag > _ldexp_bits(NEG_ZERO_FIELD, 0, s)[:, None])
+    code = code | (keeps_sign.to(tl.int32) << 3)
+    lo, hi_nib = tl.split(tl.reshape(code, (GROUPS, 16, 2)))
+    packed = (lo | (hi_nib << 4)).to(tl.uint8)
+    pcols = tl.arange(0, 16)
+    tl.store(packed_ptr + g[:, None] * 16 + pcols[None, :], packed, mask=mask)
+    tl.store(scale_ptr + g, scale.to(tl.uint8), mask=gmask)
+
+
+@triton.jit
+def _decode_bits_general(code, s):
+    """fp32 bits of the value of 4-bit `code` times 2^s (any s in [-127, 128]; 128 = NaN byte)."""
+    m = code & 7
+    # |value| = (1 + frac) * 2^(field - 127): 0.5 -> (126, 0); m >= 2 -> (126 + m/2, (m & 1) * 0.5).
+    field = tl.where(m >= 2, 126 + (m >> 1), 126)
+    frac = tl.where(m >= 2, (m & 1) << 22, 0)
+    bits = _ldexp_bits(field, frac, s)
+    bits = tl.where(field + s >= 255, 0x7F800000, bits)  # overflow: inf, like the fp32 product
+    bits = tl.where(m == 0, 0, bits)
+    bits = tl.where(s == 128, 0x7FC00000, bits)  # scale byte 255 (E8M0 NaN)
+    return bits | ((code & 8) << 28)
+
+
+@triton.jit
+def _decode_bits_fast(code, k):
+    """Same as _decode_bits_general where every product is a normal float or inf (scale bytes
+    3..254), with k = 252 + 2s: the bits of m * 2^s for codes m >= 2 are (m + k) << 22, those of
+    0.5 * 2^s are k << 22, and (m + k) >= 510 is an overflow to inf."""
+    m = code & 7
+    t = tl.minimum(m - (m == 1).to(tl.int32) + k, 510)
+    bits = tl.where(m == 0, 0, t << 22)
+    return bits | ((code & 8) << 28)
+
+
+@triton.jit
+def _mxfp4_dequantize_kernel(
+    packed_ptr,
+    scale_ptr,
+    out_ptr,
+    n_groups,
+    OUT_KIND: tl.constexpr,  # 0 bf16, 1 fp16, 2 fp32
+    GROUPS: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    gmask = g < n_groups
+    pcols = tl.arange(0, 16)
+    p = tl.load(packed_ptr + g[:, None] * 16 + pcols[None, :], mask=gmask[:, None], other=0)
+    p = p.to(tl.int32)
+    byte = tl.load(scale_ptr + g, mask=gmask, other=127).to(tl.int32)
+    # Scale bytes 0..2 (subnormal products) and 255 (NaN) need the general decoder; real weights
+    # never have them, so a tile takes the cheap one unless one of its blocks does (uniform branch).
+    special = ((byte < 3) | (byte == 255)).to(tl.int32)
+    if tl.max(special, axis=0) > 0:
+        s = (byte - 127)[:, None]
+        lo = _decode_bits_general(p & 15, s)
+        hi = _decode_bits_general(p >> 4, s)
+    else:
+        k = (2 * byte - 2)[:, None]  # 252 + 2 * (byte - 127)
+        lo = _decode_bits_fast(p & 15, k)
+        hi = _decode_bits_fast(p >> 4, k)
+    bits = tl.reshape(tl.join(lo, hi), (GROUPS, 32))  # interleave: low nibble first
+    if OUT_KIND == 0:
+        # Every decoded value fits bf16 exactly (<= 2 significant bits): keep the top half.
+        out = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    elif OUT_KIND == 1:
+        out = bits.to(tl.float32, bitcast=True).to(tl.float16)
+    else:
+        out = bits.to(tl.float32, bitcast=True)
+    cols = tl.arange(0, 32)
+    tl.store(out_ptr + g[:, None] * 32 + cols[None, :], out, mask=gmask[:, None])
+
+
+def quantize_triton(
+    w: torch.Tensor, *, scale_rule: str = "compressed-tensors", name: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton path of `mxfp4.quantize`; same contract. A non-contiguous w is copied first."""
+    mxfp4._check_scale_rule(scale_rule)
+    mxfp4._check_quantize_input(w)
+    n = w.shape[-1]
+    lead = w.shape[:-1]
+    packed = torch.empty(*lead, n // 2, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(*lead, n // mxfp4.BLOCK, dtype=torch.uint8, device=w.device)
+    n_groups = scale.numel()
+    if n_groups == 0:
+        return packed, scale
+    x = w.contiguous()
+    grid = (triton.cdiv(n_groups, QUANT_GROUPS),)
+    _mxfp4_quantize_kernel[grid](
+        x,
+        packed,
+        scale,
+        n_groups,
+        ROUND_BIAS=mxfp4._ROUND_BIAS[scale_rule],
+        NEG_ZERO_FIELD=mxfp4._NEG_ZERO_FIELD[w.dtype],
+        IS_BF16=w.dtype == torch.bfloat16,
+        GROUPS=QUANT_GROUPS,
+        num_warps=QUANT_WARPS,
+    )
+    if bool((scale == mxfp4._NAN_SCALE).any()):
+        mxfp4._raise_non_finite(w, name)
+    return packed, scale
+
+
+_OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def dequantize_triton(
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Triton path of `mxfp4.dequantize`; same contract."""
+    mxfp4._check_dequantize_input(packed, scale, dtype)
+    lead, n = packed.shape[:-1], packed.shape[-1] * 2
+    out = torch.empty(*lead, n, dtype=dtype, device=packed.device)
+    n_groups = scale.numel()
+    if n_groups == 0:
+        return out
+    grid = (triton.cdiv(n_groups, DEQUANT_GROUPS),)
+    _mxfp4_dequantize_kernel[grid](
+        packed.contiguous(),
+        scale.contiguous(),
+        out,
+        n_groups,
+        OUT_KIND=_OUT_KIND[dtype],
+        GROUPS=DEQUANT_GROUPS,
+        num_warps=DEQUANT_WARPS,
+    )
+    return out
