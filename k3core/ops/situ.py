@@ -17,8 +17,9 @@ H = 3072 that is more than 100 GB at 100k tokens per GPU. `situ_glu` saves only 
 output element in bf16: 1/6 of that) and recomputes tanh/sigmoid in backward.
 
 Paths, all behind one `torch.autograd.Function`:
-  * CUDA with triton importable: one fused forward kernel and one fused backward kernel that
-    writes d_gate and d_up (`k3core/ops/situ_triton.py`); no fp32 temporaries at all.
+  * CUDA with triton importable, fp16/bf16/fp32 input: one fused forward kernel and one fused
+    backward kernel that writes d_gate and d_up (`k3core/ops/situ_triton.py`); no fp32
+    temporaries at all.
   * otherwise (CPU, or CUDA without triton): torch ops streamed over row chunks through one
     fixed-size fp32 workspace, so no full-size fp32 temporary ever exists.
 
