@@ -91,7 +91,7 @@ def saturating_input(dtype, device="cpu", rows=4):
 # --- values and gradients (CPU, streamed torch path) -------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(3, 5, 16), (7, 6), (2,)])
+@pytest.mark.parametrize("shape", [(3, 2, 16), (7, 6), (2,)])
 def test_gradcheck_fp64(shape):
     torch.manual_seed(0)
     x = (torch.randn(shape, dtype=torch.float64) * 4).requires_grad_()
@@ -121,9 +121,9 @@ def test_fp32_matches_reference():
 
 
 def test_bf16_at_scale_vs_fp32_reference():
-    """bf16 input, 2M outputs: one bf16 rounding of an fp32 result, vs the fp32 reference."""
+    """bf16 input, 1M outputs: one bf16 rounding of an fp32 result, vs the fp32 reference."""
     torch.manual_seed(3)
-    R, H = 16 * 128, 1024
+    R, H = 16 * 64, 1024
     x = (torch.randn(R, 2 * H) * 4).bfloat16()
     grad = torch.randn(R, H).bfloat16()
     out, dx = run_op(situ_glu, x, grad)
@@ -216,7 +216,7 @@ def test_saved_bytes_exactly_the_input(dtype):
 
 def test_peak_memory_bounded_by_workspace_cpu():
     torch.manual_seed(5)
-    R, H, ws = 512, 256, 64 * 2**10
+    R, H, ws = 256, 256, 64 * 2**10
     assert R > rows_per_chunk(H, ws, FWD_BUFFERS) and R > rows_per_chunk(H, ws, BWD_BUFFERS)
     x = torch.randn(R, 2 * H).bfloat16().requires_grad_()
     grad = torch.randn(R, H).bfloat16()
