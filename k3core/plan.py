@@ -961,6 +961,8 @@ def plan(config: K3Config, hardware: str | Hardware, tokens_per_gpu: float, layo
             "kda_layers": sum(1 for i in range(config.num_hidden_layers) if config.layer_type(i) == "kda"),
             "mla_layers": sum(1 for i in range(config.num_hidden_layers) if config.layer_type(i) == "mla"),
             "moe_layers": len(config.moe_layers), "attn_res_blocks": config.num_attn_res_blocks,
+            "layer_kinds": [f"{config.layer_type(i).upper()} + {'MoE' if config.is_moe_layer(i) else 'dense MLP'}"
+                            for i in range(config.num_hidden_layers)],
             "total_params": pc.total, "active_params": pc.active, "routed_params": pc.routed,
             "routed_active_params": pc.routed_active, "routed_active_fraction": pc.routed_active / pc.active,
             "params_by_kind": pc.by_kind,
@@ -1079,8 +1081,11 @@ def format_plan(p: dict[str, Any], config_name: str = "config") -> str:
     rows.append(["total peak", "", "", _gb(t["no_ac_streaming"]), _gb(t["no_ac_naive"]), _gb(t["ac_streaming"]),
                  _gb(t["ac_naive"])])
     L += _table(["term", "per layer (stream / naive)", "layers", "no AC, stream", "no AC, naive", "AC, stream", "AC, naive"], rows)
-    L.append("  (per layer: the largest layer with the term; SiTU stream/naive = streaming op vs plain autograd;"
-             " totals are peaks: loss-head and layer backward peaks do not coincide)")
+    w = ctx["worst_layer_streaming"]
+    L.append(f"  (per layer: the largest layer with the term; SiTU stream/naive = streaming op vs plain autograd; "
+             f"AC columns: what checkpointing keeps plus the recomputed layer that peaks, layer {w} "
+             f"({p['model']['layer_kinds'][w]}); totals are peaks: the loss head and the layers' backward peak "
+             f"at different times)")
     L.append("")
     L.append("GPUs per training replica (ideal sharding; bf16 weights+grads on GPU beside the worst stage's "
              "context bytes, optimizer state in host RAM)")
@@ -1118,15 +1123,15 @@ def format_plan(p: dict[str, Any], config_name: str = "config") -> str:
     L.append("")
     c = p["checkpoint"]
     L.append(f"Checkpoints (filesystem {c['fs_gbps']} GB/s)")
-    L += _table(["checkpoint", "TB", "bytes/param", "save minutes"], [
-        [lab, f"{c[k]['bytes'] / 1e12:.2f}", f"{c[k]['bytes_per_param']:.2f}", f"{c[k]['seconds'] / 60:.1f}"]
+    L += _table(["checkpoint", "GB", "bytes/param", "save minutes"], [
+        [lab, _gb(c[k]["bytes"]), f"{c[k]['bytes_per_param']:.2f}", f"{c[k]['seconds'] / 60:.1f}"]
         for k, lab in (("model_bf16", "model, bf16"), ("model_mxfp4", "model, MXFP4 routed experts"),
                        ("training_state", "full training state"))])
     L.append("")
     lay = p["layout"]
     ly = lay["layout"]
     L.append(f"Layout TP={ly['tp']} EP={ly['ep']} PP={ly['pp']} CP={ly['cp']} DP={ly['dp']} "
-             f"FSDP={'on' if ly['fsdp'] else 'off'}: {lay['world']} GPUs on {lay['nodes']} node(s); "
+             f"FSDP={'on' if ly['fsdp'] else 'off'}: {lay['world']} GPU(s) on {lay['nodes']} node(s); "
              f"streaming SiTU + streamed Adam; stages {lay['pp_layers']} "
              f"({'aligned to AttnRes blocks' if lay['pp_aligned'] else 'splits AttnRes blocks'}), "
              f"utilisation {100 * lay['pp_utilisation']:.3f}%")
