@@ -1,0 +1,104 @@
+"""The RL flow end to end on the tiny preset, in Prefect's embedded mode: an uninterrupted run, and a
+run that crashes mid-iteration (a user environment that raises) then resumes with the same run id,
+skipping every finished stage and ending bit-identical to the uninterrupted run."""
+
+import json
+import textwrap
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from flows.pipeline import RLSettings, rl_run
+from k3core.rl.data import SCORED_SCHEMA
+from tasks import engines
+
+ENV_SRC = textwrap.dedent('''
+    import os
+    from k3core.rl.envs import AdditionEnv
+
+    class FlakyAddition(AdditionEnv):
+        """Addition whose scorer crashes while the file named by K3RL_TEST_CRASH_FILE exists."""
+        name = "flaky-add"
+        def reward(self, prompt, completion):
+            marker = os.environ.get("K3RL_TEST_CRASH_FILE")
+            if marker and os.path.exists(marker):
+                raise RuntimeError("injected scorer crash")
+            return super().reward(prompt, completion)
+
+    def make():
+        return FlakyAddition()
+''')
+
+
+def _settings(root: Path, run_id: str, **kw) -> RLSettings:
+    base = dict(preset="tiny", source="init:tiny:3", env="flaky_env_for_tests:make", iterations=2,
+                artifacts=str(root), run_id=run_id, prompts_per_iteration=4, samples_per_prompt=4,
+                max_new_tokens=4, warmup_steps=3, warmup_batch=8, eval_prompts=8, eval_every=1, lr=1e-3)
+    base.update(kw)
+    return RLSettings(**base)
+
+
+def _final_model(root: Path, run_id: str):
+    from k3core.rl.stages import load_trainer_state
+
+    latest = json.loads((root / "runs" / run_id / "latest.json").read_text())
+    path = Path(latest["checkpoint"].removeprefix("file://")) / "state"
+    return latest, load_trainer_state(path, lr=0.0)[0].state_dict()
+
+
+@pytest.mark.slow
+def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypatch, prefect_harness):
+    (tmp_path / "flaky_env_for_tests.py").write_text(ENV_SRC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "crash-now"
+    monkeypatch.setenv("K3RL_TEST_CRASH_FILE", str(marker))
+
+    # A: uninterrupted
+    engines.clear()
+    sa = rl_run(_settings(tmp_path / "a", "run-a"))
+    assert sa["iterations"] == 2
+
+    # B: the scorer crashes in iteration 1 (after iteration 0 and rollout 1 finished)
+    import k3core.rl.stages as stages
+
+    calls = {"rollout": 0}
+    real_rollout = stages.rollout_table
+
+    def counting_rollout(*a, **k):
+        calls["rollout"] += 1
+        if calls["rollout"] == 2:
+            marker.write_text("crash")  # the scorer of iteration 1 will raise
+        return real_rollout(*a, **k)
+
+    monkeypatch.setattr(stages, "rollout_table", counting_rollout)
+    engines.clear()
+    with pytest.raises(Exception, match="injected scorer crash"):
+        rl_run(_settings(tmp_path / "b", "run-b"))
+    assert calls["rollout"] == 2
+    root_b = tmp_path / "b" / "runs" / "run-b"
+    assert (root_b / "iter-0000" / "scored.parquet").exists()
+    assert (root_b / "iter-0001" / "rollouts.parquet").exists()
+    assert not (root_b / "iter-0001" / "scored.parquet").exists()
+    assert json.loads((root_b / "latest.json").read_text())["iteration"] == 1  # the crash kept latest intact
+    rollouts_before = (root_b / "iter-0001" / "rollouts.parquet").stat().st_mtime_ns
+
+    # B again: a new "process" (no live engine), same run id; the crash is gone
+    marker.unlink()
+    engines.clear()
+    sb = rl_run(_settings(tmp_path / "b", "run-b"))
+    assert calls["rollout"] == 2, "finished rollouts were recomputed"
+    assert (root_b / "iter-0001" / "rollouts.parquet").stat().st_mtime_ns == rollouts_before
+
+    la, ma = _final_model(tmp_path / "a", "run-a")
+    lb, mb = _final_model(tmp_path / "b", "run-b")
+    assert la["iteration"] == lb["iteration"] == 2
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+    ta = pq.read_table(tmp_path / "a" / "runs" / "run-a" / "iter-0001" / "scored.parquet")
+    tb = pq.read_table(root_b / "iter-0001" / "scored.parquet")
+    assert ta.schema.equals(SCORED_SCHEMA) and ta.equals(tb)
+    assert sa["heldout_reward_end"] == sb["heldout_reward_end"]
+    summary = json.loads((root_b / "summary.json").read_text())
+    assert set(summary["seconds_per_stage"]) >= {"rollout", "score", "train", "save", "transfer"}

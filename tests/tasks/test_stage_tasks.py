@@ -1,0 +1,154 @@
+"""Each stage body on the tiny preset, called directly (no Prefect server): outputs, schemas, and
+bad inputs that must fail clearly and leave earlier artifacts intact."""
+
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from prefect.logging import disable_run_logger
+
+from k3core.rl.data import ROLLOUT_SCHEMA, SCORED_SCHEMA
+from tasks import engines
+from tasks.fetch import fetch_checkpoint
+from tasks.quantize import quantize_mxfp4
+from tasks.rollout import rollout
+from tasks.save import save_checkpoint
+from tasks.score import score_rewards
+from tasks.train import train_step
+from tasks.transfer import transfer_weights
+from tasks.validate import validate_checkpoint
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """fetch -> validate -> quantize -> rollout -> score -> train -> save -> transfer, once."""
+    root = str(tmp_path_factory.mktemp("art"))
+    engines.clear()
+    with disable_run_logger():
+        ck = fetch_checkpoint("init:tiny:1", root, "runs/t/source")
+        rep = validate_checkpoint(ck, root, "runs/t/source.validation.json", "tiny")
+        w = quantize_mxfp4(ck | {"kind": "hf", "version": 0}, root, "runs/t/rollout-weights-v0")
+        ro = rollout("t", 0, w, "add", 4, 4, 5, 1.0, 1.0, 0, root, "runs/t/iter-0000/rollouts.parquet")
+        sc = score_rewards(ro, "add", 4, root, "runs/t/iter-0000/scored.parquet")
+        # make sure the batch carries signal whatever the random policy scored
+        t = pq.read_table(sc["path"])
+        tr = train_step(ck | {"kind": "hf"}, sc, 0, 1e-3, 0.2, 0.28, 2.0, True, 1.0, root, "runs/t/iter-0000/trainer")
+        sv = save_checkpoint(tr, "t", 1, root, "runs/t/checkpoints/iter-0001", "runs/t/latest.json")
+        xf = transfer_weights("t", sv, quantized=False)
+    return dict(root=root, ck=ck, rep=rep, w=w, ro=ro, sc=sc, tr=tr, sv=sv, xf=xf, table=t)
+
+
+def test_fetch_and_validate(pipeline):
+    ck, rep = pipeline["ck"], pipeline["rep"]
+    assert Path(ck["path"], "model.safetensors.index.json").exists()
+    report = json.loads(Path(rep["uri"].removeprefix("file://")).read_text())
+    assert report and rep["ok"]
+
+
+def test_quantized_weights_are_mxfp4_release_layout(pipeline):
+    idx = json.loads(Path(pipeline["w"]["path"], "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(k.endswith("experts.0.w1.weight_packed") for k in idx)
+    assert any(k.endswith("experts.0.w1.weight_scale") for k in idx)
+    cfg = json.loads(Path(pipeline["w"]["path"], "config.json").read_text())
+    assert cfg["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+
+
+def test_rollout_and_scored_parquet_schemas(pipeline):
+    ro = pq.read_table(pipeline["ro"]["path"])
+    sc = pq.read_table(pipeline["sc"]["path"])
+    assert ro.schema.equals(ROLLOUT_SCHEMA) and sc.schema.equals(SCORED_SCHEMA)
+    assert ro.num_rows == 16
+    r = ro.to_pylist()[0]
+    assert len(r["logprobs"]) == len(r["output_ids"]) >= 1
+    from k3core.config import K3Config
+
+    c = K3Config.preset("tiny")
+    positions = len(r["prompt_ids"]) + len(r["output_ids"]) - 1
+    assert len(r["routing"]) == positions * len(c.moe_layers) * c.num_experts_per_token
+    # group-normalised advantages: zero mean per group of 4
+    adv = torch.tensor(sc.column("advantage").to_pylist()).view(-1, 4)
+    torch.testing.assert_close(adv.mean(1), torch.zeros(4), atol=1e-5, rtol=0)
+
+
+def test_save_publishes_manifest_and_latest(pipeline):
+    sv = pipeline["sv"]
+    man = json.loads(Path(sv["manifest"].removeprefix("file://")).read_text())
+    assert man["iteration"] == 1 and man["files"]
+    latest = json.loads(Path(pipeline["root"], "runs/t/latest.json").read_text())
+    assert latest["checkpoint"] == sv["uri"]
+
+
+def test_after_transfer_engine_logprobs_equal_trainer(pipeline):
+    """Without quantization the engine (cached AttnRes scores, cached decode) reproduces the trainer."""
+    from k3core.rl.stages import load_trainer_state
+
+    eng = engines.get("t")
+    assert eng.weight_version == pipeline["sv"]["version"] == 1
+    model, _, _ = load_trainer_state(pipeline["sv"]["path"], lr=0.0)
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        want = model(ids[:, :-1], targets=ids[:, 1:], return_logprobs=True).logprobs
+        got = eng.model(ids[:, :-1], targets=ids[:, 1:], return_logprobs=True).logprobs
+    assert torch.equal(want, got)
+
+
+def test_transfer_without_refresh_leaves_stale_attnres_cache(pipeline):
+    """The regression a naive online update hits: skip the w*gamma refresh and logits change."""
+    from k3core.rl.stages import engine_state, load_trainer_state
+
+    eng = engines.get("t")
+    model, _, _ = load_trainer_state(pipeline["sv"]["path"], lr=0.0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("_res_proj.weight", "_res_norm.weight")):
+                p.add_(torch.randn_like(p))
+    ids = torch.randint(0, 256, (1, 6))
+    eng.load_weights(engine_state(model, False), 99, refresh=False)
+    with torch.no_grad():
+        stale = eng.model(ids).logits
+        eng.model.refresh_inference_caches()
+        fresh = eng.model(ids).logits
+        want = model(ids).logits
+    assert torch.equal(fresh, want)
+    assert not torch.allclose(stale, want)
+    engines.clear()
+
+
+def test_transfer_refuses_mismatched_weights(pipeline):
+    from k3core.rl.stages import build_engine
+
+    eng = build_engine(pipeline["ck"]["path"], 0)
+    sd = {k: v.clone() for k, v in eng.model.state_dict().items()}
+    before = eng.model.lm_head.weight.clone()
+    bad = dict(sd)
+    bad["lm_head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="refused"):
+        eng.load_weights(bad, 5)
+    assert eng.weight_version == 0 and torch.equal(eng.model.lm_head.weight, before)
+
+
+def test_bad_inputs_fail_clearly_and_keep_artifacts(pipeline, tmp_path):
+    root = pipeline["root"]
+    with disable_run_logger():
+        with pytest.raises(ValueError, match="unknown preset"):
+            fetch_checkpoint("init:huge:0", str(tmp_path), "runs/x/source")
+        with pytest.raises(ValueError, match="unknown environment"):
+            score_rewards(pipeline["ro"], "no-such-env", 4, root, "runs/t/iter-0000/scored-b.parquet")
+        # a corrupt checkpoint: a truncated shard fails validation and publishes no report
+        import shutil
+
+        bad = tmp_path / "bad"
+        shutil.copytree(pipeline["ck"]["path"], bad)
+        shard = next(bad.glob("model-*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:-100])
+        from k3core.checkpoint.validate import CheckpointValidationError
+
+        with pytest.raises(CheckpointValidationError):
+            validate_checkpoint({"path": str(bad), "sha256": "x"}, str(tmp_path), "bad.validation.json", "tiny")
+        assert not (tmp_path / "bad.validation.json").exists()
+        with pytest.raises(Exception):
+            validate_checkpoint({"path": str(tmp_path / "missing"), "sha256": "x"}, str(tmp_path), "m.json", "tiny")
+    # earlier artifacts are intact
+    assert pq.read_table(pipeline["sc"]["path"]).schema.equals(SCORED_SCHEMA)
