@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode
 
 from k3core.config import K3Config
 from k3core.model.k3 import FP32_NAME_SUFFIXES, K3ForCausalLM
+from k3core.ops.mxfp4 import BLOCK as MXFP4_BLOCK  # elements along the input dim sharing one E8M0 scale
 
 __all__ = [
     "PUBLIC_PREFIX", "OUT_OF_SCOPE_PREFIXES", "TARGETS", "MXFP4_BLOCK", "Entry", "Layout",
@@ -55,7 +56,6 @@ PUBLIC_PREFIX = "language_model."
 OUT_OF_SCOPE_PREFIXES = ("vision_tower.", "mm_projector.", "language_model.vision_tower.",
                          "language_model.mm_projector.")
 TARGETS = ("bf16", "mxfp4")
-MXFP4_BLOCK = 32  # elements along the input dimension sharing one E8M0 scale
 
 # Kept fp32 in public files whatever the model dtype: the same suffixes the model keeps fp32.
 FP32_SUFFIXES = FP32_NAME_SUFFIXES

@@ -66,7 +66,7 @@ def _audit_config(root: Path, config: K3Config | None) -> tuple[K3Config, str]:
         with open(p) as f:
             raw = json.load(f)
         ckpt = K3Config.from_hf_dict(raw)
-    except (json.JSONDecodeError, ValueError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSONDecodeError is a ValueError
         _fail("config", f"{p}: {e}")
     text = raw.get("text_config", raw) if isinstance(raw, dict) else {}
     qc = text.get("quantization_config")

@@ -278,6 +278,17 @@ def test_save_keeps_foreign_files_and_replaces_the_checkpoint(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
+def test_replacing_without_atomic_exchange_falls_back_to_two_renames(tmp_path, monkeypatch):
+    import k3core.checkpoint.files as files
+    d = tmp_path / "ck"
+    save_hf(seeded(tiny(), 1), d, max_shard_bytes=50_000)
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    with pytest.warns(RuntimeWarning, match="two renames"):
+        save_hf(seeded(tiny(), 2), d, max_shard_bytes=50_000)
+    assert load_hf(d)["lm_head.weight"].equal(seeded(tiny(), 2).state_dict()["lm_head.weight"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
 # ------------------------------------------------------------------------------- crash safety
 _CHILD = textwrap.dedent("""
     import os, sys, time
