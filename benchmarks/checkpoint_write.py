@@ -33,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -101,11 +102,22 @@ class _Sink(io.RawIOBase):
         return self.n
 
 
-def run_serialize_only(state: dict, _: Path) -> int:
-    sink = _Sink()
-    for t in state.values():
-        torch.save(t.cpu(), sink)
-    return sink.n
+def run_serialize_only(threads: int):
+    def run(state: dict, _: Path) -> int:
+        tensors = list(state.values())
+        sinks = [_Sink() for _ in range(threads)]
+
+        def work(i: int) -> None:
+            for t in tensors[i::threads]:
+                torch.save(t.cpu(), sinks[i])
+
+        workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return sum(s.n for s in sinks)
+    return run
 
 
 def run_dd(nbytes: int, bs: int):
@@ -148,8 +160,11 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=Path(__file__).resolve().parents[1] / "build" / "bench_ckpt")
     p.add_argument("--tensor-mib", type=int, default=256, help="size of one state-dict tensor")
     p.add_argument("--buffer-mib", type=int, default=16)
-    p.add_argument("--num-buffers", type=int, default=4)
+    p.add_argument("--num-buffers", type=int, default=None, help="default: 2 * thread_count + 2")
     p.add_argument("--io-threads", type=int, default=1)
+    p.add_argument("--thread-count", type=int, default=1,
+                   help="serialising threads (= files) per rank, for both writers; torch.save's "
+                        "CRC32 runs at ~2 GB/s per core, so a fast NVMe needs several")
     p.add_argument("--repeat", type=int, default=3, help="rounds; the order of the runs rotates")
     p.add_argument("--device", default="cpu")
     p.add_argument("--skip-dd", action="store_true")
@@ -169,15 +184,19 @@ def main() -> None:
     state = make_state(size, args.tensor_mib * MiB, args.device)
     payload = sum(t.numel() * t.element_size() for t in state.values())
     bs = args.buffer_mib * MiB
+    if args.num_buffers is None:
+        args.num_buffers = 2 * args.thread_count + 2
     print(f"# state: {len(state)} tensors, {payload / GiB:.3f} GiB; odirect pool "
-          f"{args.num_buffers} x {args.buffer_mib} MiB, {args.io_threads} I/O thread(s)")
+          f"{args.num_buffers} x {args.buffer_mib} MiB, {args.io_threads} I/O thread(s); "
+          f"thread_count={args.thread_count} for both writers")
 
     runs = {
-        "serialize-only": run_serialize_only,
-        "stock": run_writer(lambda d: FileSystemWriter(d)),
+        "serialize-only": run_serialize_only(args.thread_count),
+        "stock": run_writer(lambda d: FileSystemWriter(d, thread_count=args.thread_count)),
         "odirect": run_writer(
             lambda d: ODirectFileSystemWriter(
-                d, buffer_bytes=bs, num_buffers=args.num_buffers, io_threads=args.io_threads
+                d, buffer_bytes=bs, num_buffers=args.num_buffers, io_threads=args.io_threads,
+                thread_count=args.thread_count,
             )
         ),
     }

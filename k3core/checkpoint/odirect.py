@@ -262,7 +262,8 @@ class _IOThreads:
     """Threads that pwrite submitted buffers and hand them back to the pool.
 
     A failure is recorded on the file it belongs to (`_AlignedFile.error`); the serialising thread
-    raises it at its next write or at commit. Buffers are always returned, so nothing deadlocks.
+    raises it after the current item or at commit. Buffers are always returned, so nothing
+    deadlocks.
     """
 
     def __init__(self, pool: AlignedBufferPool, threads: int) -> None:
@@ -516,10 +517,13 @@ class ODirectFileSystemWriter(FileSystemWriter):
         sync_files: fsync data files, metadata and directory (default True). Without it a crash
             can leave a published checkpoint whose data never reached the disk.
         thread_count: serialising threads per rank (each writes its own file).
-        per_thread_copy_ahead, cache_staged_state_dict, overwrite: passed to `FileSystemWriter`.
+        per_thread_copy_ahead, cache_staged_state_dict, overwrite: passed to `FileSystemWriter`
+            (per_thread_copy_ahead is accepted for compatibility; items are copied to the host
+            one at a time, just before they are serialised).
         buffer_bytes: size of one pool buffer, a multiple of the page size and of the direct-I/O
             alignment; it is also the size of one pwrite.
-        num_buffers: pool size (>= 2: one being filled while another is written).
+        num_buffers: pool size, >= 2 (one being filled while another is written); default
+            2 * thread_count + 2. Host memory for file data is num_buffers * buffer_bytes.
         io_threads: threads issuing pwrites (more than one keeps several writes in flight).
         direct: False writes through the page cache (same pipeline, no warning).
         remove_stale: after publishing, delete `__*_*.distcp` files that the new metadata does not
@@ -541,7 +545,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
         serialization_format: Any = None,
         *,
         buffer_bytes: int = 16 * MiB,
-        num_buffers: int = 4,
+        num_buffers: int | None = None,
         io_threads: int = 1,
         direct: bool = True,
         remove_stale: bool = True,
@@ -550,6 +554,8 @@ class ODirectFileSystemWriter(FileSystemWriter):
             raise ValueError("ODirectFileSystemWriter does not support stream-transform _extensions")
         if serialization_format is not None and getattr(serialization_format, "value", None) != "torch_save":
             raise ValueError("ODirectFileSystemWriter writes the TORCH_SAVE format only")
+        if num_buffers is None:
+            num_buffers = 2 * thread_count + 2
         if num_buffers < 2 or io_threads < 1 or thread_count < 1:
             raise ValueError("need num_buffers >= 2, io_threads >= 1, thread_count >= 1")
         if buffer_bytes % _DEFAULT_ALIGN or buffer_bytes % mmap.PAGESIZE:
@@ -619,7 +625,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
         results: list[WriteResult] = []
         failures: list[BaseException] = []
         lock = threading.Lock()
-        pool = AlignedBufferPool(max(self.num_buffers, 2), self.buffer_bytes)
+        pool = AlignedBufferPool(self.num_buffers, self.buffer_bytes)
         io = _IOThreads(pool, self.io_threads)
 
         def serialise() -> None:

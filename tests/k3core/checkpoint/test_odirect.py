@@ -42,7 +42,10 @@ REPO = Path(__file__).resolve().parents[3]
 KiB, MiB = 1 << 10, 1 << 20
 
 # dcp.save/load outside torch.distributed warn that they assume a single process
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.timeout(300),  # a pipeline deadlock fails instead of hanging the suite
+]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -235,8 +238,9 @@ def wait_child(pid: int, timeout: float = 120) -> int:
         dict(buffer_bytes=64 * KiB, num_buffers=2),  # many buffer boundaries inside items
         dict(buffer_bytes=1 * MiB, io_threads=2, thread_count=3),  # several files per rank
         dict(buffer_bytes=256 * KiB, single_file_per_rank=False),  # one file per item
+        dict(buffer_bytes=64 * KiB, num_buffers=2, thread_count=3, io_threads=2),  # starved pool
     ],
-    ids=["tiny-buffers", "threads", "file-per-item"],
+    ids=["tiny-buffers", "threads", "file-per-item", "fewer-buffers-than-threads"],
 )
 def test_loads_with_stock_reader_bit_exact(disk_dir: Path, options: dict) -> None:
     state = make_state(seed=1)
@@ -561,8 +565,6 @@ def test_killed_writer_never_publishes_missing_data(disk_dir: Path, previous: bo
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
 
-    debris = {p.name for p in data_files(ckpt)} - before
-    assert debris, "the killed save left no partial data file: it was not killed mid-save"
     if previous:
         # the old checkpoint is still published, complete, and loads bit-exactly
         assert (ckpt / ".metadata").read_bytes() == old_metadata
@@ -570,6 +572,8 @@ def test_killed_writer_never_publishes_missing_data(disk_dir: Path, previous: bo
         assert_bit_exact(load_stock(ckpt, old), old)
     else:
         assert not (ckpt / ".metadata").exists()
+    debris = {p.name for p in data_files(ckpt)} - before
+    assert debris, "the killed save left no partial data file: it was not killed mid-save"
 
     # the next successful save publishes and sweeps the debris
     new = make_state(seed=12)
