@@ -275,7 +275,7 @@ class Layout:
 class Kernels:
     """Which implementation the activation estimate assumes (SiTU-GLU is evaluated both ways).
 
-    ``elementwise``: ``"eager"`` = k3core today (RMSNorm, the AttnRes mix and the KDA short
+    ``elementwise``: ``"eager"`` = k3core today (RMSNorm, the AttnRes mix, the KDA gate and short
     convolution keep fp32 copies of their inputs for backward); ``"fused"`` = fused kernels that
     keep only their bf16 inputs and fp32 per-row statistics.
     ``logits_chunk``: 0 = k3core today (full ``[T, vocab]`` logits, an fp32 copy saved for the
@@ -755,8 +755,9 @@ class ReplicaSize:
     bound: str                      # "hbm", "host" or "infeasible"
 
 
-def _context_peak_per_gpu(config, tokens, layout: Layout, kernels, situ_streaming, ac, explicit=None) -> float:
-    st = stage_layout(config, layout.pp, explicit if explicit is not None else layout.pp_layout)
+def _context_peak_per_gpu(config, tokens, layout: Layout, kernels, situ_streaming, ac) -> float:
+    """Context bytes of the layout's worst pipeline stage (1F1B: stage s holds PP - s micro-batches)."""
+    st = stage_layout(config, layout.pp, layout.pp_layout)
     worst = 0.0
     for s, (start, n) in enumerate(zip(st.starts, st.layers)):
         m = stage_memory(config, tokens, range(start, start + n), inflight=layout.pp - s,
