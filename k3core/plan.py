@@ -38,7 +38,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from k3core.config import K3Config
@@ -58,8 +58,7 @@ BF16, FP32, INT64 = 2, 4, 8
 MASTER_FP32, MOMENTS_BF16, HOST_GRAD_FP32 = 4, 2 + 2, 4
 # On the GPU: bf16 weights and bf16 gradients (reduce-scattered to the owning shard).
 GPU_WEIGHT_BF16, GPU_GRAD_BF16 = 2, 2
-# Bytes a training checkpoint holds per parameter beyond the model: the optimizer state.
-# (Model bf16 2 + master 4 + moments 4 = 10 bytes/param, the published ~28 TB.)
+# A training checkpoint: bf16 model 2 + master 4 + moments 4 = 10 bytes/param (the published ~28 TB).
 
 
 # =====================================================================================  hardware
