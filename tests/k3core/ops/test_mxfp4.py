@@ -21,6 +21,7 @@ RULES = ("compressed-tensors", "ocp")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (tells -0.0 from 0.0); any NaN matches any NaN."""
     assert a.dtype == b.dtype and a.shape == b.shape
