@@ -146,6 +146,28 @@ print((status('VmHWM') - before) / 1024)
     return float(res.stdout.strip().splitlines()[-1])
 
 
+def sweep_tiles(w, packed, scale, repeats: int, traffic: float, copy_gbs: float) -> None:
+    """Time the Triton kernels (no finite check) at other (blocks per program, warps) settings."""
+    from k3core.ops import mxfp4_triton as kt
+
+    saved = (kt.QUANT_GROUPS, kt.QUANT_WARPS, kt.DEQUANT_GROUPS, kt.DEQUANT_WARPS)
+    print("\nTriton tile sweep (traffic GB/s, % of copy):")
+    try:
+        for groups in (32, 64, 128, 256):
+            for warps in (2, 4, 8):
+                kt.QUANT_GROUPS = kt.DEQUANT_GROUPS = groups
+                kt.QUANT_WARPS = kt.DEQUANT_WARPS = warps
+                out_q = kt.quantize_triton(w, check_finite=False)
+                assert torch.equal(out_q[0], packed) and torch.equal(out_q[1], scale)
+                q_ms, _ = time_ms(lambda: kt.quantize_triton(w, check_finite=False), "cuda", repeats)
+                d_ms, _ = time_ms(lambda: kt.dequantize_triton(packed, scale), "cuda", repeats)
+                q, d = traffic / q_ms / 1e6, traffic / d_ms / 1e6
+                print(f"  groups {groups:3d} warps {warps}: quantize {q:7.0f} ({100 * q / copy_gbs:3.0f}%)"
+                      f"  dequantize {d:7.0f} ({100 * d / copy_gbs:3.0f}%)")
+    finally:
+        kt.QUANT_GROUPS, kt.QUANT_WARPS, kt.DEQUANT_GROUPS, kt.DEQUANT_WARPS = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -154,6 +176,7 @@ def main() -> None:
     parser.add_argument("--cols", type=int)
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--library-rows", type=int, help="rows given to compressed-tensors on CPU (it is slow)")
+    parser.add_argument("--sweep", action="store_true", help="CUDA: also time other Triton tile sizes")
     parser.add_argument(
         "--threads", type=int, default=1,
         help="torch.set_num_threads on CPU (default 1: on a busy 2-core host OpenMP threads spin)",
@@ -217,6 +240,9 @@ def main() -> None:
     if device == "cuda":
         bench("dequantize: k3core torch path", lambda: mxfp4.dequantize_torch(packed, scale), same_d, traffic_d)
     bench("dequantize: naive torch", lambda: naive_dequantize(packed, scale), same_d, traffic_d)
+
+    if args.sweep and device == "cuda" and mxfp4.triton_available():
+        sweep_tiles(w, packed, scale, repeats, traffic_q, copy_gbs)
 
     codec = library_codec()
     if codec is not None:
