@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    handler = getattr(args, "fn", None) or getattr(args, "func")
     try:
-        return args.fn(args) or 0
+        return handler(args) or 0
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"k3rl: error: {e}", file=sys.stderr)
         return 2
