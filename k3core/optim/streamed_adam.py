@@ -9,16 +9,17 @@ Memory, for N parameter elements on this rank:
             A_log and dt_bias) and their gradients [N], exactly as without offload.
     host:   master fp32 [N] (4 B) + exp_avg bf16 [N] (2 B) + exp_avg_sq bf16 [N] (2 B) = 8 B/param,
             a 4-byte step counter per parameter tensor, and fixed chunk buffers independent of N:
-            2 gradient stages + 2 weight stages [C] (pinned), 3 fp32 scratch [C], a 4 MiB noise table.
+            2 gradient stages + 2 weight stages [C] (pinned), 3 fp32 scratch tiles, a 4 MiB noise table.
     There is never a host gradient buffer of size N; the usual offload optimizers keep one
     (torchao CPUOffloadOptimizer, ZeRO-Offload, Megatron HybridDeviceOptimizer: 12 B/param).
 
 One step (C = chunk_numel; chunks k = 0..K-1 cut from the parameters in order, see `_plan`):
     copy stream (D2H): gradient segments of chunk k+1 -> grad stage[(k+1) % 2]
-    host:              wait for chunk k's gradients; bf16 gradient and moments -> fp32 scratch;
-                       torch's fused CPU AdamW kernel on the fp32 master; moments back to bf16 with
-                       stochastic rounding (k3core.optim.stochastic_rounding says why);
-                       master -> weight dtype (round to nearest) into weight stage[k % 2]
+    host:              wait for chunk k's gradients; then tile by tile (cache-sized pieces):
+                       bf16 gradient and moments -> fp32 scratch; torch's fused CPU AdamW kernel on
+                       the fp32 master; moments back to bf16 with stochastic rounding
+                       (k3core.optim.stochastic_rounding says why); master -> weight dtype (round
+                       to nearest) into weight stage[k % 2]
     copy stream (H2D): weight stage[k % 2] -> the device weights of chunk k
     Both copy directions overlap the host update of the neighbouring chunks (CUDA events order
     them); the compute stream waits for the last H2D copy before step() returns. Without a GPU the
@@ -71,17 +72,28 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return local.view(-1)
 
 
-def global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+def _sum_of_squares_fp32(t: torch.Tensor, piece: int) -> torch.Tensor:
+    """sum(t^2) accumulated in fp32, cast `piece` elements at a time: asking vector_norm for an
+    fp32 result casts the whole tensor first (a full-size temporary), a bf16 result rounds the norm."""
+    flat = t.reshape(-1)
+    total = torch.zeros((), dtype=torch.float32, device=t.device)
+    for start in range(0, flat.numel(), piece):
+        total += torch.linalg.vector_norm(flat[start : start + piece], dtype=torch.float32).square()
+    return total
+
+
+def global_grad_norm(grads: list[torch.Tensor], piece: int = 1 << 22) -> torch.Tensor:
     """L2 norm of all gradients together, accumulated in fp32 on their device: a 0-d tensor.
 
     DTensor gradients (FSDP2 shards) contribute their local shard, and the squared sums are
     all-reduced over every mesh dimension they are sharded on; replicated dimensions are not
-    summed (that would count a shard twice). Partial placements are refused.
+    summed (that would count a shard twice). Partial placements are refused. Temporary memory:
+    at most `piece` fp32 elements.
     """
     totals: list[tuple[Any, tuple[int, ...], torch.Tensor]] = []  # (mesh, sharded dims, sum of squares)
     for g in grads:
         local = _local(g)
-        sq = torch.linalg.vector_norm(local, dtype=torch.float32).square()
+        sq = _sum_of_squares_fp32(local, piece)
         mesh, dims = None, ()
         if _is_dtensor(g):
             for d, pl in enumerate(g.placements):
@@ -208,8 +220,10 @@ class StreamedAdamW(torch.optim.Optimizer):
             the device: bf16 ones receive the master rounded to nearest, fp32 ones (KDA A_log,
             dt_bias, ...) the master itself.
         lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled decay), per group.
-        chunk_numel: elements per chunk C; sets the fixed host buffers (about 24 B x C for bf16
-            weights with bf16 moments) and the copy granularity. Need not divide parameter sizes.
+        chunk_numel: elements per chunk C, the copy granularity; sets the pinned stages (8 B x C
+            for bf16 weights and grads). Need not divide parameter sizes.
+        tile_numel: elements the host updates at a time within a chunk (cache blocking); sets the
+            fp32 scratch (12 B x tile). Any value gives the same result.
         max_grad_norm: clip the global gradient L2 norm to this (computed on the device before
             streaming, as clip_grad_norm_ with eps 1e-6); None disables. The unclipped norm is kept
             in `last_grad_norm`. A non-finite norm raises FloatingPointError and leaves state as is.
@@ -232,6 +246,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         chunk_numel: int = 1 << 22,
+        tile_numel: int = 1 << 18,
         max_grad_norm: float | None = None,
         moment_dtype: torch.dtype = torch.bfloat16,
         moment_rounding: str = "stochastic",
@@ -249,6 +264,8 @@ class StreamedAdamW(torch.optim.Optimizer):
             errors.append(f"weight_decay must be >= 0, got {weight_decay}")
         if chunk_numel < 1:
             errors.append(f"chunk_numel must be >= 1, got {chunk_numel}")
+        if tile_numel < 1:
+            errors.append(f"tile_numel must be >= 1, got {tile_numel}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             errors.append(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if moment_dtype not in (torch.bfloat16, torch.float32):
@@ -285,6 +302,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._pin = pin
 
         total = self._numel = sum(_local(p).numel() for p in self._params)
+        self._tile = max(1, min(int(tile_numel), self.chunk_numel, total))
         self._master_arena = HostArena(total, torch.float32, pin)
         self._exp_avg_arena = HostArena(total, moment_dtype, pin)
         self._exp_avg_sq_arena = HostArena(total, moment_dtype, pin)
@@ -331,7 +349,8 @@ class StreamedAdamW(torch.optim.Optimizer):
             return loss
         grad_scale = None
         if self.max_grad_norm is not None:
-            norm = float(global_grad_norm([p.grad for _, p in work]))
+            piece = self.chunk_numel if self.device.type == "cuda" else self._tile  # bounds the fp32 temporary
+            norm = float(global_grad_norm([p.grad for _, p in work], piece=piece))
             self.last_grad_norm = norm
             if not math.isfinite(norm):
                 raise FloatingPointError(f"gradient norm is {norm}; step skipped")
@@ -391,10 +410,8 @@ class StreamedAdamW(torch.optim.Optimizer):
             self._stage_itemsize["weight"] = wsz
             self._transport = None
         if not self._scratch:
-            self._scratch["grad"] = torch.empty(C, dtype=torch.float32)
-            if self.moment_dtype != torch.float32:
-                self._scratch["exp_avg"] = torch.empty(C, dtype=torch.float32)
-                self._scratch["exp_avg_sq"] = torch.empty(C, dtype=torch.float32)
+            names = ("grad",) if self.moment_dtype == torch.float32 else ("grad", "exp_avg", "exp_avg_sq")
+            self._scratch = {k: torch.empty(self._tile, dtype=torch.float32) for k in names}
         if self._transport is None:
             self._transport = _ChunkTransport(self.device, self._grad_stages, self._weight_stages)
 
@@ -408,34 +425,66 @@ class StreamedAdamW(torch.optim.Optimizer):
             if k + 1 < len(chunks):  # its slot was emptied by the host update of chunk k-1
                 io.fetch_grads(chunks[k + 1], 1 - slot)
             grads = io.wait_grads(slot)
-            self._update_chunk(chunk, grads, grad_scale)
             weights = io.weight_slot(chunk, slot)
-            for s in chunk.segments:
-                weights[s.offset : s.offset + s.end - s.start].copy_(s.state["master"].view(-1)[s.start : s.end])
+            self._update_chunk(chunk, grads, weights, grad_scale)
             io.push_weights(chunk, weights, slot)
         io.end()
 
-    def _update_chunk(self, chunk: _Chunk, grads: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
-        """AdamW on the host for one chunk: grads [n] staged in the gradient dtype."""
-        n, segs = chunk.numel, chunk.segments
-        if grads.dtype == torch.float32:
-            g32 = grads  # the kernel may unscale it in place: it is a stage, refilled next time
-        else:
-            g32 = self._scratch["grad"][:n]
-            g32.copy_(grads)
+    def _tiles(self, chunk: _Chunk):
+        """Yield (a, b, segments of chunk elements [a, b) with offsets relative to a), b - a <= tile.
+
+        Why tiles: the host update makes about a dozen elementwise passes (unpack, fused kernel,
+        rounding, write-back); over a tile that fits in cache only the first read and last write
+        of each array reach DRAM (benchmarks/streamed_adam.py sweeps the tile size).
+        """
+        T = self._tile
+        segs = chunk.segments
+        i = 0
+        for a in range(0, chunk.numel, T):
+            b = min(a + T, chunk.numel)
+            out = []
+            while i < len(segs) and segs[i].offset < b:
+                s = segs[i]
+                lo, hi = max(s.offset, a), min(s.offset + s.end - s.start, b)
+                out.append(_Segment(s.index, s.param, s.state, s.start + lo - s.offset, s.start + hi - s.offset, lo - a))
+                if s.offset + s.end - s.start <= b:
+                    i += 1
+                else:
+                    break
+            yield a, b, out
+
+    def _update_chunk(
+        self, chunk: _Chunk, grads: torch.Tensor, weights: torch.Tensor, grad_scale: torch.Tensor | None
+    ) -> None:
+        """AdamW on the host for one chunk, tile by tile: grads [n] staged in the gradient dtype;
+        weights [n] (the weight stage, in the weight dtype) receives the updated masters."""
+        for a, b, segs in self._tiles(chunk):
+            if grads.dtype == torch.float32:
+                g32 = grads[a:b]  # the kernel may unscale it in place: a stage, refilled next time
+            else:
+                g32 = self._scratch["grad"][: b - a]
+                g32.copy_(grads[a:b])
+            gs = [g32[s.offset : s.offset + s.end - s.start] for s in segs]
+            self._adamw_segments(chunk.group, segs, gs, grad_scale)
+            for s in segs:
+                weights[a + s.offset : a + s.offset + s.end - s.start].copy_(s.state["master"].view(-1)[s.start : s.end])
+
+    def _adamw_segments(
+        self, group: dict, segs: list[_Segment], gs: list[torch.Tensor], grad_scale: torch.Tensor | None
+    ) -> None:
+        """Fused AdamW of segments (at most one tile) given their fp32 gradients gs (clobbered);
+        bf16 moments go through the fp32 scratch and back with the configured rounding."""
         masters = [s.state["master"].view(-1)[s.start : s.end] for s in segs]
-        gs = [g32[s.offset : s.offset + s.end - s.start] for s in segs]
         if self.moment_dtype == torch.float32:
             ms = [s.state["exp_avg"].view(-1)[s.start : s.end] for s in segs]
             vs = [s.state["exp_avg_sq"].view(-1)[s.start : s.end] for s in segs]
         else:
-            m32, v32 = self._scratch["exp_avg"][:n], self._scratch["exp_avg_sq"][:n]
+            m32, v32 = self._scratch["exp_avg"], self._scratch["exp_avg_sq"]
             ms = [m32[s.offset : s.offset + s.end - s.start] for s in segs]
             vs = [v32[s.offset : s.offset + s.end - s.start] for s in segs]
             for s, m, v in zip(segs, ms, vs):
                 m.copy_(s.state["exp_avg"].view(-1)[s.start : s.end])
                 v.copy_(s.state["exp_avg_sq"].view(-1)[s.start : s.end])
-        group = chunk.group
         beta1, beta2 = group["betas"]
         torch._fused_adamw_(
             masters, gs, ms, vs, [], [s.state["step"] for s in segs],

@@ -166,10 +166,10 @@ def test_bf16_moments_match_reference(rounding):
             torch.testing.assert_close(ours, theirs, rtol=2**-7, atol=0)  # at most one bf16 ulp
 
 
-def test_chunk_sizes_that_do_not_divide_parameters_give_the_same_result():
+def test_chunk_and_tile_sizes_that_do_not_divide_parameters_give_the_same_result():
     base_params, base = run_streamed(4, chunk_numel=10**9, max_grad_norm=5.0)
-    for chunk in (13, 100, 1999):
-        params, opt = run_streamed(4, chunk_numel=chunk, max_grad_norm=5.0)
+    for chunk, tile in ((13, 5), (100, 100), (1999, 64)):
+        params, opt = run_streamed(4, chunk_numel=chunk, tile_numel=tile, max_grad_norm=5.0)
         for p, q in zip(params, base_params):
             torch.testing.assert_close(opt.state[p]["master"], base.state[q]["master"], rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(opt.state[p]["exp_avg"], base.state[q]["exp_avg"], rtol=2**-7, atol=0)
@@ -290,8 +290,8 @@ def test_state_dict_holds_plain_tensors_named_by_parameter():
 
 
 def test_host_bytes_are_8_per_param_plus_fixed_chunk_buffers():
-    chunk = 256
-    params, opt = run_streamed(1, chunk_numel=chunk)
+    chunk, tile = 256, 100
+    params, opt = run_streamed(1, chunk_numel=chunk, tile_numel=tile)
     n = sum(p.numel() for p in params)
     state_tensor_bytes = sum(
         t.numel() * t.element_size() for p in params for k, t in opt.state[p].items() if k != "step"
@@ -300,10 +300,10 @@ def test_host_bytes_are_8_per_param_plus_fixed_chunk_buffers():
     hb = opt.host_bytes()
     assert hb["state"] == 8 * n and hb["steps"] == 4 * len(params)
     # two grad stages and two weight stages sized for the widest dtype present (the fp32 parameter),
-    # three fp32 scratch chunks, the noise table: none of it depends on n.
-    assert hb["buffers"] == 2 * chunk * 4 + 2 * chunk * 4 + 3 * chunk * 4 + 4 * NOISE_TABLE_NUMEL
+    # three fp32 scratch tiles, the noise table: none of it depends on n.
+    assert hb["buffers"] == 2 * chunk * 4 + 2 * chunk * 4 + 3 * tile * 4 + 4 * NOISE_TABLE_NUMEL
     big = [torch.nn.Parameter(torch.randn(50_000).bfloat16()), torch.nn.Parameter(torch.randn(3))]
-    big_opt = StreamedAdamW(big, chunk_numel=chunk)
+    big_opt = StreamedAdamW(big, chunk_numel=chunk, tile_numel=tile)
     set_grads(big, [torch.randn(50_000), torch.randn(3)])
     big_opt.step()
     assert big_opt.host_bytes()["buffers"] == hb["buffers"]
