@@ -63,9 +63,14 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, latent_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent_size, intermediate_size))
 
-    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on rows x ``[n, Dl]`` -> ``[n, Dl]``."""
-        return situ_glu(x @ self.w13[e].t(), self.beta, self.linear_beta) @ self.w2[e].t()
+    def expert_forward(self, e: int, x: torch.Tensor, weights=None) -> torch.Tensor:
+        """Expert e on rows x ``[n, Dl]`` -> ``[n, Dl]``. ``weights``: ``(w13.unbind(0), w2.unbind(0))``
+        when calling for many experts: indexing ``w13[e]`` per expert would make autograd build one
+        full-size zero gradient per expert (quadratic in the number of experts)."""
+        w13, w2 = weights if weights is not None else (self.w13[e], self.w2[e])
+        if weights is not None:
+            w13, w2 = w13[e], w2[e]
+        return situ_glu(x @ w13.t(), self.beta, self.linear_beta) @ w2.t()
 
     def grouped_forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, ``counts[e]`` rows each -> ``[n, Dl]`` in the same order."""
@@ -74,9 +79,10 @@ class RoutedExperts(nn.Module):
             h = torch._grouped_mm(x_sorted, self.w13.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(situ_glu(h, self.beta, self.linear_beta), self.w2.transpose(-2, -1), offs=offs)
         outs, start = [], 0
+        weights = (self.w13.unbind(0), self.w2.unbind(0))
         for e, n in enumerate(counts.tolist()):
             if n:
-                outs.append(self.expert_forward(e, x_sorted[start:start + n]))
+                outs.append(self.expert_forward(e, x_sorted[start:start + n], weights))
                 start += n
         return torch.cat(outs, 0) if outs else x_sorted.new_zeros(0, self.w2.shape[1])
 
@@ -153,7 +159,8 @@ def dense_reference_moe(moe: LatentMoE, x: torch.Tensor, forced_ids: torch.Tenso
     ids, w = moe.route(x2, None if forced_ids is None else forced_ids.reshape(-1, moe.top_k))
     combine = torch.zeros(x2.shape[0], moe.num_experts, dtype=w.dtype, device=x.device).scatter_add(1, ids, w)
     xl = moe.routed_expert_down_proj(x2)
-    all_out = torch.stack([moe.experts.expert_forward(e, xl) for e in range(moe.num_experts)], dim=1)  # [N, E, Dl]
+    weights = (moe.experts.w13.unbind(0), moe.experts.w2.unbind(0))
+    all_out = torch.stack([moe.experts.expert_forward(e, xl, weights) for e in range(moe.num_experts)], dim=1)
     yl = (combine.unsqueeze(-1) * at_least_fp32(all_out)).sum(1).to(xl.dtype)
     y = moe.routed_expert_up_proj(moe.routed_expert_norm(yl))
     if moe.shared_experts is not None:
