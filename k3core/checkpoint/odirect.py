@@ -46,6 +46,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import inspect
 import math
 import mmap
@@ -335,14 +336,11 @@ class _AlignedFile:
             align = dio_alignment(self.fd)
             if align == 0:
                 self._to_buffered("statx reports no direct I/O support")
+            elif (align or _DEFAULT_ALIGN) > mmap.PAGESIZE or self._pool.nbytes % (align or 1):
+                # pool buffers are only page aligned
+                self._to_buffered(f"direct-I/O alignment {align} exceeds the page size")
             else:
                 self.align = align or _DEFAULT_ALIGN
-                if self._pool.nbytes % self.align:
-                    os.close(self.fd)
-                    raise ValueError(
-                        f"buffer_bytes={self._pool.nbytes} is not a multiple of the "
-                        f"direct-I/O alignment {self.align} of {path}"
-                    )
 
     # ---- file-object protocol used by torch.save / DCP
     def writable(self) -> bool:
@@ -403,8 +401,6 @@ class _AlignedFile:
         with self._mode_lock:
             if not self.direct:
                 return
-            import fcntl
-
             fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             self.direct = False
         self._on_fallback(reason)
