@@ -312,7 +312,7 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=0, help="target parameter count (default: cpu 64M, cuda 1.07B)")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--chunk-numel", type=int, default=1 << 22)
-    ap.add_argument("--tile-numel", type=int, default=1 << 18)
+    ap.add_argument("--tile-numel", type=int, default=1 << 20)
     ap.add_argument("--throughput-params", type=int, default=0,
                     help="parameters for the host throughput table (default: cpu --params, cuda 256M)")
     ap.add_argument("--tiles", default="65536,262144,1048576,4194304", help="tile sizes swept for the host update")

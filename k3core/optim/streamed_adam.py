@@ -246,7 +246,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         chunk_numel: int = 1 << 22,
-        tile_numel: int = 1 << 18,
+        tile_numel: int = 1 << 20,
         max_grad_norm: float | None = None,
         moment_dtype: torch.dtype = torch.bfloat16,
         moment_rounding: str = "stochastic",
@@ -286,11 +286,8 @@ class StreamedAdamW(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
 
         self._params: list[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
-        self._keys: list[str] = []
-        for g in self.param_groups:
-            names = g.get("param_names")
-            self._keys += list(names) if names is not None else [str(len(self._keys) + i) for i in range(len(g["params"]))]
-        if len(set(self._keys)) != len(self._keys):
+        names = [n for g in self.param_groups for n in (g.get("param_names") or [])]
+        if len(set(names)) != len(names):
             raise ValueError("parameter names must be unique")
         self._index = {p: i for i, p in enumerate(self._params)}
 
@@ -517,23 +514,26 @@ class StreamedAdamW(torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Nested dict of plain (or DTensor) tensors and Python values, for dcp.save / dcp.load.
+        """torch's optimizer state-dict layout, holding plain (or DTensor) tensors, for DCP.
 
-        {"state": {name: {"step": [], "master": fp32 [shape], "exp_avg": [shape], "exp_avg_sq": [shape]}},
-         "param_groups": [{"lr", "betas", "eps", "weight_decay", ..., "params": [names]}],
+        {"state": {i: {"step": [], "master": fp32 [shape], "exp_avg": [shape], "exp_avg_sq": [shape]}},
+         "param_groups": [{"lr", "betas", "eps", "weight_decay", ..., "params": [i, ...]}],
          "config": {"moment_dtype": str, "seed": int}}
-        Names are the parameter names when the optimizer was given (name, parameter) pairs, else
-        indices as strings. The tensors ARE the optimizer's host state (no copies): dcp.load into
-        this dict writes the state in place; call load_state_dict afterwards to push it to the device.
+        with i the parameter's position in the optimizer (groups in order), as in
+        torch.optim.Optimizer, so both dcp.save(opt.state_dict()) and the FQN-keyed
+        torch.distributed.checkpoint.state_dict.get_state_dict / set_state_dict work. The tensors
+        ARE the host state (no copies): dcp.load into this dict writes the state in place; call
+        load_state_dict afterwards to push the masters to the device. For DTensor parameters
+        (FSDP2) the state is a DTensor with the parameter's layout, so DCP saves global tensors.
         """
         state = {}
-        for key, p in zip(self._keys, self._params):
+        for i, p in enumerate(self._params):
             st = self.state[p]
-            state[key] = {"step": st["step"]} | {k: self._as_saved(p, st[k]) for k in _STATE_TENSORS}
+            state[i] = {"step": st["step"]} | {k: self._as_saved(p, st[k]) for k in _STATE_TENSORS}
         groups = []
         for g in self.param_groups:
-            saved = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-            saved["params"] = [self._keys[self._index[p]] for p in g["params"]]
+            saved = {k: v for k, v in g.items() if k != "params"}
+            saved["params"] = [self._index[p] for p in g["params"]]
             groups.append(saved)
         config = {"moment_dtype": str(self.moment_dtype), "seed": self.seed}
         return {"state": state, "param_groups": groups, "config": config}
@@ -542,22 +542,27 @@ class StreamedAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore host state and hyperparameters, then set the device weights from the masters.
 
-        The master weights are the source of truth: after loading, every device weight equals its
-        master rounded to the weight's dtype, whatever the model held before.
+        Saved entries are matched to parameters by position in the param groups, whatever their
+        keys (indices from state_dict(), FQNs from get_state_dict); saved "param_names", when both
+        sides have them, must agree. The master weights are the source of truth: after loading,
+        every device weight equals its master rounded to the weight's dtype.
         """
         errors = []
         config = state_dict.get("config", {})
         if config.get("moment_dtype", str(self.moment_dtype)) != str(self.moment_dtype):
             errors.append(f"moment_dtype {config['moment_dtype']} != {self.moment_dtype}")
         groups = state_dict["param_groups"]
+        pairs = []  # (saved key, parameter)
         if len(groups) != len(self.param_groups):
             errors.append(f"{len(groups)} param groups saved, {len(self.param_groups)} here")
-        else:
-            for i, (saved, g) in enumerate(zip(groups, self.param_groups)):
-                here = [self._keys[self._index[p]] for p in g["params"]]
-                if list(saved["params"]) != here:
-                    errors.append(f"param group {i}: saved parameters {list(saved['params'])[:4]}... != {here[:4]}...")
-        for key, p in zip(self._keys, self._params):
+        for i, (saved, g) in enumerate(zip(groups, self.param_groups)):
+            names_saved, names_here = saved.get("param_names"), g.get("param_names")
+            if len(saved["params"]) != len(g["params"]):
+                errors.append(f"param group {i}: {len(saved['params'])} parameters saved, {len(g['params'])} here")
+            elif names_saved is not None and names_here is not None and list(names_saved) != list(names_here):
+                errors.append(f"param group {i}: saved parameter names differ from this optimizer's")
+            pairs += list(zip(saved["params"], g["params"]))
+        for key, p in pairs:
             saved = state_dict["state"].get(key)
             if saved is None:
                 errors.append(f"no state for parameter {key!r}")
@@ -568,7 +573,7 @@ class StreamedAdamW(torch.optim.Optimizer):
         if errors:
             raise ValueError("cannot load optimizer state: " + "; ".join(errors))
 
-        for key, p in zip(self._keys, self._params):
+        for key, p in pairs:
             saved, st = state_dict["state"][key], self.state[p]
             st["step"].copy_(saved["step"])
             for k in _STATE_TENSORS:

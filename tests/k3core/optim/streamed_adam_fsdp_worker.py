@@ -65,10 +65,10 @@ def main() -> None:
     assert abs(opt_sharded.last_grad_norm - opt_plain.last_grad_norm) < 1e-5 * opt_plain.last_grad_norm, (
         opt_sharded.last_grad_norm, opt_plain.last_grad_norm)  # fmt: skip
     assert opt_plain.last_grad_norm > 0.05, "clipping must be active for this check"
-    for (name, ps), pp in zip(sharded.named_parameters(), plain.parameters()):
+    for i, ((name, ps), pp) in enumerate(zip(sharded.named_parameters(), plain.parameters())):
         assert ps.dtype == pp.dtype, name
         torch.testing.assert_close(ps.full_tensor(), pp.detach(), rtol=1e-6, atol=1e-6, msg=name)
-        master = opt_sharded.state_dict()["state"][name]["master"]
+        master = opt_sharded.state_dict()["state"][i]["master"]
         torch.testing.assert_close(master.full_tensor(), opt_plain.state[pp]["master"], rtol=1e-6, atol=1e-6, msg=name)
 
     # DCP round trip: both ranks save their shards; a fresh model (other init) loads them.

@@ -273,17 +273,64 @@ def test_dcp_save_load_continue_equals_uninterrupted(tmp_path):
             assert torch.equal(opt2.state[p][k], opt.state[q][k]), k
 
 
-def test_state_dict_holds_plain_tensors_named_by_parameter():
+def test_state_dict_has_torch_layout_with_plain_tensors():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     opt = StreamedAdamW(model.named_parameters())
     sd = opt.state_dict()
-    assert sorted(sd["state"]) == sorted(n for n, _ in model.named_parameters())
-    assert sd["param_groups"][0]["params"] == [n for n, _ in model.named_parameters()]
+    names = [n for n, _ in model.named_parameters()]
+    assert list(sd["state"]) == [0, 1, 2, 3] and sd["param_groups"][0]["params"] == [0, 1, 2, 3]
+    assert sd["param_groups"][0]["param_names"] == names
     assert all(type(t) is torch.Tensor for st in sd["state"].values() for t in st.values())
     bad = opt.state_dict()
-    bad["state"]["0.weight"]["master"] = torch.zeros(5)
+    bad["state"][0]["master"] = torch.zeros(5)
     with pytest.raises(ValueError, match="shape"):
         opt.load_state_dict(bad)
+
+
+class _TinyNet(torch.nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj = torch.nn.Linear(6, 5).to(torch.bfloat16)
+        self.A_log = torch.nn.Parameter(torch.randn(5))  # stays fp32, as in KDA
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.to(torch.bfloat16)).float() * self.A_log.exp()
+
+
+def test_get_state_dict_set_state_dict_round_trip_like_the_pipeline(tmp_path):
+    """The trainer saves {model, optim} through torch.distributed.checkpoint.state_dict (FQN keys)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def train(model, opt, seeds):
+        for s in seeds:
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(s))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, chunk_numel=7)
+    straight = _TinyNet(0)
+    opt = StreamedAdamW(straight.parameters(), **kw)
+    train(straight, opt, range(6))
+
+    first = _TinyNet(0)
+    opt1 = StreamedAdamW(first.parameters(), **kw)
+    train(first, opt1, range(3))
+    msd, osd = get_state_dict(first, opt1)
+    assert set(osd["state"]) == {"proj.weight", "proj.bias", "A_log"}
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path)
+
+    resumed = _TinyNet(5)
+    opt2 = StreamedAdamW(resumed.parameters(), **kw)
+    msd, osd = get_state_dict(resumed, opt2)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_state_dict(resumed, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    train(resumed, opt2, range(3, 6))
+    for (name, p), q in zip(resumed.named_parameters(), straight.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+        assert torch.equal(opt2.state[p]["exp_avg_sq"], opt.state[q]["exp_avg_sq"]), name
 
 
 # ---- memory accounting ------------------------------------------------------------------------
@@ -349,18 +396,24 @@ def test_fsdp2_two_ranks_stream_their_shards(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_streaming_equals_cpu_path():
     """Same host math either way: the CUDA path (pinned stages, side streams, events) must give the
-    CPU path's result bit for bit; the state must be page-locked."""
-    cpu_params, cpu_opt = run_streamed(6, chunk_numel=100, max_grad_norm=5.0, lr=1e-2, weight_decay=0.1)
-    gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params()]
-    opt = StreamedAdamW(gpu_params, chunk_numel=100, max_grad_norm=5.0, lr=1e-2, weight_decay=0.1)
-    for grads in grad_stream(6):
-        for p, g in zip(gpu_params, grads):
-            p.grad = g.to(device="cuda", dtype=p.dtype)
-        opt.step()
-    torch.cuda.synchronize()
-    assert opt.state[gpu_params[0]]["master"].is_pinned()
-    assert opt.pinned_bytes() == opt.host_bytes()["state"] + 2 * 100 * 4 * 2
-    for p, q in zip(gpu_params, cpu_params):
-        assert torch.equal(p.detach().cpu(), q.detach())
-        for k in ("master", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(opt.state[p][k], cpu_opt.state[q][k]), k
+    CPU path's result bit for bit (without clipping: the device norm sums in another order), and
+    its state must be page-locked to the byte."""
+    kw = dict(chunk_numel=100, tile_numel=64, lr=1e-2, weight_decay=0.1)
+    for clip in (None, 5.0):
+        cpu_params, cpu_opt = run_streamed(6, max_grad_norm=clip, **kw)
+        gpu_params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params()]
+        opt = StreamedAdamW(gpu_params, max_grad_norm=clip, **kw)
+        for grads in grad_stream(6):
+            for p, g in zip(gpu_params, grads):
+                p.grad = g.to(device="cuda", dtype=p.dtype)
+            opt.step()
+        torch.cuda.synchronize()
+        assert opt.state[gpu_params[0]]["master"].is_pinned()
+        assert opt.pinned_bytes() == opt.host_bytes()["state"] + 2 * 100 * 4 * 2  # + grad and weight stages
+        for p, q in zip(gpu_params, cpu_params):
+            for k in ("master", "exp_avg", "exp_avg_sq"):
+                if clip is None:
+                    assert torch.equal(opt.state[p][k], cpu_opt.state[q][k]), k
+                else:
+                    torch.testing.assert_close(opt.state[p][k], cpu_opt.state[q][k], rtol=2**-7, atol=1e-6)
+            assert torch.equal(p.detach().cpu(), opt.state[p]["master"].to(p.dtype))
