@@ -65,6 +65,9 @@ def _chunk_dense(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, C):
     out_dtype, dt = q.dtype, compute_dtype(q)
     B, T, H, K = q.shape
     V = v.shape[-1]
+    S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt)
+    if T == 0:
+        return v.new_zeros(B, 0, H, V, dtype=out_dtype), S
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q, scale=scale), l2norm(k)
@@ -94,7 +97,6 @@ def _chunk_dense(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, C):
     k_dec = (k * (g_last - gc).exp()).transpose(-1, -2)               # [B, H, N, K, C]
     state_dec = g_last.exp().transpose(-1, -2)                        # [B, H, N, K, 1]
 
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     starts, corrections = [], []
     # unbind (not x[:, :, n]): its backward is one stack, where N selects would each allocate and
     # add a full-size zero gradient
@@ -141,8 +143,9 @@ def _decayed_grams_blocked(q, k, gc, s):
     C = q.shape[-2]
     ns = C // s
     gb = gc.unflatten(-2, (ns, s))                                    # [..., ns, s, K]
-    last = gb[..., -1, :]                                             # [..., ns, K]
-    mid = 0.5 * (gb[..., 0, :] + last)
+    # reference points cancel in the product: detached, so no gradient has to cancel through them
+    last = gb[..., -1, :].detach()                                    # [..., ns, K]
+    mid = 0.5 * (gb[..., 0, :].detach() + last)
     row_f = (gb - mid[..., :, None, :]).exp()                         # [..., ns, s, K]
     cols = k.unflatten(-2, (ns, s)) * (last[..., :, None, :] - gb).exp()
     tri = torch.ones(ns, ns, dtype=torch.bool, device=q.device).tril()
@@ -175,7 +178,7 @@ def _decayed_grams_halving(q, k, gc):
     while h >= 1:
         nb = C // (2 * h)
         gb, qb, kb = (x.unflatten(-2, (nb, 2 * h)) for x in (gc, q, k))   # [..., nb, 2h, K]
-        ref = gb[..., h - 1 : h, :]
+        ref = gb[..., h - 1 : h, :].detach()  # a reference point: cancels in the product
         row_dec = (gb[..., h:, :] - ref).exp()
         rows = torch.cat([qb[..., h:, :] * row_dec, kb[..., h:, :] * row_dec], dim=-2)
         cols = kb[..., :h, :] * (ref - gb[..., :h, :]).exp()
