@@ -188,7 +188,7 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, tok: ByteTokeniz
         prompts = training_prompts(env, seed + 7919, step, batch_size, env_spec)
         seqs = [RLSequence(tok.encode(p), tok.encode(env.reference(p), bos=False) + [tok.eos_id]) for p in prompts]
         losses.append(sft_step(model, opt, seqs, tok.pad_id)["loss"])
-        if log and (step % 25 == 0 or step == steps - 1):
+        if log and (step % 10 == 0 or step == steps - 1):
             log(f"warm-up step {step + 1}/{steps}: loss {losses[-1]:.3f}")
     return {"warmup_steps": steps, "warmup_loss_first": losses[0] if losses else None,
             "warmup_loss_last": losses[-1] if losses else None, "warmup_seconds": time.perf_counter() - t0}

@@ -71,5 +71,10 @@ def kda(
         return run(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **common)
     if A_log is not None:
         g = kda_gate(g, A_log, dt_bias, lower_bound)
-    run = naive_kda if backend == "naive" else chunk_kda_torch
-    return run(q, k, v, g, beta, **common)
+    if backend == "naive":
+        return naive_kda(q, k, v, g, beta, **common)
+    # short sequences (RL prompts, decode chunks) waste most of a 64-token chunk: use the smallest
+    # power of two >= T (at least 16); the result is the same, the work ~4x less at T ~ 10
+    T = q.shape[1] if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    chunk = min(64, max(16, 1 << max(T - 1, 1).bit_length()))
+    return chunk_kda_torch(q, k, v, g, beta, chunk_size=chunk, **common)
