@@ -16,9 +16,10 @@ Everything except the (short) loop over chunks is batched over all chunks at onc
 
 Numerics: the decayed Gram matrices need exp(Gamma_r - Gamma_j), and Gamma can reach -5 * 64 =
 -320 within a chunk, so the factored form ``(x * exp(Gamma)) @ (y * exp(-Gamma))^T`` would overflow
-(and pairwise [C, C, K] decays are slow). ``_decayed_grams`` halves the chunk recursively and takes
-each off-diagonal block's factors relative to a reference point between its rows and columns, so
-every factor is <= 1 for any g <= 0 (not only the safe-gate range) and the product is exact.
+(and pairwise [C, C, K] decays are slow). ``_decayed_grams`` factors through reference points
+instead: in 16-token blocks when every block decays by at most e^-80 in fp32 (always true for
+K3's safe gate, g >= -5; factors <= e^40), else by recursive halving with every factor <= 1, which
+is exact for any g <= 0. Reference points cancel in the products and carry no gradient.
 """
 
 from __future__ import annotations
@@ -198,9 +199,10 @@ def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     """``(I + A)^-1`` for strictly lower-triangular A ``[..., C, C]`` (C a power of two).
 
     Block recursion from 1 x 1 diagonal blocks upwards: the inverse of [[M11, 0], [M21, M22]] is
-    [[X11, 0], [-X22 M21 X11, X22]]. log2(C) levels of batched matmuls; on CPU this is several
-    times faster than ``torch.linalg.solve_triangular`` on many small systems, and autograd
-    differentiates it like any matmul chain.
+    [[X11, 0], [-X22 M21 X11, X22]]: log2(C) levels of batched matmuls, no per-row loop. Measured
+    on the benchmark shape (1 thread), the op's forward is as fast as with
+    ``torch.linalg.solve_triangular`` and its forward+backward 0-15% faster; under thread
+    contention the matmul chain degraded far less than the batched solve.
     """
     C = A.shape[-1]
     lead = A.shape[:-2]
