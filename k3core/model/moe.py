@@ -26,6 +26,11 @@ from k3core.model.norm import RMSNorm, at_least_fp32
 from k3core.ops.situ import situ_glu
 
 
+# CPU: run experts as one padded batched GEMM when routing is balanced (fewer, larger ops). Off, the
+# per-expert loop runs, which saves exactly what a grouped GEMM on GPU saves (the planner's model).
+CPU_PADDED_EXPERTS = True
+
+
 def select_experts(biased: torch.Tensor, k: int, num_groups: int = 1, topk_groups: int = 1) -> torch.Tensor:
     """Grouped top-k (DeepSeek-V3 ``noaux_tc``): keep the ``topk_groups`` groups whose two best
     biased scores sum highest, then the top ``k`` experts inside them. biased ``[N, E]`` -> ``[N, k]``."""
@@ -78,7 +83,7 @@ class RoutedExperts(nn.Module):
             offs = torch.cumsum(counts, 0).to(torch.int32)
             h = torch._grouped_mm(x_sorted, self.w13.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(situ_glu(h, self.beta, self.linear_beta), self.w2.transpose(-2, -1), offs=offs)
-        if not x_sorted.is_cuda and x_sorted.shape[0]:
+        if CPU_PADDED_EXPERTS and not x_sorted.is_cuda and x_sorted.shape[0]:
             cap = int(counts.max())
             if cap * self.num_experts <= 2 * x_sorted.shape[0]:
                 return self._padded_forward(x_sorted, counts, cap)
