@@ -290,7 +290,7 @@ def test_kda_rejects_bad_inputs(change, pattern):
 
 def test_kda_rejects_bad_cu_seqlens_and_state_counts():
     args, _ = _base()
-    packed = {n: (x[:1] if n != "beta" else x[:1]) for n, x in args.items()}
+    packed = {n: x[:1] for n, x in args.items()}
     with pytest.raises(ValueError, match=r"rise from 0 to T = 10"):
         kda(**packed, cu_seqlens=torch.tensor([0, 6, 4, 10]))
     with pytest.raises(ValueError, match=r"`initial_state` has shape \(1, 3, 4, 5\); expected \[N, H, K, V\]"):
@@ -344,10 +344,12 @@ TOL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("gate_in_kernel", (False, True))
+@pytest.mark.parametrize("gate_mode", ("pre-gated", "pre-gated+lower_bound", "raw"))
 @pytest.mark.parametrize("varlen", (False, True))
 @gpu_test
-def test_gpu_fla_matches_torch_chunk(dtype, gate_in_kernel, varlen):
+def test_gpu_fla_matches_torch_chunk(dtype, gate_mode, varlen):
+    """fla chunk_kda (via kda) vs our torch path in fp64: outputs, final states and gradients.
+    pre-gated: fla's general path; +lower_bound: its safe-gate path; raw: gate fused in kernel."""
     assert _fla.available(), "fla must import on the GPU machine"
     B, T, H, K, V = (1, 1000, 4, 64, 64) if varlen else (2, 300, 4, 64, 64)
     q, k, v, g, beta, _ = make_inputs(B=B, T=T, H=H, K=K, V=V, dtype=dtype, device="cuda")
@@ -359,11 +361,14 @@ def test_gpu_fla_matches_torch_chunk(dtype, gate_in_kernel, varlen):
     dt_bias = (torch.rand(H * K, generator=gen) * 5 - 4).cuda()
     beta = beta.to(dtype)
     kw = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    gate_in_kernel = gate_mode == "raw"
     if gate_in_kernel:
         kw.update(A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
         g_in = f
     else:
         g_in = kda_gate(f, A_log, dt_bias, -5.0)
+        if gate_mode == "pre-gated+lower_bound":
+            kw.update(lower_bound=-5.0)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g_in, beta)]
     o, s = kda(*leaves, backend="fla", **kw)
     (o.float().square().sum() + s.square().sum()).backward()
