@@ -6,6 +6,7 @@
   k3rl checkpoint init|fetch|validate|quantize ...
   k3rl plan --preset full --hardware b300 --tokens-per-gpu 100000 [--json]
   k3rl status [--run-id ID] [--artifacts URL]
+  k3rl serve | deploy | worker          deployments of prefect.yaml (see flows/deploy.py)
 
 Prefect runs in its embedded mode unless PREFECT_API_URL points at a server; telemetry is off.
 """
@@ -141,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_checkpoint_subcommands(sub)
     except ImportError:
         pass
+    from flows.deploy import add_deploy_subcommands
+
+    add_deploy_subcommands(sub)
     try:
         from flows.cli_plan import add_plan_subcommand
 

@@ -1,0 +1,256 @@
+"""Deployments and schedules: the ``rl_continue`` flow (one more RL iteration of a named run, never two
+at once), the deployments of ``prefect.yaml`` served in one process (``k3rl serve``) or registered on a
+process work pool (``k3rl deploy`` + ``k3rl worker``).
+
+``prefect.yaml`` at the repository root is the one definition of the deployments: ``k3rl deploy`` hands
+it to ``prefect deploy --all``, and ``k3rl serve`` builds the same deployments from it with
+``flow.to_deployment`` and serves them with ``prefect.serve`` (no work pool, no worker).
+
+No-overlap contract of ``rl_continue``: a tick takes an exclusive, non-blocking ``flock`` on
+``<artifacts>/runs/<run_id>/.lock`` (for a remote artifact root, on the same path in the local
+artifact cache, so the guarantee is per machine there). A tick that finds it held does nothing and
+ends ``Cancelled`` with a log line naming the lock; the kernel drops the lock when its holder exits,
+however it exits, so a crashed tick never blocks the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+from prefect import flow, get_run_logger
+from prefect.states import Cancelled
+
+from flows.pipeline import RLSettings, rl_run
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_FILE = PROJECT_ROOT / "prefect.yaml"
+DEFAULT_POOL = "k3rl-local"
+# Fields a continuation may change without changing what the finished iterations were.
+_FREE_FIELDS = {"iterations", "run_id", "artifacts"}
+
+
+# ---------------------------------------------------------------------------------------------- lock
+def lock_path(artifacts: str, run_id: str) -> Path:
+    """The lock file of a run: inside the run directory for a local root, else in the local cache."""
+    from k3core.artifacts import ArtifactStore
+
+    store = ArtifactStore(artifacts)
+    base = Path(store.base) if store.is_local else store.cache
+    return base / "runs" / run_id / ".lock"
+
+
+@contextlib.contextmanager
+def run_lock(artifacts: str, run_id: str) -> Iterator[bool]:
+    """Yield True while holding the run's exclusive lock, False (at once, without waiting) if another
+    holder has it. ``flock`` locks belong to the open file, so two holders conflict whether they are
+    threads of one process or separate processes."""
+    path = lock_path(artifacts, run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()}\n".encode())  # who holds it, for a person looking
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------- continue
+def iterations_done(artifacts: str, run_id: str) -> int:
+    """Iterations whose checkpoint is published (``latest.json``); 0 for a run never started."""
+    from k3core.artifacts import ArtifactStore
+
+    store = ArtifactStore(artifacts)
+    rel = f"runs/{run_id}/latest.json"
+    if not store.exists(rel):
+        return 0
+    return int(json.loads(store.read_text(rel))["iteration"])
+
+
+def resolve_settings(run_id: str, artifacts: str, settings: RLSettings | None) -> tuple[RLSettings, list[str]]:
+    """The settings to continue ``run_id`` with, and warnings.
+
+    A run's settings are recorded in ``runs/<id>/settings.json`` by its first ``rl_continue`` tick and
+    win over later ones: finished stages are cached on their inputs, so continuing with, say, another
+    rollout batch size would recompute (not continue) the run. ``settings`` only start a run that has
+    no record (including a run started by ``rl_run`` directly)."""
+    from k3core.artifacts import ArtifactStore
+
+    store = ArtifactStore(artifacts)
+    rel = f"runs/{run_id}/settings.json"
+    given = dataclasses.replace(settings or RLSettings(), run_id=run_id, artifacts=artifacts)
+    if not store.exists(rel):
+        store.write_text(rel, json.dumps(dataclasses.asdict(given), indent=2))
+        return given, []
+    known = {f.name for f in dataclasses.fields(RLSettings)}
+    recorded = RLSettings(**{k: v for k, v in json.loads(store.read_text(rel)).items() if k in known})
+    recorded = dataclasses.replace(recorded, run_id=run_id, artifacts=artifacts)
+    warnings = []
+    if settings is not None:
+        diff = {f.name: (getattr(settings, f.name), getattr(recorded, f.name))
+                for f in dataclasses.fields(RLSettings)
+                if f.name not in _FREE_FIELDS and getattr(settings, f.name) != getattr(recorded, f.name)}
+        if diff:
+            warnings.append(f"run '{run_id}' continues with its recorded settings ({rel}); ignoring given "
+                            + ", ".join(f"{k}={a!r} (recorded {b!r})" for k, (a, b) in diff.items()))
+    return recorded, warnings
+
+
+@flow(name="rl_continue", log_prints=True)
+def rl_continue(run_id: str = "demo", artifacts: str = "./artifacts", iterations_per_tick: int = 1,
+                settings: RLSettings | None = None):
+    """Continue run ``run_id`` by ``iterations_per_tick`` RL iterations: read how many are done from
+    ``latest.json``, then ``rl_run`` with ``iterations = done + iterations_per_tick`` and the same run id
+    (cached stages are skipped). A tick that finds the run busy ends Cancelled without doing anything.
+    Returns ``rl_run``'s summary."""
+    log = get_run_logger()
+    if iterations_per_tick < 1:
+        raise ValueError(f"iterations_per_tick must be >= 1, got {iterations_per_tick}")
+    with run_lock(artifacts, run_id) as held:
+        if not held:
+            msg = (f"run '{run_id}' is busy (another rl_continue or rl_run holds {lock_path(artifacts, run_id)}); "
+                   "skipping this tick")
+            log.warning(msg)
+            return Cancelled(message=msg)
+        s, warnings = resolve_settings(run_id, artifacts, settings)
+        for w in warnings:
+            log.warning(w)
+        done = iterations_done(artifacts, run_id)
+        target = done + iterations_per_tick
+        log.info(f"run '{run_id}': {done} iterations done, continuing to {target}")
+        return rl_run(dataclasses.replace(s, iterations=target))
+
+
+# -------------------------------------------------------------------------------------- deployments
+def load_config(path: str | os.PathLike = DEFAULT_FILE) -> dict:
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def _schedule(spec: dict):
+    """One ``schedules:`` entry of prefect.yaml (``interval`` seconds or ``cron``) as a Prefect Schedule."""
+    from prefect.schedules import Cron, Interval
+
+    common = {k: spec[k] for k in ("timezone", "active", "parameters", "slug") if k in spec}
+    if "interval" in spec:
+        anchor = spec.get("anchor_date")
+        if isinstance(anchor, str):
+            from datetime import datetime
+
+            anchor = datetime.fromisoformat(anchor)
+        return Interval(float(spec["interval"]), anchor_date=anchor, **common)
+    if "cron" in spec:
+        return Cron(spec["cron"], day_or=spec.get("day_or", True), **common)
+    raise ValueError(f"schedule {spec} has neither 'interval' nor 'cron' (k3rl serve supports those two)")
+
+
+def runner_deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] | None = None) -> list:
+    """The deployments of a prefect.yaml as RunnerDeployments for ``prefect.serve`` (entrypoints are
+    relative to the file's directory)."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    path = Path(path).resolve()
+    out = []
+    for d in load_config(path)["deployments"]:
+        if names and d["name"] not in names:
+            continue
+        file, fn = d["entrypoint"].rsplit(":", 1)
+        fl = load_flow_from_entrypoint(f"{path.parent / file}:{fn}")
+        out.append(fl.to_deployment(
+            name=d["name"], parameters=d.get("parameters") or {}, description=d.get("description"),
+            tags=d.get("tags"), version=d.get("version"),
+            schedules=[_schedule(s) for s in d.get("schedules") or []] or None))
+    if names and len(out) != len(names):
+        raise ValueError(f"deployments {names} not all in {path}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def _need_server() -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        raise ValueError("no Prefect server: start one (`prefect server start`) and "
+                         "`export PREFECT_API_URL=http://127.0.0.1:4200/api` (deployments and schedules "
+                         "live in the server's database)")
+
+
+def _prefect(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    exe = shutil.which("prefect", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
+    cmd = [exe, *args] if exe else [sys.executable, "-m", "prefect", *args]
+    return subprocess.run(cmd, cwd=cwd, check=check, text=True, capture_output=not check)
+
+
+def cmd_serve(a) -> int:
+    """All (or the named) deployments of prefect.yaml in this process, until interrupted."""
+    from prefect import serve
+
+    _need_server()
+    path = Path(a.file).resolve()
+    os.chdir(path.parent)  # entrypoints and relative artifact roots are relative to the project
+    deps = runner_deployments(path, a.name or None)
+    print(f"k3rl: serving {', '.join(d.name for d in deps)} from {path} (Ctrl-C stops)", flush=True)
+    serve(*deps, limit=a.limit)
+    return 0
+
+
+def cmd_deploy(a) -> int:
+    """Create the process work pool if missing, then ``prefect deploy --all`` on prefect.yaml."""
+    _need_server()
+    path = Path(a.file).resolve()
+    if _prefect("work-pool", "inspect", a.pool, check=False).returncode != 0:
+        print(f"k3rl: creating process work pool '{a.pool}'", flush=True)
+        _prefect("work-pool", "create", a.pool, "--type", "process")
+    args = ["--no-prompt", "deploy", "--prefect-file", str(path), "--pool", a.pool]
+    args += [x for n in a.name for x in ("--name", n)] if a.name else ["--all"]
+    _prefect(*args, cwd=path.parent)
+    print(f"k3rl: deployments registered; start a worker with `k3rl worker --pool {a.pool}`", flush=True)
+    return 0
+
+
+def cmd_worker(a) -> int:
+    """A process worker on the pool (runs deployment runs as local subprocesses), until interrupted."""
+    _need_server()
+    args = ["worker", "start", "--pool", a.pool, "--type", "process"]
+    if a.limit:
+        args += ["--limit", str(a.limit)]
+    return _prefect(*args, cwd=PROJECT_ROOT).returncode
+
+
+def add_deploy_subcommands(sub) -> None:
+    s = sub.add_parser("serve", help="serve the deployments of prefect.yaml (schedules included) in this process",
+                       epilog="example: PREFECT_API_URL=http://127.0.0.1:4200/api k3rl serve")
+    s.add_argument("--file", default=str(DEFAULT_FILE), help="a prefect.yaml (default: the repository's)")
+    s.add_argument("--name", action="append", help="only this deployment (repeatable)")
+    s.add_argument("--limit", type=int, default=None, help="at most this many flow runs at once")
+    s.set_defaults(fn=cmd_serve)
+    d = sub.add_parser("deploy", help="register the deployments of prefect.yaml on a local process work pool",
+                       epilog="example: PREFECT_API_URL=http://127.0.0.1:4200/api k3rl deploy && k3rl worker")
+    d.add_argument("--file", default=str(DEFAULT_FILE), help="a prefect.yaml (default: the repository's)")
+    d.add_argument("--pool", default=DEFAULT_POOL, help=f"process work pool (created if missing; default {DEFAULT_POOL})")
+    d.add_argument("--name", action="append", help="only this deployment (repeatable; default all)")
+    d.set_defaults(fn=cmd_deploy)
+    w = sub.add_parser("worker", help="a process worker that runs the deployments registered by `k3rl deploy`",
+                       epilog="example: PREFECT_API_URL=http://127.0.0.1:4200/api k3rl worker --pool k3rl-local")
+    w.add_argument("--pool", default=DEFAULT_POOL)
+    w.add_argument("--limit", type=int, default=None, help="at most this many flow runs at once")
+    w.set_defaults(fn=cmd_worker)

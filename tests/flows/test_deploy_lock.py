@@ -1,0 +1,113 @@
+"""rl_continue's run lock (no two ticks of one run at once, across threads and processes; a dead
+holder frees it), settings precedence for continued runs, and prefect.yaml: every deployment loads,
+its parameters validate against its flow, and the scheduled deployment names the run it continues.
+No Prefect server needed (the end-to-end test is tests/flows/test_deployments.py)."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from flows.deploy import (DEFAULT_FILE, iterations_done, load_config, lock_path, resolve_settings, run_lock,
+                          runner_deployments)
+from flows.pipeline import RLSettings
+
+
+def test_lock_excludes_a_second_holder_in_the_same_process(tmp_path):
+    root = str(tmp_path)
+    with run_lock(root, "r") as first:
+        assert first
+        with run_lock(root, "r") as second:  # a second open file: flock conflicts even in one process
+            assert not second
+        with run_lock(root, "other-run") as other:  # locks are per run
+            assert other
+    with run_lock(root, "r") as again:
+        assert again
+    assert lock_path(root, "r") == tmp_path / "runs" / "r" / ".lock"
+
+
+def test_lock_held_by_another_process_and_freed_when_it_dies(tmp_path):
+    holder = textwrap.dedent(f"""
+        import sys, time
+        from flows.deploy import run_lock
+        with run_lock({str(tmp_path)!r}, "r") as held:
+            print("held" if held else "busy", flush=True)
+            time.sleep(600)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "held"
+        with run_lock(str(tmp_path), "r") as got:
+            assert not got
+        p.kill()  # a crashed holder: the kernel drops its lock
+        p.wait(timeout=60)
+        with run_lock(str(tmp_path), "r") as got:
+            assert got
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=60)
+
+
+def test_continued_run_keeps_its_recorded_settings(tmp_path):
+    root = str(tmp_path)
+    assert iterations_done(root, "r") == 0
+    first = RLSettings(preset="tiny", source="init:tiny:0", prompts_per_iteration=2)
+    s, warn = resolve_settings("r", root, first)
+    assert (s.preset, s.prompts_per_iteration, s.run_id, s.artifacts) == ("tiny", 2, "r", root)
+    assert warn == []
+    recorded = json.loads((tmp_path / "runs" / "r" / "settings.json").read_text())
+    assert recorded["prompts_per_iteration"] == 2
+    # a later tick with other settings continues with the recorded ones and says so
+    s2, warn2 = resolve_settings("r", root, dataclasses.replace(first, prompts_per_iteration=8, iterations=99))
+    assert s2.prompts_per_iteration == 2
+    assert len(warn2) == 1 and "prompts_per_iteration=8" in warn2[0] and "iterations" not in warn2[0]
+    (tmp_path / "runs" / "r" / "latest.json").write_text(json.dumps({"run_id": "r", "iteration": 3}))
+    assert iterations_done(root, "r") == 3
+
+
+def test_prefect_yaml_deployments_load_and_validate():
+    cfg = load_config(DEFAULT_FILE)
+    by_name = {d["name"]: d for d in cfg["deployments"]}
+    assert set(by_name) == {"prepare", "rl-run", "rl-continue"}
+    deps = {d.name: d for d in runner_deployments(DEFAULT_FILE)}
+    assert {d.flow_name for d in deps.values()} == {"prepare", "rl_run", "rl_continue"}
+    from prefect.flows import load_flow_from_entrypoint
+
+    for name, d in by_name.items():
+        fl = load_flow_from_entrypoint(str(DEFAULT_FILE.parent / d["entrypoint"]))
+        params = fl.validate_parameters(d["parameters"])  # pydantic coerces the settings dict
+        settings = params["settings"]
+        # (a flow loaded from its file has its own copy of the RLSettings class)
+        assert dataclasses.is_dataclass(settings) and type(settings).__name__ == "RLSettings"
+        assert settings.preset == "small" and settings.iterations == 40
+        assert d["work_pool"]["name"] == "k3rl-local"
+    cont = by_name["rl-continue"]
+    assert cont["schedules"] and all("run_id" in s["parameters"] for s in cont["schedules"])
+    sched = deps["rl-continue"].schedules
+    assert len(sched) == 1 and sched[0].parameters == {"run_id": "demo"}
+    assert not deps["rl-run"].schedules and not deps["prepare"].schedules
+
+
+def test_cli_has_deploy_worker_serve():
+    from flows.cli import build_parser
+
+    p = build_parser()
+    a = p.parse_args(["deploy", "--pool", "p1"])
+    assert a.pool == "p1" and a.fn.__name__ == "cmd_deploy"
+    assert p.parse_args(["worker"]).fn.__name__ == "cmd_worker"
+    assert p.parse_args(["serve", "--name", "rl-run"]).name == ["rl-run"]
+
+
+def test_deploy_without_server_says_how_to_start_one(monkeypatch, capsys):
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.cli import main
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):  # even inside a session's test harness
+        assert main(["deploy"]) == 2
+    assert "prefect server start" in capsys.readouterr().err
