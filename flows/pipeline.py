@@ -37,14 +37,14 @@ class RLSettings:
 
     preset: str = "small"
     source: str = "init:small:0"
-    env: str = "add"
-    iterations: int = 40
+    env: str = "reverse"
+    iterations: int = 30
     artifacts: str = "./artifacts"
     run_id: str = "demo"
     seed: int = 0
     prompts_per_iteration: int = 16
     samples_per_prompt: int = 8
-    max_new_tokens: int = 6
+    max_new_tokens: int = 7
     temperature: float = 1.0
     top_p: float = 1.0
     lr: float = 2e-4
@@ -53,7 +53,7 @@ class RLSettings:
     tis_cap: float = 2.0
     routing_replay: bool = True
     quantized_rollouts: bool = True
-    warmup_steps: int = 150
+    warmup_steps: int = 25
     warmup_batch: int = 32
     warmup_lr: float = 1e-3
     eval_prompts: int = 128

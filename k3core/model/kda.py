@@ -97,7 +97,8 @@ class KimiDeltaAttention(nn.Module):
             o, new_state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
             o = o.unsqueeze(1)
         else:
-            o, new_state = kda(q, k, v, g, beta, initial_state=state, output_final_state=cache is not None)
+            o, new_state = kda(q, k, v, g, beta, initial_state=state, output_final_state=cache is not None,
+                               lower_bound=self.lower_bound)  # g >= lower_bound: fla's safe-gate path
         if cache is not None:
             cache.conv_q, cache.conv_k, cache.conv_v, cache.state = cq, ck, cv, new_state
         o = rms_norm(o.to(x.dtype), self.o_norm.weight, self.eps).reshape(B, T, H * K)
