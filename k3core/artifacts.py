@@ -123,8 +123,9 @@ class ArtifactStore:
                     os.replace(tmp, final)
                 fsync_dir(final.parent)
             else:
-                if not self.exists(rel):
-                    self._upload(tmp, rel, is_dir)
+                if self.exists(rel):  # already published: keep the remote and its local copy
+                    return
+                self._upload(tmp, rel, is_dir)
                 if final.exists():
                     shutil.rmtree(final) if final.is_dir() else final.unlink()
                 os.rename(tmp, final)
