@@ -19,11 +19,7 @@ from prefect import Task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 from prefect.tasks import MaterializingTask, exponential_backoff
 
-try:  # the validator lives in k3core.checkpoint
-    from k3core.checkpoint.validate import CheckpointValidationError
-except Exception:  # pragma: no cover - during partial installs
-    class CheckpointValidationError(ValueError):
-        pass
+from k3core.checkpoint.validate import CheckpointValidationError
 
 NON_RETRYABLE = (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, CheckpointValidationError)
 RETRIES = int(os.environ.get("K3RL_TASK_RETRIES", "2"))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import time
 
+import torch
+
 from tasks import engines
 
 
@@ -22,7 +24,7 @@ def transfer_weights(run_id: str, checkpoint: dict, quantized: bool) -> dict:
         t = sd[k].contiguous()
         nbytes += t.numel() * t.element_size()
         h.update(k.encode())
-        h.update(t.view(-1).view(dtype=__import__("torch").uint8).numpy().tobytes())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
     eng = engines.get(run_id)
     if eng is None:
         from k3core.rollout.engine import RolloutEngine
