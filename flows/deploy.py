@@ -6,30 +6,30 @@ process work pool (``k3rl deploy`` + ``k3rl worker``).
 it to ``prefect deploy --all``, and ``k3rl serve`` builds the same deployments from it with
 ``flow.to_deployment`` and serves them with ``prefect.serve`` (no work pool, no worker).
 
-No-overlap contract of ``rl_continue``: a tick takes an exclusive, non-blocking ``flock`` on
-``<artifacts>/runs/<run_id>/.lock`` (for a remote artifact root, on the same path in the local
-artifact cache, so the guarantee is per machine there). A tick that finds it held does nothing and
-ends ``Cancelled`` with a log line naming the lock; the kernel drops the lock when its holder exits,
-however it exits, so a crashed tick never blocks the next one.
+No-overlap contract of ``rl_continue``: a tick holds the run's lock (``flows/runlock.py``: an
+exclusive, non-blocking ``flock`` on ``<artifacts>/runs/<run_id>/.lock``) for the whole iteration. A
+tick that finds it held does nothing and ends ``Cancelled`` with a log line naming the lock. A file
+lock rather than a Prefect global concurrency limit: it needs no server-side setup (a missing limit
+is not created by ``concurrency(..., strict=False)``: it is just not enforced), it also holds for
+``rl_continue`` called without a server, and a crashed holder releases it at once (a lease would
+wait for its expiry).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
 
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled
 
 from flows.pipeline import RLSettings, rl_run
+from flows.runlock import iterations_done, lock_path, run_lock  # noqa: F401 (public here too)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = PROJECT_ROOT / "prefect.yaml"
@@ -38,52 +38,7 @@ DEFAULT_POOL = "k3rl-local"
 _FREE_FIELDS = {"iterations", "run_id", "artifacts"}
 
 
-# ---------------------------------------------------------------------------------------------- lock
-def lock_path(artifacts: str, run_id: str) -> Path:
-    """The lock file of a run: inside the run directory for a local root, else in the local cache."""
-    from k3core.artifacts import ArtifactStore
-
-    store = ArtifactStore(artifacts)
-    base = Path(store.base) if store.is_local else store.cache
-    return base / "runs" / run_id / ".lock"
-
-
-@contextlib.contextmanager
-def run_lock(artifacts: str, run_id: str) -> Iterator[bool]:
-    """Yield True while holding the run's exclusive lock, False (at once, without waiting) if another
-    holder has it. ``flock`` locks belong to the open file, so two holders conflict whether they are
-    threads of one process or separate processes."""
-    path = lock_path(artifacts, run_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}\n".encode())  # who holds it, for a person looking
-        try:
-            yield True
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
-
-
 # ----------------------------------------------------------------------------------------- continue
-def iterations_done(artifacts: str, run_id: str) -> int:
-    """Iterations whose checkpoint is published (``latest.json``); 0 for a run never started."""
-    from k3core.artifacts import ArtifactStore
-
-    store = ArtifactStore(artifacts)
-    rel = f"runs/{run_id}/latest.json"
-    if not store.exists(rel):
-        return 0
-    return int(json.loads(store.read_text(rel))["iteration"])
-
-
 def resolve_settings(run_id: str, artifacts: str, settings: RLSettings | None) -> tuple[RLSettings, list[str]]:
     """The settings to continue ``run_id`` with, and warnings.
 

@@ -32,7 +32,7 @@ def test_lock_excludes_a_second_holder_in_the_same_process(tmp_path):
 def test_lock_held_by_another_process_and_freed_when_it_dies(tmp_path):
     holder = textwrap.dedent(f"""
         import sys, time
-        from flows.deploy import run_lock
+        from flows.runlock import run_lock
         with run_lock({str(tmp_path)!r}, "r") as held:
             print("held" if held else "busy", flush=True)
             time.sleep(600)
@@ -50,6 +50,37 @@ def test_lock_held_by_another_process_and_freed_when_it_dies(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait(timeout=60)
+
+
+def test_racing_processes_never_hold_the_run_at_once(tmp_path):
+    """Three processes tick the same run 20 times each; every holder logs start/end around its
+    'iteration': the log must never show two holders inside at once (starts and ends pair up)."""
+    log = tmp_path / "log"
+    ticker = textwrap.dedent(f"""
+        import os, time
+        from flows.runlock import run_lock
+        for _ in range(20):
+            with run_lock({str(tmp_path)!r}, "r") as held:
+                if held:
+                    with open({str(log)!r}, "a") as f:
+                        f.write(f"start {{os.getpid()}}\\n"); f.flush()
+                        time.sleep(0.01)
+                        f.write(f"end {{os.getpid()}}\\n")
+            time.sleep(0.001)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", ticker]) for _ in range(3)]
+    try:
+        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    lines = log.read_text().split()
+    events = list(zip(lines[0::2], lines[1::2]))
+    assert events, "no tick ever held the lock"
+    for (k1, pid1), (k2, pid2) in zip(events[0::2], events[1::2]):
+        assert (k1, k2) == ("start", "end") and pid1 == pid2, "two ticks held the run at once"
+    assert len(events) % 2 == 0
 
 
 def test_continued_run_keeps_its_recorded_settings(tmp_path):

@@ -1,0 +1,163 @@
+"""End to end against a real ``prefect server start`` on 127.0.0.1 (started and stopped here, with its
+own PREFECT_HOME): ``k3rl serve`` serves the deployments of a copy of prefect.yaml (tiny settings,
+artifacts in tmp), ``run_deployment`` runs ``rl_run`` to Completed, ``rl_continue`` skips a run whose
+lock is held (Cancelled, nothing run) and adds one iteration when it is free; the scheduled deployment
+gets auto-scheduled runs carrying the schedule's run id. (Ticks racing each other: test_deploy_lock.py.)"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.deploy import DEFAULT_FILE, PROJECT_ROOT, run_lock
+
+TINY = dict(preset="tiny", source="init:tiny:0", env="add", iterations=1, prompts_per_iteration=2,
+            samples_per_prompt=2, max_new_tokens=3, warmup_steps=1, warmup_batch=4, eval_prompts=4, eval_every=1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"prefect server not healthy after {timeout} s")
+
+
+def _stop(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)  # its own process group: the server's and runner's children too
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _test_yaml(tmp_path: Path, artifacts: str) -> Path:
+    cfg = yaml.safe_load(DEFAULT_FILE.read_text())
+    for d in cfg["deployments"]:
+        d["entrypoint"] = str(PROJECT_ROOT / d["entrypoint"])
+        d["parameters"]["settings"] = dict(TINY, artifacts=artifacts, run_id="yaml-default")
+        if "artifacts" in d["parameters"]:
+            d["parameters"]["artifacts"] = artifacts
+        for s in d.get("schedules") or []:
+            # runs exist at once but none is due during the test
+            s.update(interval=86400, anchor_date=(datetime.now(timezone.utc) + timedelta(hours=2)).isoformat())
+            s["parameters"] = {"run_id": "scheduled-run"}
+    out = tmp_path / "prefect-test.yaml"
+    out.write_text(yaml.safe_dump(cfg))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_served_deployments_run_continue_and_schedule(tmp_path):
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    artifacts = str(tmp_path / "artifacts")
+    env = dict(os.environ, PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_API_URL=api,
+               PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", PREFECT_RUNNER_POLL_FREQUENCY="1",
+               PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
+               PREFECT_SERVER_SERVICES_SCHEDULER_RECENT_DEPLOYMENTS_LOOP_SECONDS="1",
+               PREFECT_UI_ENABLED="false", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    server = runner = None
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    t0 = time.monotonic()
+    try:
+        server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                                   "--port", str(port)], env=env, cwd=tmp_path, start_new_session=True,
+                                  stdout=open(logs / "server.log", "w"), stderr=subprocess.STDOUT)
+        _wait_healthy(api, server, timeout=300)
+        print(f"server healthy: {time.monotonic() - t0:.0f} s")
+        runner = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--file",
+                                   str(_test_yaml(tmp_path, artifacts))], env=env, cwd=PROJECT_ROOT,
+                                  start_new_session=True, stdout=open(logs / "serve.log", "w"),
+                                  stderr=subprocess.STDOUT)
+        _drive(api, env, artifacts, runner, logs)
+    finally:
+        _stop(runner)
+        _stop(server)
+
+
+def _drive(api: str, env: dict, artifacts: str, runner: subprocess.Popen, logs: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter
+    from prefect.deployments import run_deployment
+    from prefect.settings import temporary_settings, PREFECT_API_URL, PREFECT_HOME
+
+    T0 = time.monotonic()
+    with temporary_settings(updates={PREFECT_API_URL: api, PREFECT_HOME: env["PREFECT_HOME"]}):
+        with get_client(sync_client=True) as client:
+            end = time.monotonic() + 300
+            while True:  # the runner registers the deployments once it has imported the flows
+                assert runner.poll() is None, (logs / "serve.log").read_text()[-3000:]
+                try:
+                    cont = client.read_deployment_by_name("rl_continue/rl-continue")
+                    client.read_deployment_by_name("rl_run/rl-run")
+                    break
+                except Exception:
+                    assert time.monotonic() < end, "deployments not registered"
+                    time.sleep(1)
+
+            def run(name, params):
+                fr = run_deployment(name, parameters=params, timeout=600, poll_interval=1)
+                return fr.state
+
+            def latest(run_id):
+                return json.loads((Path(artifacts) / "runs" / run_id / "latest.json").read_text())["iteration"]
+
+            print(f"deployments registered: {time.monotonic() - T0:.0f} s")
+            st = run("rl_run/rl-run", {"settings": dict(TINY, artifacts=artifacts, run_id="r1")})
+            assert st.is_completed(), (st, (logs / "serve.log").read_text()[-3000:])
+            assert latest("r1") == 1
+
+            cont_params = {"run_id": "r1", "artifacts": artifacts, "settings": dict(TINY)}
+            with run_lock(artifacts, "r1") as held:  # a tick already running this run
+                assert held
+                st = run("rl_continue/rl-continue", cont_params)
+            assert st.is_cancelled(), st
+            assert "busy" in (st.message or "")
+            assert latest("r1") == 1  # nothing ran
+            print(f"rl_run and skipped tick done: {time.monotonic() - T0:.0f} s")
+
+            st = run("rl_continue/rl-continue", cont_params)  # the lock is free: one more iteration
+            assert st.is_completed(), st
+            assert latest("r1") == 2
+
+            # the schedule: auto-scheduled runs of rl_continue that carry the schedule's run id
+            end = time.monotonic() + 120
+            while True:
+                runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[cont.id])),
+                                             flow_run_filter=None, limit=20)
+                sched = [r for r in runs if r.auto_scheduled]
+                if sched:
+                    break
+                assert time.monotonic() < end, "no auto-scheduled run for rl-continue"
+                time.sleep(1)
+            assert all(r.parameters.get("run_id") == "scheduled-run" for r in sched)
+            assert all(r.state.is_scheduled() for r in sched)
+            print(f"scheduled runs seen: {time.monotonic() - T0:.0f} s")
