@@ -58,6 +58,12 @@ class K3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(D, eps)
         self.self_attention_res_proj, self.self_attention_res_norm = ResProj(D), ResNorm(D)
         self.mlp_res_proj, self.mlp_res_norm = ResProj(D), ResNorm(D)
+        if layer_idx == 0:
+            # the block list is still empty before layer 0's attention, so its mix never runs: the
+            # public checkpoint carries these weights, but no gradient can reach them (frozen, so
+            # optimizers hold no state for dead weights and every trainable parameter has one)
+            self.self_attention_res_proj.weight.requires_grad_(False)
+            self.self_attention_res_norm.weight.requires_grad_(False)
         self._attn_site, self._mlp_site = _MixSite(), _MixSite()
         self.self_attn = GatedMLA(config, layer_idx) if self.is_mla else KimiDeltaAttention(config, layer_idx)
         if self.is_moe:
