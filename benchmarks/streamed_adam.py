@@ -91,7 +91,7 @@ class FullBufferOffloadAdamW(StreamedAdamW):
         return out
 
     def pinned_bytes(self) -> int:
-        return super().pinned_bytes() + (self._grad_buffer.nbytes if self._grad_buffer.pinned else 0)
+        return super().pinned_bytes() + self._grad_buffer.pinned_nbytes
 
 
 # ---- measurement helpers -----------------------------------------------------------------------

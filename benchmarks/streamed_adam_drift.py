@@ -12,7 +12,8 @@ Feedback modes:
     closed  every variant computes its own gradients at its own weights (real training: drift
             includes the chaotic growth of any perturbation, which bf16-sr-seed1 calibrates)
     open    every variant gets the fp32 run's gradients (isolates the optimizer's own error)
-Reported every --log-every steps: loss per variant, relative master-weight drift
+Reported every --log-every steps: held-out loss per variant (a fixed batch of 256 examples, never
+trained on), relative master-weight drift
 ||w - w_fp32|| / ||w_fp32 - w_0||, relative moment errors ||m - m_fp32|| / ||m_fp32|| (same for v).
 
 Models (--model):
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import torch
@@ -76,8 +76,8 @@ class MLPTask:
             layer.to(torch.bfloat16)
         return m
 
-    def data(self, step: int) -> torch.Tensor:
-        return torch.randn(self.batch, 512, generator=torch.Generator().manual_seed(10_000 + step))
+    def data(self, step: int, batch: int | None = None) -> torch.Tensor:
+        return torch.randn(batch or self.batch, 512, generator=torch.Generator().manual_seed(10_000 + step))
 
     @torch.no_grad()
     def target(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,10 +105,11 @@ class K3SmallTask:
         m.reset_parameters(seed=0)
         return m.cast(torch.bfloat16)
 
-    def data(self, step: int) -> torch.Tensor:
+    def data(self, step: int, batch: int | None = None) -> torch.Tensor:
         gen = torch.Generator().manual_seed(10_000 + step)
-        ids = torch.empty(self.batch, self.seq + 1, dtype=torch.int64)
-        ids[:, 0] = torch.randint(0, 256, (self.batch,), generator=gen)
+        batch = batch or self.batch
+        ids = torch.empty(batch, self.seq + 1, dtype=torch.int64)
+        ids[:, 0] = torch.randint(0, 256, (batch,), generator=gen)
         for t in range(self.seq):
             ids[:, t + 1] = torch.multinomial(self.transition[ids[:, t]], 1, generator=gen).squeeze(1)
         return ids
@@ -160,19 +161,15 @@ def main() -> None:
           f"lr={args.lr} betas=(0.9, {args.beta2}) wd={args.weight_decay} clip={args.max_grad_norm} "
           f"threads={torch.get_num_threads()}", flush=True)  # fmt: skip
 
+    heldout = task.data(-1, batch=256 if args.model == "mlp" else 32)
     rows, t0 = [], time.time()
     for step in range(1, args.steps + 1):
         batch = task.data(step)
-        losses = {}
         if args.feedback == "closed":
-            for name, m in models.items():
-                loss = task.loss(m, batch)
-                loss.backward()
-                losses[name] = loss.detach().item()
+            for m in models.values():
+                task.loss(m, batch).backward()
         else:
-            loss = task.loss(ref, batch)
-            loss.backward()
-            losses = {name: loss.detach().item() if name == "fp32" else math.nan for name in models}
+            task.loss(ref, batch).backward()
             for name, m in models.items():
                 if name != "fp32":
                     for p, q in zip(m.parameters(), ref.parameters()):
@@ -182,9 +179,8 @@ def main() -> None:
             opts[name].zero_grad()
         if step % args.log_every == 0 or step == args.steps:
             w_ref, m_ref, v_ref = (flat(opts["fp32"], ref, k) for k in ("master", "exp_avg", "exp_avg_sq"))
-            if args.feedback == "open":
-                with torch.no_grad():
-                    losses = {name: float(task.loss(m, batch)) for name, m in models.items()}
+            with torch.no_grad():
+                losses = {name: float(task.loss(m, heldout)) for name, m in models.items()}
             row = {"step": step, "loss": losses}
             for name in models:
                 if name == "fp32":
@@ -203,7 +199,7 @@ def main() -> None:
                                      for k in models if k != "fp32"), flush=True)  # fmt: skip
 
     names = [k for k in models if k != "fp32"]
-    print("\n| step | loss fp32 | " + " | ".join(f"loss {k}" for k in names) + " | "
+    print("\n| step | held-out loss fp32 | " + " | ".join(f"loss {k}" for k in names) + " | "
           + " | ".join(f"w drift {k}" for k in names) + " | w drift sr seed0 vs seed1 | "
           + " | ".join(f"v err {k}" for k in names) + " |")  # fmt: skip
     print("|---" * (3 + 3 * len(names)) + "|")
@@ -215,7 +211,7 @@ def main() -> None:
     sr, pair, rne = last["bf16-sr"]["w_drift"], last["sr_pair"], last["bf16-rne"]["w_drift"]
     print(f"\nafter {args.steps} steps, relative weight drift: bf16-sr vs fp32 {sr:.3e}; bf16-sr seed 0 vs seed 1 "
           f"{pair:.3e} (two equally valid runs); bf16-rne vs fp32 {rne:.3e}; "
-          f"final loss ratio bf16-sr/fp32 = {last['loss']['bf16-sr'] / last['loss']['fp32']:.4f}, "
+          f"final held-out loss ratio bf16-sr/fp32 = {last['loss']['bf16-sr'] / last['loss']['fp32']:.4f}, "
           f"bf16-rne/fp32 = {last['loss']['bf16-rne'] / last['loss']['fp32']:.4f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

@@ -603,7 +603,8 @@ class StreamedAdamW(torch.optim.Optimizer):
         return {"state": state, "steps": 4 * len(self._params), "buffers": buffers}
 
     def pinned_bytes(self) -> int:
-        """Bytes of host memory page-locked by this optimizer (state and stages when pinned)."""
+        """Bytes of host memory page-locked by this optimizer (state and stages when pinned; each
+        arena rounded up to whole pages)."""
         arenas = [self._master_arena, self._exp_avg_arena, self._exp_avg_sq_arena, *self._grad_stages, *self._weight_stages]
-        return sum(a.nbytes for a in arenas if a.pinned)
+        return sum(a.pinned_nbytes for a in arenas)
 
