@@ -80,7 +80,7 @@ def rl_continue(run_id: str = "demo", artifacts: str = "./artifacts", iterations
         raise ValueError(f"iterations_per_tick must be >= 1, got {iterations_per_tick}")
     with run_lock(artifacts, run_id) as held:
         if not held:
-            msg = (f"run '{run_id}' is busy (another rl_continue or rl_run holds {lock_path(artifacts, run_id)}); "
+            msg = (f"run '{run_id}' is busy (another rl_continue tick holds {lock_path(artifacts, run_id)}); "
                    "skipping this tick")
             log.warning(msg)
             return Cancelled(message=msg)
