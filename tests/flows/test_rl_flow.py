@@ -16,19 +16,22 @@ from tasks import engines
 
 ENV_SRC = textwrap.dedent('''
     import os
-    from k3core.rl.envs import AdditionEnv
+    from k3core.rl.envs import ReverseEnv
 
-    class FlakyAddition(AdditionEnv):
-        """Addition whose scorer crashes while the file named by K3RL_TEST_CRASH_FILE exists."""
-        name = "flaky-add"
+    class FlakyReverse(ReverseEnv):
+        """Reversal prompts; the reward (exact, in [0, 1]) is the fraction of even bytes in the
+        completion, so even a random tiny policy gets varied rewards and every iteration takes a
+        real optimizer step. The scorer crashes while K3RL_TEST_CRASH_FILE exists."""
+        name = "flaky-reverse"
         def reward(self, prompt, completion):
             marker = os.environ.get("K3RL_TEST_CRASH_FILE")
             if marker and os.path.exists(marker):
                 raise RuntimeError("injected scorer crash")
-            return super().reward(prompt, completion)
+            data = completion.encode()
+            return sum(b % 2 == 0 for b in data) / len(data) if data else 0.0
 
     def make():
-        return FlakyAddition()
+        return FlakyReverse()
 ''')
 
 
@@ -100,5 +103,7 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     tb = pq.read_table(root_b / "iter-0001" / "scored.parquet")
     assert ta.schema.equals(SCORED_SCHEMA) and ta.equals(tb)
     assert sa["heldout_reward_end"] == sb["heldout_reward_end"]
+    metrics = json.loads((root_b / "metrics.json").read_text())
+    assert all(m.get("skipped", 1.0) == 0.0 for m in metrics), "an iteration took no optimizer step"
     summary = json.loads((root_b / "summary.json").read_text())
     assert set(summary["seconds_per_stage"]) >= {"rollout", "score", "train", "save", "transfer"}
