@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -149,10 +148,13 @@ def _need_server() -> None:
                          "live in the server's database)")
 
 
-def _prefect(*args: str, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    exe = shutil.which("prefect", path=str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", ""))
-    cmd = [exe, *args] if exe else [sys.executable, "-m", "prefect", *args]
-    return subprocess.run(cmd, cwd=cwd, check=check, text=True, capture_output=not check)
+def _prefect_cmd(*args: str) -> list[str]:
+    """The ``prefect`` CLI of this environment (beside this Python), whatever PATH says."""
+    return [sys.executable, "-m", "prefect", *args]
+
+
+def _prefect(*args: str, quiet: bool = False, cwd: Path | None = None) -> int:
+    return subprocess.run(_prefect_cmd(*args), cwd=cwd, text=True, capture_output=quiet).returncode
 
 
 def cmd_serve(a) -> int:
@@ -169,16 +171,22 @@ def cmd_serve(a) -> int:
 
 
 def cmd_deploy(a) -> int:
-    """Create the process work pool if missing, then ``prefect deploy --all`` on prefect.yaml."""
+    """Create the process work pools prefect.yaml names if missing, then ``prefect deploy`` on it."""
     _need_server()
     path = Path(a.file).resolve()
-    if _prefect("work-pool", "inspect", a.pool, check=False).returncode != 0:
-        print(f"k3rl: creating process work pool '{a.pool}'", flush=True)
-        _prefect("work-pool", "create", a.pool, "--type", "process")
-    args = ["--no-prompt", "deploy", "--prefect-file", str(path), "--pool", a.pool]
+    deployments = [d for d in load_config(path)["deployments"] if not a.name or d["name"] in a.name]
+    for pool in sorted({(d.get("work_pool") or {}).get("name") or DEFAULT_POOL for d in deployments}):
+        if _prefect("work-pool", "inspect", pool, quiet=True) != 0:
+            print(f"k3rl: creating process work pool '{pool}'", flush=True)
+            if rc := _prefect("work-pool", "create", pool, "--type", "process"):
+                print(f"k3rl: error: could not create work pool '{pool}'", file=sys.stderr)
+                return rc
+    args = ["--no-prompt", "deploy", "--prefect-file", str(path)]
     args += [x for n in a.name for x in ("--name", n)] if a.name else ["--all"]
-    _prefect(*args, cwd=path.parent)
-    print(f"k3rl: deployments registered; start a worker with `k3rl worker --pool {a.pool}`", flush=True)
+    if rc := _prefect(*args, cwd=path.parent):
+        print(f"k3rl: error: `prefect deploy` failed (exit {rc})", file=sys.stderr)
+        return rc
+    print("k3rl: deployments registered; start a worker with `k3rl worker`", flush=True)
     return 0
 
 
@@ -188,7 +196,9 @@ def cmd_worker(a) -> int:
     args = ["worker", "start", "--pool", a.pool, "--type", "process"]
     if a.limit:
         args += ["--limit", str(a.limit)]
-    return _prefect(*args, cwd=PROJECT_ROOT).returncode
+    os.chdir(PROJECT_ROOT)
+    sys.stdout.flush()
+    os.execv(sys.executable, _prefect_cmd(*args))  # become the worker: signals reach it directly
 
 
 def add_deploy_subcommands(sub) -> None:
@@ -198,10 +208,9 @@ def add_deploy_subcommands(sub) -> None:
     s.add_argument("--name", action="append", help="only this deployment (repeatable)")
     s.add_argument("--limit", type=int, default=None, help="at most this many flow runs at once")
     s.set_defaults(fn=cmd_serve)
-    d = sub.add_parser("deploy", help="register the deployments of prefect.yaml on a local process work pool",
+    d = sub.add_parser("deploy", help="register the deployments of prefect.yaml (their process work pool is created if missing)",
                        epilog="example: PREFECT_API_URL=http://127.0.0.1:4200/api k3rl deploy && k3rl worker")
     d.add_argument("--file", default=str(DEFAULT_FILE), help="a prefect.yaml (default: the repository's)")
-    d.add_argument("--pool", default=DEFAULT_POOL, help=f"process work pool (created if missing; default {DEFAULT_POOL})")
     d.add_argument("--name", action="append", help="only this deployment (repeatable; default all)")
     d.set_defaults(fn=cmd_deploy)
     w = sub.add_parser("worker", help="a process worker that runs the deployments registered by `k3rl deploy`",

@@ -127,9 +127,9 @@ def test_cli_has_deploy_worker_serve():
     from flows.cli import build_parser
 
     p = build_parser()
-    a = p.parse_args(["deploy", "--pool", "p1"])
-    assert a.pool == "p1" and a.fn.__name__ == "cmd_deploy"
-    assert p.parse_args(["worker"]).fn.__name__ == "cmd_worker"
+    assert p.parse_args(["deploy", "--name", "rl-run"]).fn.__name__ == "cmd_deploy"
+    a = p.parse_args(["worker", "--pool", "p1"])
+    assert a.pool == "p1" and a.fn.__name__ == "cmd_worker"
     assert p.parse_args(["serve", "--name", "rl-run"]).name == ["rl-run"]
 
 
