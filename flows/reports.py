@@ -14,7 +14,7 @@ from prefect.context import FlowRunContext
 
 from k3core.artifacts import ArtifactStore
 
-TABLE_COLUMNS = ["iteration", "weight_version", "reward_mean", "reward_std", "solved_fraction", "heldout_reward",
+TABLE_COLUMNS = ["iteration", "weight_version", "reward_mean", "reward_std", "solved_fraction", "heldout_reward", "heldout_greedy_reward",
                  "kl_rollout_trainer_k3", "clip_fraction", "entropy", "grad_norm", "response_length_mean",
                  "tis_weight_mean", "train_tokens_per_s", "seconds_rollout", "seconds_train", "transfer_seconds"]
 
@@ -34,7 +34,9 @@ def curves_png(history: list[dict]) -> bytes:
     a.plot(it, [h["reward_mean"] for h in history], label="train reward (sampled)")
     ev = [(h["iteration"], h["heldout_reward"]) for h in history if "heldout_reward" in h]
     if ev:
-        a.plot(*zip(*ev), "o-", label="held-out reward (greedy)")
+        a.plot(*zip(*ev), "o-", label="held-out reward (sampled)")
+        a.plot(*zip(*[(h["iteration"], h["heldout_greedy_reward"]) for h in history if "heldout_greedy_reward" in h]),
+               "s--", label="held-out reward (greedy)")
     a.set_xlabel("iteration"), a.set_ylim(0, 1), a.legend(fontsize=8), a.set_title("reward")
     b.plot(it, [h.get("kl_rollout_trainer_k3", 0.0) for h in history], color="C3")
     b.set_xlabel("iteration"), b.set_title("KL(rollout || trainer), k3")
@@ -94,6 +96,8 @@ def summary(s, prep: dict, history: list[dict], final: dict, wall: float) -> dic
         "heldout_reward_end": final["heldout_reward"],
         "heldout_solved_start": ev[0]["heldout_solved"] if ev else None,
         "heldout_solved_end": final["heldout_solved"],
+        "heldout_greedy_reward_start": ev[0].get("heldout_greedy_reward") if ev else None,
+        "heldout_greedy_reward_end": final.get("heldout_greedy_reward"),
         "train_reward_first": history[0]["reward_mean"] if history else None,
         "train_reward_last": history[-1]["reward_mean"] if history else None,
         "wall_seconds": wall,

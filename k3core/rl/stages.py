@@ -109,13 +109,24 @@ def table_to_sequences(table: pa.Table, n_moe: int, top_k: int) -> list[RLSequen
 
 @torch.no_grad()
 def evaluate(engine: RolloutEngine, tok: ByteTokenizer, env, env_spec: str, prompts: list[str],
-             max_new_tokens: int) -> dict:
-    """Greedy decoding on held-out prompts: mean reward and solved fraction."""
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=(tok.eos_id,))
-    comps = engine.generate([tok.encode(p) for p in prompts], params, pad_id=tok.pad_id)
-    rewards = [checked_reward(env, prompts[c.prompt_index], tok.decode(c.output_ids), env_spec) for c in comps]
-    return {"heldout_reward": sum(rewards) / len(rewards),
-            "heldout_solved": sum(r == 1.0 for r in rewards) / len(rewards), "heldout_n": len(rewards)}
+             max_new_tokens: int, temperature: float = 1.0, samples: int = 4, seed: int = 0) -> dict:
+    """Held-out prompts (never trained on), two ways:
+    - ``heldout_reward``: the policy's expected reward, the quantity RL maximises: ``samples``
+      completions per prompt at the rollout temperature (fixed seed, so versions compare fairly);
+    - ``heldout_greedy_reward``: greedy decoding (the policy's mode)."""
+    def score(comps):
+        return [checked_reward(env, prompts[c.prompt_index], tok.decode(c.output_ids), env_spec) for c in comps]
+
+    stop = (tok.eos_id,)
+    ids = [tok.encode(p) for p in prompts]
+    sampled = score(engine.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                        stop_token_ids=stop, n=samples, seed=seed), pad_id=tok.pad_id))
+    greedy = score(engine.generate(ids, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                                       stop_token_ids=stop), pad_id=tok.pad_id))
+    return {"heldout_reward": sum(sampled) / len(sampled),
+            "heldout_solved": sum(r == 1.0 for r in sampled) / len(sampled),
+            "heldout_greedy_reward": sum(greedy) / len(greedy),
+            "heldout_greedy_solved": sum(r == 1.0 for r in greedy) / len(greedy), "heldout_n": len(sampled)}
 
 
 # ------------------------------------------------------------------ trainer state (DCP)
