@@ -70,11 +70,17 @@ def cmd_run(a) -> int:
 
 def _format_summary(s: dict) -> str:
     lines = [f"run {s['run_id']}: {s['iterations']} iterations of {s['env']} on '{s['preset']}' in {s['wall_seconds']:.0f} s",
-             f"  held-out reward: {s['heldout_reward_start']} -> {s['heldout_reward_end']:.3f} "
-             f"(solved {s['heldout_solved_start']} -> {s['heldout_solved_end']:.3f})",
-             f"  train reward (sampled): {s['train_reward_first']} -> {s['train_reward_last']}",
+             f"  held-out reward, sampled: {_f(s['heldout_reward_start'])} -> {_f(s['heldout_reward_end'])} "
+             f"(solved {_f(s['heldout_solved_start'])} -> {_f(s['heldout_solved_end'])})",
+             f"  held-out reward, greedy: {_f(s.get('heldout_greedy_reward_start'))} -> "
+             f"{_f(s.get('heldout_greedy_reward_end'))}",
+             f"  train reward (sampled): {_f(s['train_reward_first'])} -> {_f(s['train_reward_last'])}",
              "  seconds per stage: " + ", ".join(f"{k} {v}" for k, v in s["seconds_per_stage"].items())]
     return "\n".join(lines)
+
+
+def _f(x) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
 
 
 def cmd_prepare(a) -> int:
