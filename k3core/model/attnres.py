@@ -6,8 +6,8 @@ candidate ``v`` in ``B + [p]`` with ``s = sum_i (v_i / rms(v)) * w_i * gamma_i``
 weight, fp32) and returns ``sum_v softmax(s)_v * v`` in the activation dtype.
 
 ``w * gamma`` depends only on weights. Inference engines precompute it; that cache must be
-recomputed whenever weights change (``AttnResMix.refresh_cache``), or rollouts silently use stale
-scores. Training never uses the cache.
+recomputed whenever weights change (``K3ForCausalLM.refresh_inference_caches``), or rollouts
+silently use stale scores. Training never uses the cache.
 """
 
 from __future__ import annotations

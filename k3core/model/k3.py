@@ -166,7 +166,8 @@ class K3ForCausalLM(nn.Module):
             if p is None or not p.is_floating_point() or name.endswith(FP32_NAME_SUFFIXES):
                 continue
             p.data = p.data.to(dtype)
-        self.refresh_inference_caches() if self.use_inference_caches else None
+        if self.use_inference_caches:
+            self.refresh_inference_caches()
         return self
 
     @torch.no_grad()
