@@ -346,10 +346,13 @@ def main() -> None:
     for name, r in res.items():
         d = r["rss_delta"]
         state = r["host_bytes"]["state"] + r["host_bytes"].get("grad_buffer", 0)
-        print(f"| {name} | {r['params']:,} | {d / n:.2f} | {(d - r['fixed_bytes']) / n:.2f} | {r['pinned_bytes'] / n:.2f} "
+        rss = "n/a (no /proc/self/clear_refs)" if d is None else f"{d / n:.2f} | {(d - r['fixed_bytes']) / n:.2f}"
+        print(f"| {name} | {r['params']:,} | {rss} | {r['pinned_bytes'] / n:.2f} "
               f"| {state / n:.2f} | {r['fixed_bytes'] / 2**20:.1f} |")  # fmt: skip
-    ratio = res["streamed"]["rss_delta"] / res["baseline"]["rss_delta"]
-    print(f"streamed / baseline host RSS delta: {ratio:.3f}")
+    if res["streamed"]["rss_delta"] and res["baseline"]["rss_delta"]:
+        print(f"streamed / baseline host RSS delta: {res['streamed']['rss_delta'] / res['baseline']['rss_delta']:.3f}")
+    if res["baseline"]["pinned_bytes"]:
+        print(f"streamed / baseline pinned bytes: {res['streamed']['pinned_bytes'] / res['baseline']['pinned_bytes']:.3f}")
 
     print("\n## Step time (median of the timed steps, after one warm-up step)")
     print("| variant | step s | host update s | params/s (step) | D2H GB | H2D GB | effective PCIe GB/s |")
