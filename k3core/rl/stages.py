@@ -130,9 +130,24 @@ def evaluate(engine: RolloutEngine, tok: ByteTokenizer, env, env_spec: str, prom
 
 
 # ------------------------------------------------------------------ trainer state (DCP)
-def make_optimizer(model: K3ForCausalLM, lr: float, weight_decay: float = 0.0) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.99),
-                             weight_decay=weight_decay, foreach=True)
+OPTIMIZERS = ("streamed", "adamw")
+
+
+def make_optimizer(model: K3ForCausalLM, lr: float, weight_decay: float = 0.0,
+                   kind: str = "streamed") -> torch.optim.Optimizer:
+    """The trainer's optimizer. ``streamed`` (default): ``StreamedAdamW``, fp32 master weights and
+    stochastically rounded bf16 moments on the host (8 B/param), updated chunk by chunk with no
+    host gradient buffer (issue 6); ``adamw``: ``torch.optim.AdamW`` (fp32 moments), kept as the
+    baseline. Gradient clipping stays in the train step (``clip_grad_norm_``), so both see the
+    same clipped gradients."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "streamed":
+        from k3core.optim.streamed_adam import StreamedAdamW
+
+        return StreamedAdamW(params, lr=lr, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=weight_decay, foreach=True)
+    raise ValueError(f"unknown optimizer {kind!r}: choose one of {OPTIMIZERS}")
 
 
 def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: torch.optim.Optimizer,
