@@ -124,6 +124,11 @@ class K3Config:
     attn_res_block_size: int = 12
     # checkpoint format: None (bf16) or the MXFP4 declaration
     quantization_config: dict[str, Any] | None = None
+    # Training-time switch, not part of the model: routed-expert weights pass through the MXFP4
+    # round trip in the forward (straight-through gradient), so the trainer sees the weights an
+    # MXFP4 engine runs. A runtime flag: config.json has no place for it (it describes the model,
+    # not how it is trained), so it is neither written nor read there.
+    qat_routed_experts: bool = False
     # keys of the outer config.json we do not interpret (vision_config, ...), kept for write-back
     extra_outer: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -164,6 +169,13 @@ class K3Config:
             p.append(f"rms_norm_eps must be in (0, 1), got {self.rms_norm_eps!r}")
         if not (isinstance(self.kda_gate_lower_bound, (int, float)) and self.kda_gate_lower_bound < 0):
             p.append(f"kda_gate_lower_bound must be negative (gates live in [lower_bound, 0)), got {self.kda_gate_lower_bound!r}")
+        if not isinstance(self.qat_routed_experts, bool):
+            p.append(f"qat_routed_experts must be true or false, got {self.qat_routed_experts!r}")
+        elif self.qat_routed_experts:
+            for name in ("moe_intermediate_size", "routed_expert_hidden_size"):
+                v = getattr(self, name)
+                if isinstance(v, int) and v % 32:
+                    p.append(f"{name} ({v}) must be a multiple of 32 for MXFP4 QAT of routed experts (blocks of 32)")
         if self.hidden_act != "situ":
             p.append(f"hidden_act must be 'situ' (K3 uses SiTU-GLU everywhere), got {self.hidden_act!r}")
         for name in ["activation_situ_beta", "activation_situ_linear_beta", "routed_scaling_factor"]:
@@ -367,7 +379,8 @@ class K3Config:
         kw: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)}
         for k, v in text.items():
-            if k in names and k not in ("quantization_config", "extra_outer", "full_attn_layers", "kda_layers"):
+            if k in names and k not in ("quantization_config", "extra_outer", "full_attn_layers", "kda_layers",
+                                        "qat_routed_experts"):
                 kw[k] = v
         for public, native in [("num_heads", "kda_num_heads"), ("head_dim", "kda_head_dim"),
                                ("short_conv_kernel_size", "kda_short_conv_kernel_size"),

@@ -10,6 +10,9 @@ The bias shifts *selection* only, never the weights; it is a persistent fp32 buf
 never sees (the release sets it by Quantile Balancing, no auxiliary loss; it is frozen here).
 Experts are SiTU-GLU MLPs in the latent width, stored stacked: ``experts.w13`` ``[E, 2I, Dl]`` (rows
 ``[w1 (gate); w3 (up)]`` of the public ``experts.E.w1``/``w3``) and ``experts.w2`` ``[E, Dl, I]``.
+With ``qat`` (``K3Config.qat_routed_experts``) the forward uses their MXFP4 round trip (the release's
+scale rule, blocks of 32 along each weight's input dim, exactly what an MXFP4 export stores) and the
+gradient passes straight through to the bf16/fp32 master weights; names and shapes do not change.
 
 Dispatch computes only the chosen (token, expert) pairs: sort the pairs by expert, run each active
 expert on its contiguous slice (``torch._grouped_mm`` on CUDA where it applies), scatter the weighted
@@ -23,6 +26,7 @@ from torch import nn
 
 from k3core.model.mlp import SiTUMLP
 from k3core.model.norm import RMSNorm, at_least_fp32
+from k3core.ops.mxfp4 import fake_quantize
 from k3core.ops.situ import situ_glu
 
 
@@ -59,36 +63,50 @@ class Router(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """E SiTU-GLU experts of width I in latent width Dl, stacked for grouped matmuls."""
+    """E SiTU-GLU experts of width I in latent width Dl, stacked for grouped matmuls. ``qat``: forward
+    through the MXFP4 round trip of the weights, straight-through gradient (see the module docstring)."""
 
-    def __init__(self, num_experts: int, latent_size: int, intermediate_size: int, beta: float, linear_beta: float):
+    def __init__(self, num_experts: int, latent_size: int, intermediate_size: int, beta: float, linear_beta: float,
+                 qat: bool = False):
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.beta, self.linear_beta = beta, linear_beta
+        self.qat = qat
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, latent_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, latent_size, intermediate_size))
+
+    def effective_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as the forward uses them: the parameters, or their MXFP4 round trip under QAT
+        (computed once per forward, for all experts: one quantise pass per weight per step)."""
+        if self.qat:
+            return fake_quantize(self.w13), fake_quantize(self.w2)
+        return self.w13, self.w2
 
     def expert_forward(self, e: int, x: torch.Tensor, weights=None) -> torch.Tensor:
         """Expert e on rows x ``[n, Dl]`` -> ``[n, Dl]``. ``weights``: ``(w13.unbind(0), w2.unbind(0))``
         when calling for many experts: indexing ``w13[e]`` per expert would make autograd build one
         full-size zero gradient per expert (quadratic in the number of experts)."""
-        w13, w2 = weights if weights is not None else (self.w13[e], self.w2[e])
         if weights is not None:
-            w13, w2 = w13[e], w2[e]
+            w13, w2 = weights[0][e], weights[1][e]
+        elif self.qat:
+            w13, w2 = fake_quantize(self.w13[e]), fake_quantize(self.w2[e])  # blocks lie within one expert
+        else:
+            w13, w2 = self.w13[e], self.w2[e]
         return situ_glu(x @ w13.t(), self.beta, self.linear_beta) @ w2.t()
 
     def grouped_forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert, ``counts[e]`` rows each -> ``[n, Dl]`` in the same order."""
-        if _grouped_mm_ok(x_sorted, self.w13):
+        w13, w2 = self.effective_weights()
+        if _grouped_mm_ok(x_sorted, w13):
             offs = torch.cumsum(counts, 0).to(torch.int32)
-            h = torch._grouped_mm(x_sorted, self.w13.transpose(-2, -1), offs=offs)
-            return torch._grouped_mm(situ_glu(h, self.beta, self.linear_beta), self.w2.transpose(-2, -1), offs=offs)
+            h = torch._grouped_mm(x_sorted, w13.transpose(-2, -1), offs=offs)
+            return torch._grouped_mm(situ_glu(h, self.beta, self.linear_beta), w2.transpose(-2, -1), offs=offs)
         if CPU_PADDED_EXPERTS and not x_sorted.is_cuda and x_sorted.shape[0]:
             cap = int(counts.max())
             if cap * self.num_experts <= 2 * x_sorted.shape[0]:
-                return self._padded_forward(x_sorted, counts, cap)
+                return self._padded_forward(x_sorted, counts, cap, (w13, w2))
         outs, start = [], 0
-        weights = (self.w13.unbind(0), self.w2.unbind(0))
+        weights = (w13.unbind(0), w2.unbind(0))
         for e, n in enumerate(counts.tolist()):
             if n:
                 outs.append(self.expert_forward(e, x_sorted[start:start + n], weights))
@@ -96,7 +114,7 @@ class RoutedExperts(nn.Module):
         return torch.cat(outs, 0) if outs else x_sorted.new_zeros(0, self.w2.shape[1])
 
 
-    def _padded_forward(self, x_sorted: torch.Tensor, counts: torch.Tensor, cap: int) -> torch.Tensor:
+    def _padded_forward(self, x_sorted: torch.Tensor, counts: torch.Tensor, cap: int, weights) -> torch.Tensor:
         """Grouped GEMM by padding (CPU): rows scattered into ``[E, cap, Dl]``, two batched matmuls,
         rows gathered back. Three large ops instead of three per expert; used when the padding at
         most doubles the work (a balanced router)."""
@@ -106,8 +124,9 @@ class RoutedExperts(nn.Module):
         pos = torch.arange(n, device=x_sorted.device) - starts[expert]
         flat = expert * cap + pos
         xp = x_sorted.new_zeros(self.num_experts * cap, x_sorted.shape[1]).index_copy(0, flat, x_sorted)
-        h = torch.bmm(xp.view(self.num_experts, cap, -1), self.w13.transpose(1, 2))
-        o = torch.bmm(situ_glu(h, self.beta, self.linear_beta), self.w2.transpose(1, 2))
+        w13, w2 = weights
+        h = torch.bmm(xp.view(self.num_experts, cap, -1), w13.transpose(1, 2))
+        o = torch.bmm(situ_glu(h, self.beta, self.linear_beta), w2.transpose(1, 2))
         return o.reshape(self.num_experts * cap, -1).index_select(0, flat)
 
 
@@ -129,7 +148,8 @@ class LatentMoE(nn.Module):
         self.routed_expert_norm = RMSNorm(Dl, config.rms_norm_eps) if config.use_routed_expert_norm else nn.Identity()
         self.routed_expert_up_proj = nn.Linear(Dl, D, bias=False)
         self.experts = RoutedExperts(config.num_experts, Dl, config.moe_intermediate_size,
-                                     config.activation_situ_beta, config.activation_situ_linear_beta)
+                                     config.activation_situ_beta, config.activation_situ_linear_beta,
+                                     qat=getattr(config, "qat_routed_experts", False))
         self.shared_experts = (SiTUMLP(D, config.shared_expert_intermediate_size, config.activation_situ_beta,
                                        config.activation_situ_linear_beta) if config.num_shared_experts else None)
 
@@ -183,7 +203,8 @@ def dense_reference_moe(moe: LatentMoE, x: torch.Tensor, forced_ids: torch.Tenso
     ids, w = moe.route(x2, None if forced_ids is None else forced_ids.reshape(-1, moe.top_k))
     combine = torch.zeros(x2.shape[0], moe.num_experts, dtype=w.dtype, device=x.device).scatter_add(1, ids, w)
     xl = moe.routed_expert_down_proj(x2)
-    weights = (moe.experts.w13.unbind(0), moe.experts.w2.unbind(0))
+    w13, w2 = moe.experts.effective_weights()
+    weights = (w13.unbind(0), w2.unbind(0))
     all_out = torch.stack([moe.experts.expert_forward(e, xl, weights) for e in range(moe.num_experts)], dim=1)
     yl = (combine.unsqueeze(-1) * at_least_fp32(all_out)).sum(1).to(xl.dtype)
     y = moe.routed_expert_up_proj(moe.routed_expert_norm(yl))

@@ -1,0 +1,186 @@
+"""W4A8 matmuls: FP8 E4M3 activation quantisation against a scalar reference written from the format's
+definition, and the expert matmuls against a plain fp64 dequantise-then-multiply reference."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from k3core.ops import mxfp4
+from k3core.ops.w4a8 import (FP8_MAX, dequantize_fp8, fake_quantize_fp8, fp8_e4m3_values, quantize_fp8,
+                             quantize_fp8_reference, round_to_e4m3_reference, w4a8_grouped_mm, w4a8_linear,
+                             w4a8_reference)
+
+
+def test_reference_e4m3_table_is_torchs_float8_e4m3fn():
+    """The 127 non-negative finite codes, decoded from the definition, are torch's dtype values."""
+    codes = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert codes.float().tolist() == fp8_e4m3_values()
+    assert max(fp8_e4m3_values()) == FP8_MAX == torch.finfo(torch.float8_e4m3fn).max
+
+
+def _activations(g):
+    x = torch.randn(6, 96, generator=g) * torch.logspace(-3, 3, 6).unsqueeze(1)
+    x[1] = 0.0  # an all-zero token / blocks
+    x[2, :32] = 2.0**-140  # a block below every scale (fp32 subnormal)
+    x[3, 5] = 448.0 * 4  # a block max exactly 448 * 2^2: fits, no saturation
+    x[3, 40] = 448.0 * 4 * (1 + 2**-20)  # just above: the next power of two
+    x[4, :] = torch.tensor([0.5, 1.5, 2.5]).repeat(32)  # ties
+    return x
+
+
+@pytest.mark.parametrize("granularity", ["token", "block32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_fp8_matches_scalar_reference(granularity, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = _activations(g).to(dtype)
+    q, s = quantize_fp8(x, granularity)
+    values, scales = quantize_fp8_reference(x, granularity)
+    assert q.dtype == torch.float8_e4m3fn
+    assert torch.equal(q.double(), values)
+    got_scales = s.double() if granularity == "token" else 2.0 ** (s.double() - 127)
+    want = scales[..., :1] if granularity == "token" else scales[..., ::32]
+    assert torch.equal(got_scales.expand_as(want), want)
+
+
+def test_scale_rules_never_saturate_and_hit_448():
+    x = torch.tensor([[3.0, -7.0, 0.25] + [0.0] * 29, [448.0 * 4] + [1.0] * 31, [448.0 * 4 * 1.0001] + [0.0] * 31])
+    q, s = quantize_fp8(x, "token")
+    assert q[0, 1].item() == -448.0 and q[1, 0].item() == 448.0 and q[2, 0].item() == 448.0
+    assert abs(q.float()).max() == FP8_MAX
+    qb, sb = quantize_fp8(x, "block32")
+    assert sb[:, 0].tolist() == [127 - 6, 127 + 2, 127 + 3]  # 7 <= 448 * 2^-6; 1792 = 448 * 2^2 exactly
+    assert qb[1, 0].item() == 448.0 and qb[2, 0].item() == round_to_e4m3_reference(448.0 * 1.0001 / 2)
+    # the quantised value before the cast can exceed 448 by a rounding step: the clamp, not torch's
+    # cast (saturating in some versions, NaN in others), keeps it finite
+    y = torch.tensor([[FP8_MAX * (1 + 2**-23)] * 32])
+    assert torch.isfinite(quantize_fp8(y, "token")[0].float()).all()
+
+
+def test_zero_rows_and_nonfinite_rows():
+    x = torch.zeros(2, 64)
+    x[1, 3] = float("inf")
+    for granularity in ("token", "block32"):
+        q, s = quantize_fp8(x, granularity)
+        d = dequantize_fp8(q, s)
+        assert torch.equal(d[0], torch.zeros(64))
+        assert torch.isnan(d[1, :32]).all()  # the bad token / block is visibly broken
+    assert torch.equal(dequantize_fp8(*quantize_fp8(x, "block32"))[1, 32:], torch.zeros(32))
+
+
+def test_fake_quantize_fp8_error_is_within_half_an_e4m3_step():
+    """Closed-form bound: E4M3 has 3 mantissa bits, so a normal value is off by at most 2^-4 of itself
+    and a subnormal one (below 2^-6 in units of the scale) by at most half the step 2^-9."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1)) * torch.logspace(-4, 4, 64).unsqueeze(1)
+    for granularity in ("token", "block32"):
+        q, s = quantize_fp8(x, granularity)
+        scale = s if granularity == "token" else (2.0 ** (s.double() - 127)).float().repeat_interleave(32, -1)
+        err = (dequantize_fp8(q, s) - x).abs()
+        bound = torch.maximum(2.0**-4 * x.abs(), 2.0**-10 * scale.expand_as(x)) * (1 + 1e-6)
+        assert err.le(bound).all(), granularity
+
+
+def _bound(a64, w64):
+    """fp32 accumulation bound for a K-term dot product, from the magnitudes of the terms."""
+    return 1e-5 * (a64.abs() @ w64.abs().t()) + 1e-30
+
+
+@pytest.mark.parametrize("granularity", ["token", "block32", None])
+def test_w4a8_linear_matches_fp64_reference(granularity):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 96, generator=g) * 3
+    w = torch.randn(40, 96, generator=g) * 0.05
+    packed, scale = mxfp4.quantize(w)
+    got = w4a8_linear(x, packed, scale, granularity).double()
+    ref = w4a8_reference(x, packed, scale, granularity)
+    a = x.double() if granularity is None else torch.mul(*quantize_fp8_reference(x, granularity))
+    assert (got - ref).abs().le(_bound(a, mxfp4.dequantize(packed, scale, torch.float32).double())).all()
+    assert w4a8_linear(x.bfloat16(), packed, scale, granularity).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("granularity", ["token", "block32"])
+def test_grouped_mm_matches_per_expert_reference(granularity):
+    g = torch.Generator().manual_seed(3)
+    E, M, K = 4, 48, 64
+    counts = torch.tensor([3, 0, 9, 1])
+    x = torch.randn(int(counts.sum()), K, generator=g)
+    w = torch.randn(E, M, K, generator=g)
+    w[2, :, :32] = 0.0  # all-zero MXFP4 blocks
+    packed, scale = mxfp4.quantize(w)
+    got = w4a8_grouped_mm(x, counts, packed, scale, granularity, out_dtype=torch.float32).double()
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        ref = w4a8_reference(x[start:start + n], packed[e], scale[e], granularity)
+        torch.testing.assert_close(got[start:start + n], ref, rtol=1e-5, atol=1e-5)
+        start += n
+    assert w4a8_grouped_mm(x[:0], torch.zeros(E, dtype=torch.long), packed, scale, granularity).shape == (0, M)
+
+
+def test_bad_inputs_are_refused():
+    packed, scale = mxfp4.quantize(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="granularity"):
+        quantize_fp8(torch.randn(2, 64), "tensor")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_fp8(torch.randn(2, 40), "block32")
+    with pytest.raises(ValueError, match="K=32"):
+        w4a8_linear(torch.randn(2, 32), packed, scale)
+    with pytest.raises(ValueError, match="uint8"):
+        w4a8_linear(torch.randn(2, 64), packed.to(torch.int16), scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        dequantize_fp8(torch.randn(2, 64), torch.ones(2, 1))
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _triton_importable(), reason="triton is not installed")
+def test_fused_kernel_logic_under_the_triton_interpreter():
+    """The fused kernel's indexing, masking and decoding, run by TRITON_INTERPRET=1 on the CPU (fp32 dot:
+    the interpreter's bf16 dot is unusable); the GPU test below runs it compiled."""
+    code = textwrap.dedent("""
+        import torch
+        from k3core.ops import mxfp4
+        from k3core.ops.w4a8 import quantize_fp8, w4a8_grouped_mm
+        from k3core.ops.w4a8_triton import w4a8_grouped_mm_triton
+        g = torch.Generator().manual_seed(0)
+        counts = torch.tensor([5, 0, 40])
+        x = torch.randn(45, 160, generator=g)
+        w = torch.randn(3, 96, 160, generator=g)
+        w[0, :, :32] = 0
+        p, s = mxfp4.quantize(w)
+        for gr in ("token", "block32"):
+            q, qs = quantize_fp8(x, gr)
+            got = w4a8_grouped_mm_triton(q, qs, counts, p, s, torch.float32)
+            ref = w4a8_grouped_mm(x, counts, p, s, gr, use_triton=False)
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("granularity", ["token", "block32"])
+def test_fused_kernel_matches_torch_path_on_gpu(granularity):
+    from k3core.ops.w4a8 import triton_available
+
+    assert triton_available(), "CUDA without triton: the fused kernel cannot run"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    E, M, K = 8, 512, 384
+    counts = torch.tensor([0, 1, 17, 200, 64, 3, 0, 90], device="cuda")
+    x = torch.randn(int(counts.sum()), K, device="cuda", generator=g).bfloat16()
+    packed, scale = mxfp4.quantize(torch.randn(E, M, K, device="cuda", generator=g) * 0.02)
+    got = w4a8_grouped_mm(x, counts, packed, scale, granularity, out_dtype=torch.float32, use_triton=True)
+    ref = w4a8_grouped_mm(x, counts, packed, scale, granularity, out_dtype=torch.float32, use_triton=False)
+    # same exact products, bf16 tensor cores vs fp32 matmul: only accumulation order differs
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
