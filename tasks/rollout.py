@@ -13,18 +13,16 @@ from tasks import engines
 
 
 def engine_for(run_id: str, weights: dict):
-    """The live engine at ``weights['version']``, or a new one built from the durable artifact."""
-    from k3core.rl.stages import build_engine, engine_state, load_trainer_state
-    from k3core.rollout.engine import RolloutEngine
+    """The live engine at ``weights['version']``, or a new one built from the durable artifact.
+    Quantised weights run on the W4A8 engine (MXFP4 routed experts, FP8 activations)."""
+    from k3core.rl.stages import build_engine, engine_from_model, load_trainer_state
 
     eng = engines.get(run_id)
     if eng is not None and eng.weight_version == weights["version"]:
         return eng
     if weights["kind"] == "dcp":  # a trainer checkpoint: quantise routed experts on the way
         model, _, _ = load_trainer_state(weights["path"], lr=0.0)
-        eng = RolloutEngine(model, weights["version"])
-        if weights.get("quantized", True):
-            eng.load_weights(engine_state(model, quantize_experts=True), weights["version"])
+        eng = engine_from_model(model, weights["version"], quantized=weights.get("quantized", True))
     else:
         eng = build_engine(weights["path"], weights["version"])
     engines.put(run_id, eng)

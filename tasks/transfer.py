@@ -1,6 +1,6 @@
 """Stage 7, transfer_weights: push the trainer's new weights into the live rollout engine with their
-version; routed experts are re-quantised to MXFP4 on the way and the engine recomputes its derived
-caches (AttnRes ``w * gamma``) before the next request."""
+version; routed experts are re-quantised to MXFP4 on the way (sent packed, into the W4A8 engine's
+expert buffers) and the engine recomputes its derived caches (AttnRes ``w * gamma``) before the next request."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ def transfer_weights(run_id: str, checkpoint: dict, quantized: bool) -> dict:
         h.update(k.encode())
         h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
     eng = engines.get(run_id)
-    if eng is None:
-        from k3core.rollout.engine import RolloutEngine
+    if eng is None:  # a W4A8 engine when quantized: its buffers take the packed state above
+        from k3core.rl.stages import engine_from_model
 
-        eng = RolloutEngine(model, checkpoint["version"])
+        eng = engine_from_model(model, checkpoint["version"], quantized)
         engines.put(run_id, eng)
     eng.load_weights(sd, checkpoint["version"])
     return {"version": checkpoint["version"], "bytes": nbytes, "seconds": time.perf_counter() - t0,

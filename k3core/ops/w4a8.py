@@ -206,15 +206,14 @@ def w4a8_grouped_mm(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.
         q, s = quantize_fp8(x_sorted, granularity)
         return w4a8_grouped_mm_triton(q, s, counts, packed, wscale, out_dtype)
     a, s = _activations_fp32(x_sorted, granularity)
-    out = torch.empty(x_sorted.shape[0], M, dtype=torch.float32, device=x_sorted.device)
-    start = 0
+    outs, start = [], 0
     for e, n in enumerate(counts.tolist()):
         if n:
-            w = dequantize(packed[e], wscale[e], torch.float32)
-            torch.matmul(a[start:start + n], w.t(), out=out[start:start + n])
+            outs.append(a[start:start + n] @ dequantize(packed[e], wscale[e], torch.float32).t())
             start += n
+    out = torch.cat(outs) if outs else a.new_zeros(0, M)
     if s is not None:
-        out *= s
+        out = out * s
     return out.to(out_dtype)
 
 
