@@ -21,6 +21,7 @@ from flows import reports
 from tasks.common import stage
 from tasks.evaluate import evaluate
 from tasks.fetch import fetch_checkpoint
+from tasks.mismatch import rollout_mismatch
 from tasks.quantize import quantize_mxfp4
 from tasks.rollout import rollout
 from tasks.save import save_checkpoint
@@ -58,6 +59,8 @@ class RLSettings:
     warmup_lr: float = 1e-3
     eval_prompts: int = 128
     eval_every: int = 5
+    # per-iteration KL(trainer || W4A8 engine) vs KL(trainer || float engine) on this many rollouts (0: off)
+    mismatch_sequences: int = 16
 
 
 def _run_prefix(s: RLSettings) -> str:
@@ -118,6 +121,11 @@ def rl_iteration(settings: RLSettings, iteration: int, state: dict, weights: dic
                                          outputs=[_uri(root, f"{it}/rollouts.parquet")], inputs=[weights["uri"]])(
         s.run_id, iteration, weights, s.env, s.prompts_per_iteration, s.samples_per_prompt, s.max_new_tokens,
         s.temperature, s.top_p, s.seed, root, f"{it}/rollouts.parquet"))
+    mm = None
+    if s.quantized_rollouts and s.mismatch_sequences:
+        mm = timed("mismatch", lambda: stage(rollout_mismatch, name=f"rollout_mismatch-{name}", artifact_root=root,
+                                              outputs=[], inputs=[ro["uri"], state["uri"]])(
+            state, ro, s.mismatch_sequences, s.temperature, s.seed))
     sc = timed("score", lambda: stage(score_rewards, name=f"score_rewards-{name}", artifact_root=root,
                                        outputs=[_uri(root, f"{it}/scored.parquet")], inputs=[ro["uri"]])(
         ro, s.env, s.samples_per_prompt, root, f"{it}/scored.parquet"))
@@ -137,6 +145,7 @@ def rl_iteration(settings: RLSettings, iteration: int, state: dict, weights: dic
                **{k: v for k, v in tr["metrics"].items() if isinstance(v, (int, float))},
                "rollout_tokens": ro["tokens"], "transfer_seconds": xf["seconds"],
                **({k: v for k, v in ev.items() if k.startswith("heldout")} if ev else {}),
+               **(mm or {}),
                **{f"seconds_{k}": v for k, v in t.items()}}
     lineage = [
         ("rollouts", ro["uri"], ro["sha256"], f"rollout-{name}", [weights["uri"]]),

@@ -13,7 +13,7 @@ from tasks import engines
 
 
 def transfer_weights(run_id: str, checkpoint: dict, quantized: bool) -> dict:
-    from k3core.rl.stages import engine_state, load_trainer_state
+    from k3core.rl.stages import engine_matches, engine_state, load_trainer_state
 
     t0 = time.perf_counter()
     model, _, _ = load_trainer_state(checkpoint["path"], lr=0.0)
@@ -26,7 +26,7 @@ def transfer_weights(run_id: str, checkpoint: dict, quantized: bool) -> dict:
         h.update(k.encode())
         h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
     eng = engines.get(run_id)
-    if eng is None:  # a W4A8 engine when quantized: its buffers take the packed state above
+    if eng is None or not engine_matches(eng, quantized):  # W4A8 when quantized: it takes the packed state
         from k3core.rl.stages import engine_from_model
 
         eng = engine_from_model(model, checkpoint["version"], quantized)
