@@ -1,26 +1,79 @@
-"""Embedded rollout engine: batched prefill + cached decode of token ids with K3ForCausalLM.
+"""Embedded rollout engine: continuous batching of K3ForCausalLM generation, prefill + cached decode.
 
 The engine knows nothing about tokenization or rewards: token ids in, token ids out, with per-token
 log-probabilities, the routed expert ids of every position (for routing replay) and the weight
-version that produced them.
+version that produced them. Stop *strings* need a tokenizer, so they come in as a ``stop_checker``
+callback (output ids -> the matched string or None), which the HTTP server builds from its tokenizer.
 
-- Prompts are left-padded and prefilled once; decode then runs one token per step against the
-  ``K3Cache`` (constant KDA state per sequence, MLA latent per token). Finished sequences leave the
-  batch (their cache rows are dropped) so the batch shrinks as samples stop.
-- Sampling: temperature, top-k, top-p, stop token ids, max new tokens, n samples per prompt, a seed.
-  ``logprobs`` are ``log softmax(logits / temperature)`` of the sampled token (before top-k/top-p
-  truncation), the distribution the trainer re-computes.
-- Weights change only through ``load_weights`` (in-process transfer): it copies, bumps the version and
-  recomputes every weight-derived cache (AttnRes ``w * gamma``) before the next request.
+One request (a prompt, ``SamplingParams``, an optional ``stop_checker``) becomes ``n`` sequences.
+Each ``step()``:
+1. admits waiting sequences while the batch has room (``max_batch``) and no weight update is
+   pending: the joiners' distinct prompts are prefilled together (left-padded), their ``K3Cache``
+   rows are appended to the running cache (``K3Cache.concat``: KDA state and conv tails per row, MLA
+   latents left-padded with invalid positions), so queued requests join without the batch draining;
+2. samples one token for every running sequence from its last logits (per-row temperature, top-k,
+   top-p; per-sequence ``torch.Generator``), then retires the sequences that stopped (stop token,
+   stop string, ``max_new_tokens``): their cache rows are dropped and a request's future resolves
+   once all its samples are done;
+3. feeds the survivors' tokens through one decode forward (constant KDA state per sequence, MLA
+   attention in latent space against the cache).
+
+Sampling. ``logprobs`` are ``log softmax(logits / temperature)`` of the sampled token, before top-k /
+top-p truncation: the distribution the trainer re-computes (temperature 0: greedy, log-probs at
+temperature 1). Top-k keeps logits >= the k-th largest; top-p then keeps the smallest prefix of the
+top-k-renormalised distribution whose mass reaches ``top_p`` (the crossing token is kept); see
+``filter_logits`` (the plain per-row reference) and ``filter_logits_batched`` (what runs). A token is
+drawn by inverse CDF from one uniform of the sequence's own CPU generator per step, so a request's
+samples depend only on its prompt, its parameters and its seed, never on which requests share the
+batch. Sample ``j`` of a request with seed ``s`` uses generator seed ``s + j`` (so sending the same
+prompt as ``n`` one-sample requests with seeds ``s, s+1, ...`` gives the same samples; this is what
+``RolloutClient`` does against a server). ``generate`` gives prompt ``i`` of a call with seed ``s`` the
+request seed ``derive_seed(s, i)``.
+
+Weights and versions. ``load_weights`` checks names, shapes and dtypes of the whole state first and
+refuses (``ValueError``, nothing copied, the old version keeps serving) on any mismatch. Otherwise it
+pauses admission, lets the running sequences finish on the current weights (queued requests wait),
+then copies under the model lock, recomputes every weight-derived cache (AttnRes ``w * gamma``; the
+absorbed MLA matrices are views of ``kv_b_proj`` and need nothing) and publishes the new version,
+and admission resumes. So every sequence is produced by exactly one version, the one recorded in its
+``Completion.weight_version`` (samples of one request admitted on both sides of an update carry their
+own versions).
+
+Threads. ``step()`` may be called directly (``generate`` does when no driver runs) or by one
+background driver thread (``start()``), which is what the HTTP server uses: handlers ``submit`` and
+await the returned ``concurrent.futures.Future``. ``max_queue`` bounds waiting sequences of
+``submit`` (``EngineOverloaded`` beyond it; ``generate`` is not bounded).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+import secrets
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
 from k3core.model import K3Cache, K3ForCausalLM
+from k3core.model.norm import at_least_fp32
+
+log = logging.getLogger(__name__)
+
+_MASK63 = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
+
+StopChecker = Callable[[list[int]], "str | None"]
+
+
+def derive_seed(base: int, index: int) -> int:
+    """A well-mixed 63-bit seed for item ``index`` of a call seeded ``base`` (splitmix64)."""
+    z = (int(base) * 0x9E3779B97F4A7C15 + (int(index) + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & _MASK63
 
 
 @dataclass
@@ -45,6 +98,8 @@ class SamplingParams:
             errs.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.n < 1:
             errs.append(f"n must be >= 1, got {self.n}")
+        if self.seed is not None and not 0 <= int(self.seed) <= _MASK63:
+            errs.append(f"seed must be in [0, 2^63), got {self.seed}")
         if errs:
             raise ValueError("invalid sampling parameters: " + "; ".join(errs))
 
@@ -56,15 +111,27 @@ class Completion:
     prompt_ids: list[int]
     output_ids: list[int]
     logprobs: list[float]
-    routing: torch.Tensor | None  # [len(prompt)+len(output), n_moe, k] int16, prompt positions first
-    finish_reason: str  # "stop" | "length"
+    routing: torch.Tensor | None  # [len(prompt)+len(output)-1, n_moe, k] int16, prompt positions first
+    finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int = 0
+    # "matched": the stop token id or stop string; "admitted_step"/"finished_step": engine steps;
+    # "logits": [len(output), V] rows sampled from, fp32 or wider (only with record_logits)
     meta: dict = field(default_factory=dict)
 
 
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full: retry later (the HTTP server answers 503)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine's driver was stopped before the request finished."""
+
+
+# ------------------------------------------------------------------ sampling
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Mask (to -inf) everything outside the top-k and outside the smallest set whose probability
-    reaches top_p (the token that crosses top_p is kept). logits ``[B, V]`` fp32."""
+    """Reference: mask (to -inf) everything outside the top-k and outside the smallest set whose
+    probability reaches top_p (the token that crosses top_p is kept). logits ``[B, V]`` fp32, one
+    top_k / top_p for all rows."""
     out = logits.clone()
     if top_k and top_k < out.shape[-1]:
         kth = out.topk(top_k, dim=-1).values[:, -1:]
@@ -79,97 +146,434 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return out
 
 
+def filter_logits_batched(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``filter_logits`` with one top_k (``[B]`` int, 0 = off) and top_p (``[B]`` float, 1 = off) per
+    row, in one sort. logits ``[B, V]`` fp32 -> ``[B, V]``."""
+    B, V = logits.shape
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < V), top_k, torch.full_like(top_k, V)).to(torch.long)
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    drop_sorted = sorted_logits < kth
+    probs = torch.softmax(sorted_logits.masked_fill(drop_sorted, float("-inf")), dim=-1)
+    before = probs.cumsum(-1) - probs
+    drop_sorted |= (before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: per row the first token whose cumulative probability exceeds ``u * total``.
+    probs ``[B, V]`` (>= 0, need not be normalised), u ``[B]`` in [0, 1) -> token ids ``[B]``.
+    A zero-probability token is never drawn (the CDF is flat across it)."""
+    cdf = probs.double().cumsum(-1)
+    x = (u.double().to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+    tok = torch.searchsorted(cdf, x, right=True).squeeze(1)
+    # u == 1 (never from torch.rand, but rounding can put x at the total): the last possible token
+    V = probs.shape[-1]
+    last = V - 1 - (probs > 0).flip(-1).to(torch.int8).argmax(-1)
+    return torch.where(tok >= V, last, tok)
+
+
+def sample_reference(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, u: float) -> tuple[int, float]:
+    """One row, plainly: (token, logprob) for logits ``[V]`` and the uniform ``u`` (tests only)."""
+    if temperature == 0:
+        tok = int(logits.argmax())
+        return tok, float(torch.log_softmax(logits.double(), -1)[tok])
+    scaled = logits.double() / temperature
+    probs = torch.softmax(filter_logits(scaled.unsqueeze(0), top_k, top_p)[0], -1)
+    target, acc = u * float(probs.sum()), 0.0
+    tok = len(probs) - 1
+    for i, p in enumerate(probs.tolist()):
+        acc += p
+        if acc > target:
+            tok = i
+            break
+    return tok, float(torch.log_softmax(scaled, -1)[tok])
+
+
+# ------------------------------------------------------------------ requests
+@dataclass(eq=False)
+class _Request:
+    prompt: list[int]
+    params: SamplingParams
+    stop_checker: StopChecker | None
+    future: Future
+    prompt_index: int = 0
+    completions: list = field(default_factory=list)
+    pending: int = 0
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: _Request
+    sample_index: int
+    gen: torch.Generator
+    out_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+    prompt_routing: torch.Tensor | None = None
+    logits: list[torch.Tensor] = field(default_factory=list)
+    version: int = 0
+    admitted_step: int = -1
+
+
 class RolloutEngine:
-    def __init__(self, model: K3ForCausalLM, weight_version: int = 0):
+    """Continuous-batching generation around an inference model (see the module docstring).
+
+    ``model``: a ``K3ForCausalLM`` (float or W4A8 experts), taken over: eval mode, inference caches on.
+    ``max_batch``: most sequences decoded together; ``max_queue``: most waiting sequences ``submit``
+    accepts; ``record_logits``: keep every sampled-from logits row in ``Completion.meta`` (tests)."""
+
+    def __init__(self, model: K3ForCausalLM, weight_version: int = 0, max_batch: int = 256, max_queue: int = 4096,
+                 record_logits: bool = False):
+        if max_batch < 1 or max_queue < 1:
+            raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch}, {max_queue}")
         self.model = model.eval()
         self.model.use_inference_caches = True
         self.model.refresh_inference_caches()
         self.weight_version = weight_version
         self.config = model.config
+        self.max_batch, self.max_queue, self.record_logits = max_batch, max_queue, record_logits
+        pad = getattr(self.config, "pad_token_id", None)
+        self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.config.vocab_size else 0
+        self.device = next(model.parameters()).device
+        self.steps = 0
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "admitted": 0, "max_running": 0}
+        self._queue: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._cache: K3Cache | None = None
+        self._logits: torch.Tensor | None = None  # [len(running), V] fp32: next-token logits
+        self._paused = 0  # weight updates waiting: no admission
+        self._cv = threading.Condition()  # queue, pause flag, driver wake-ups (held briefly)
+        self._model_lock = threading.RLock()  # model weights and the running batch (held per step)
+        self._update_lock = threading.Lock()
+        self._driver: threading.Thread | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ weights
+    def check_state(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` ("weight transfer refused: ...") unless ``state_dict`` has exactly the
+        engine's parameter and persistent-buffer names, with the same shapes and dtypes."""
+        own = self.model.state_dict(keep_vars=True)
+        missing = sorted(set(own) - set(state_dict))
+        extra = sorted(set(state_dict) - set(own))
+        errs = []
+        if missing:
+            errs.append(f"missing {len(missing)} tensors (e.g. {missing[:3]})")
+        if extra:
+            errs.append(f"{len(extra)} unexpected tensors (e.g. {extra[:3]})")
+        for k in sorted(set(own) & set(state_dict)):
+            t, o = state_dict[k], own[k]
+            if not isinstance(t, torch.Tensor):
+                errs.append(f"{k} is a {type(t).__name__}, not a tensor")
+            elif tuple(t.shape) != tuple(o.shape):
+                errs.append(f"{k} has shape {tuple(t.shape)}, engine expects {tuple(o.shape)}")
+            elif t.dtype != o.dtype:
+                errs.append(f"{k} has dtype {t.dtype}, engine expects {o.dtype}")
+        if errs:
+            raise ValueError("weight transfer refused (the engine keeps serving weight version "
+                             f"{self.weight_version}): " + "; ".join(errs[:6]) + (" ..." if len(errs) > 6 else ""))
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int, refresh: bool = True) -> None:
-        """In-process transfer: copy every tensor (names and shapes checked first, nothing applied on a
-        mismatch), then recompute derived caches and publish the version. ``refresh=False`` exists only
-        so a test can show what a stale AttnRes cache does."""
-        own = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
-        own = {k: v for k, v in own.items() if not k.endswith("._attn_site.cache") and not k.endswith("_site.cache")}
-        missing = sorted(set(own) - set(state_dict))
-        extra = sorted(set(state_dict) - set(own))
-        if missing or extra:
-            raise ValueError(f"weight transfer refused: missing {missing[:3]}, unexpected {extra[:3]}")
-        for k, t in state_dict.items():
-            if tuple(t.shape) != tuple(own[k].shape):
-                raise ValueError(f"weight transfer refused: {k} has shape {tuple(t.shape)}, engine expects {tuple(own[k].shape)}")
-        for k, t in state_dict.items():
-            own[k].copy_(t)
-        if refresh:
-            self.model.refresh_inference_caches()
-        self.weight_version = weight_version
+        """Swap in new weights as ``weight_version``: checked first (nothing applied on a mismatch),
+        then applied between requests (running sequences finish on the old weights first) with every
+        derived cache recomputed. ``refresh=False`` exists only so a test can show what a stale AttnRes
+        cache does."""
+        self.check_state(state_dict)
+        with self._update_lock:
+            with self._cv:
+                self._paused += 1
+            try:
+                self._drain()
+                with self._model_lock:
+                    own = self.model.state_dict(keep_vars=True)
+                    for k, t in state_dict.items():
+                        own[k].copy_(t)
+                    if refresh:
+                        self.model.refresh_inference_caches()
+                    self.weight_version = weight_version
+            finally:
+                with self._cv:
+                    self._paused -= 1
+                    self._cv.notify_all()
+
+    def _drain(self) -> None:
+        """Wait (admission paused) until no sequence is running; step ourselves without a driver."""
+        while True:
+            with self._model_lock:
+                if not self._running:
+                    return
+            if self.is_serving:
+                with self._cv:
+                    self._cv.wait(0.05)
+            else:
+                self.step()
+
+    # ------------------------------------------------------------------ requests
+    def _check_prompt(self, prompt: list[int]) -> list[int]:
+        p = [int(t) for t in prompt]
+        if not p:
+            raise ValueError("every prompt needs at least one token (prompts: non-empty lists of token ids)")
+        V = self.config.vocab_size
+        bad = [t for t in p if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {V}): tokenize with this model's tokenizer")
+        return p
+
+    def submit_many(self, requests: list[tuple[list[int], SamplingParams, StopChecker | None]],
+                    bounded: bool = True, prompt_indices: list[int] | None = None) -> list[Future]:
+        """Queue requests (all or none); each future resolves to its ``n`` Completions in sample order.
+        ``bounded``: refuse (``EngineOverloaded``) when the queue would exceed ``max_queue``."""
+        built = []
+        for i, (prompt, params, checker) in enumerate(requests):
+            params.validate()
+            p = self._check_prompt(prompt)
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+            req = _Request(p, params, checker, Future(), prompt_indices[i] if prompt_indices else 0,
+                           [None] * params.n, params.n)
+            seqs = [_Seq(req, j, torch.Generator(device="cpu").manual_seed((seed + j) & _MASK63))
+                    for j in range(params.n)]
+            built.append((req, seqs))
+        n_new = sum(len(s) for _, s in built)
+        with self._cv:
+            if self._stopping:
+                raise EngineStopped("the rollout engine is shutting down")
+            if bounded and len(self._queue) + n_new > self.max_queue:
+                raise EngineOverloaded(f"rollout engine overloaded: {len(self._queue)} sequences waiting, "
+                                       f"{len(self._running)} running, queue limit {self.max_queue}; retry later")
+            for _, seqs in built:
+                self._queue.extend(seqs)
+            self._cv.notify_all()
+        return [req.future for req, _ in built]
+
+    def submit(self, prompt: list[int], params: SamplingParams, stop_checker: StopChecker | None = None) -> Future:
+        return self.submit_many([(prompt, params, stop_checker)])[0]
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, pad_id: int) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, pad_id: int | None = None) -> list[Completion]:
+        """Blocking batch generation: ``n`` Completions per prompt, ordered (prompt, sample). Prompt
+        ``i`` gets request seed ``derive_seed(params.seed, i)``. ``pad_id`` is accepted for
+        compatibility: pads are neutral, so their id never changes a result."""
         params.validate()
-        if not prompts or any(len(p) == 0 for p in prompts):
+        if not prompts:
             raise ValueError("every prompt needs at least one token (prompts: non-empty lists of token ids)")
-        dev = next(self.model.parameters()).device
-        seqs = [(i, s, p) for i, p in enumerate(prompts) for s in range(params.n)]
-        B, P = len(seqs), max(len(p) for _, _, p in seqs)
-        ids = torch.full((B, P), pad_id, dtype=torch.long)
-        mask = torch.zeros(B, P, dtype=torch.bool)
-        for b, (_, _, p) in enumerate(seqs):
+        base = params.seed if params.seed is not None else secrets.randbits(63)
+        reqs = [(p, replace(params, seed=derive_seed(base, i)), None) for i, p in enumerate(prompts)]
+        futures = self.submit_many(reqs, bounded=False, prompt_indices=list(range(len(prompts))))
+        while not all(f.done() for f in futures):
+            if self.is_serving:
+                for f in futures:  # the driver resolves them; errors re-raise below
+                    f.exception()
+            elif not self.step():
+                with self._cv:
+                    paused = self._paused
+                if not paused:
+                    raise RuntimeError("rollout engine made no progress with requests pending")
+                with self._cv:
+                    self._cv.wait(0.05)
+        return [c for f in futures for c in f.result()]
+
+    # ------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Admit, sample one token per running sequence, retire, decode. False when idle."""
+        with self._model_lock:
+            try:
+                joined = self._admit()
+                if not self._running:
+                    return joined
+                self._sample_and_decode()
+                return True
+            except Exception as e:
+                self._fail_running(e)
+                raise
+
+    def _admit(self) -> bool:
+        with self._cv:
+            if self._paused or not self._queue or len(self._running) >= self.max_batch:
+                return False
+            take = [self._queue.popleft() for _ in range(min(self.max_batch - len(self._running), len(self._queue)))]
+        self._running.extend(take)  # before prefill, so a failure fails them too
+        rows: list[int] = []
+        uniq: dict[tuple[int, ...], int] = {}
+        for s in take:
+            rows.append(uniq.setdefault(tuple(s.req.prompt), len(uniq)))
+        prompts = list(uniq)
+        P = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), P, dtype=torch.bool)
+        for b, p in enumerate(prompts):
             ids[b, P - len(p):] = torch.tensor(p)
             mask[b, P - len(p):] = True
-        ids, mask = ids.to(dev), mask.to(dev)
-        gen = torch.Generator(device=dev)
-        gen.manual_seed(params.seed if params.seed is not None else torch.seed())
         cache = K3Cache.empty(self.config)
-        out = self.model(ids, mask, cache=cache, return_routing=True)
-        last = out.logits[:, -1].float()
-        routing_prompt = out.routing.to(torch.int16).cpu()
-        out_ids: list[list[int]] = [[] for _ in range(B)]
-        out_lp: list[list[float]] = [[] for _ in range(B)]
-        out_route: list[list[torch.Tensor]] = [[] for _ in range(B)]
-        finish = ["length"] * B
-        active = torch.arange(B, device=dev)
-        stop = set(params.stop_token_ids)
-        for step in range(params.max_new_tokens):
-            if params.temperature == 0:
-                logp_all = torch.log_softmax(last, -1)
-                tok = last.argmax(-1)
+        out = self.model(ids.to(self.device), mask.to(self.device), cache=cache, return_routing=True)
+        logits = at_least_fp32(out.logits[:, -1])
+        routing = out.routing.to(torch.int16).cpu()
+        if len(prompts) != len(take):  # n samples of one prompt share its prefill
+            idx = torch.tensor(rows, device=self.device)
+            cache, logits = cache.index_select(idx), logits.index_select(0, idx)
+        for s, r in zip(take, rows):
+            s.prompt_routing = routing[r, P - len(s.req.prompt):].clone()
+            s.version, s.admitted_step = self.weight_version, self.steps
+        n_old = len(self._running) - len(take)
+        self._cache = cache if n_old == 0 else K3Cache.concat([self._cache, cache])
+        self._logits = logits if n_old == 0 else torch.cat([self._logits, logits])
+        self.stats["prefill_tokens"] += int(mask.sum())
+        self.stats["admitted"] += len(take)
+        self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
+        return True
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits ``[B, V]`` (fp32, fp64 for an fp64 model) of the running sequences -> (tokens ``[B]``, logprobs ``[B]``)."""
+        ps = [s.req.params for s in self._running]
+        dev = logits.device
+        temp = torch.tensor([p.temperature for p in ps], dtype=logits.dtype, device=dev)
+        greedy = temp == 0
+        argmax = logits.argmax(-1)
+        if bool(greedy.all()):
+            return argmax, torch.log_softmax(logits, -1).gather(1, argmax.unsqueeze(1)).squeeze(1)
+        scaled = logits / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(1)
+        logp = torch.log_softmax(scaled, -1)
+        top_k = torch.tensor([p.top_k for p in ps], dtype=torch.long, device=dev)
+        top_p = torch.tensor([p.top_p for p in ps], dtype=logits.dtype, device=dev)
+        if bool((top_k > 0).any() or (top_p < 1).any()):
+            scaled = filter_logits_batched(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, -1)
+        # one uniform per sampling sequence from its own generator: batch composition never matters
+        u = torch.tensor([0.0 if p.temperature == 0 else float(torch.rand((), generator=s.gen, dtype=torch.float64))
+                          for p, s in zip(ps, self._running)], dtype=torch.float64)
+        tok = torch.where(greedy, argmax, sample_from_probs(probs, u))
+        return tok, logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+
+    def _finish(self, s: _Seq, tok: int) -> tuple[str, object] | None:
+        p = s.req.params
+        if tok in p.stop_token_ids:
+            return "stop", tok
+        if s.req.stop_checker is not None:
+            try:
+                m = s.req.stop_checker(s.out_ids)
+            except Exception as e:  # a broken checker ends its request, not the batch
+                return "abort", f"stop_checker raised {type(e).__name__}: {e}"
+            if m is not None:
+                return "stop", m
+        if len(s.out_ids) >= p.max_new_tokens:
+            return "length", p.max_new_tokens
+        return None
+
+    def _sample_and_decode(self) -> None:
+        logits = self._logits
+        tok, lp = self._sample(logits)
+        toks, lps = tok.tolist(), lp.tolist()
+        keep = []
+        for j, s in enumerate(self._running):
+            s.out_ids.append(toks[j])
+            s.logprobs.append(lps[j])
+            if self.record_logits:
+                s.logits.append(logits[j].cpu())
+            fin = self._finish(s, toks[j])
+            if fin is None:
+                keep.append(j)
             else:
-                scaled = last / params.temperature
-                logp_all = torch.log_softmax(scaled, -1)
-                probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), -1)
-                tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-            lp = logp_all.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-            keep = []
-            for j, b in enumerate(active.tolist()):
-                t = int(tok[j])
-                out_ids[b].append(t)
-                out_lp[b].append(float(lp[j]))
-                if t in stop:
-                    finish[b] = "stop"
-                else:
-                    keep.append(j)
-            if step == params.max_new_tokens - 1 or not keep:
-                break
-            # the last sampled token of each kept sequence is fed back; its routing is recorded then
-            keep_t = torch.tensor(keep, device=dev)
-            if len(keep) < len(active):
-                cache = cache.index_select(keep_t)
-                active, tok = active[keep_t], tok[keep_t]
-            out = self.model(tok.unsqueeze(1), torch.ones(len(active), 1, dtype=torch.bool, device=dev),
-                             cache=cache, return_routing=True)
-            last = out.logits[:, -1].float()
-            r = out.routing[:, 0].to(torch.int16).cpu()
-            for j, b in enumerate(active.tolist()):
-                out_route[b].append(r[j])
-        results = []
-        n_moe, k = routing_prompt.shape[2], routing_prompt.shape[3]
-        for b, (i, s, p) in enumerate(seqs):
-            # routing for positions: prompt tokens, then every generated token that was fed back
-            rp = routing_prompt[b, P - len(p):]
-            rg = torch.stack(out_route[b]) if out_route[b] else torch.zeros(0, n_moe, k, dtype=torch.int16)
-            results.append(Completion(i, s, list(p), out_ids[b], out_lp[b], torch.cat([rp, rg]), finish[b], self.weight_version))
-        return results
+                self._complete(s, *fin)
+        self.steps += 1
+        self.stats["decode_tokens"] += len(toks)
+        if not keep:
+            self._running, self._cache, self._logits = [], None, None
+            return
+        if len(keep) < len(self._running):
+            idx = torch.tensor(keep, device=self.device)
+            self._cache = self._cache.index_select(idx).trim()
+            self._running = [self._running[j] for j in keep]
+            tok = tok.index_select(0, idx)
+        B = len(self._running)
+        out = self.model(tok.view(B, 1), torch.ones(B, 1, dtype=torch.bool, device=self.device),
+                         cache=self._cache, return_routing=True)
+        self._logits = at_least_fp32(out.logits[:, -1])
+        r = out.routing[:, 0].to(torch.int16).cpu()
+        for j, s in enumerate(self._running):
+            s.routes.append(r[j])
+
+    def _complete(self, s: _Seq, reason: str, matched) -> None:
+        req = s.req
+        n_moe = s.prompt_routing.shape[1]
+        k = s.prompt_routing.shape[2]
+        gen_routes = torch.stack(s.routes) if s.routes else torch.zeros(0, n_moe, k, dtype=torch.int16)
+        meta = {"matched": matched, "admitted_step": s.admitted_step, "finished_step": self.steps}
+        if self.record_logits:
+            meta["logits"] = torch.stack(s.logits)
+        req.completions[s.sample_index] = Completion(
+            req.prompt_index, s.sample_index, list(req.prompt), s.out_ids, s.logprobs,
+            torch.cat([s.prompt_routing, gen_routes]), reason, s.version, meta)
+        req.pending -= 1
+        if req.pending == 0 and not req.future.done():
+            req.future.set_result(req.completions)
+
+    def _fail_running(self, e: Exception) -> None:
+        """A forward failed: fail the requests of every running sequence and reset the batch."""
+        for s in self._running:
+            if not s.req.future.done():
+                s.req.future.set_exception(e)
+        self._running, self._cache, self._logits = [], None, None
+
+    # ------------------------------------------------------------------ background driver
+    @property
+    def is_serving(self) -> bool:
+        return self._driver is not None and self._driver.is_alive()
+
+    def start(self) -> "RolloutEngine":
+        """Run ``step()`` on one background thread whenever there is work."""
+        if self.is_serving:
+            return self
+        with self._cv:
+            self._stopping = False
+        self._driver = threading.Thread(target=self._loop, name="k3-rollout-engine", daemon=True)
+        self._driver.start()
+        return self
+
+    def _has_work(self) -> bool:
+        return bool(self._running) or (bool(self._queue) and not self._paused)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._has_work():
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception:
+                log.exception("rollout engine step failed; the running requests were failed")
+            with self._cv:
+                self._cv.notify_all()  # a weight update may be waiting for the batch to drain
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop the driver after its current step; waiting requests fail with ``EngineStopped``."""
+        with self._cv:
+            self._stopping = True
+            waiting, self._queue = list(self._queue), deque()
+            self._cv.notify_all()
+        if self._driver is not None:
+            self._driver.join(timeout)
+        with self._model_lock:
+            self._fail_running(EngineStopped("the rollout engine stopped"))
+        for s in waiting:
+            if not s.req.future.done():
+                s.req.future.set_exception(EngineStopped("the rollout engine stopped before this request ran"))
+
+    # ------------------------------------------------------------------ introspection
+    def load(self) -> dict:
+        """Running and waiting sequence counts (racy snapshot, for health and overload reporting)."""
+        with self._cv:
+            return {"running": len(self._running), "waiting": len(self._queue), "max_batch": self.max_batch,
+                    "max_queue": self.max_queue, "paused_for_update": bool(self._paused)}
+
+    def cache_stats(self) -> dict:
+        """Decode-state bytes of the running batch: KDA (constant per sequence) and MLA (per token)."""
+        with self._model_lock:
+            c = self._cache
+            B = c.batch_size if c is not None else 0
+            return {"batch": B, "kda_bytes": c.kda_nbytes() if c else 0, "mla_bytes": c.mla_nbytes() if c else 0,
+                    "kda_bytes_per_seq": c.kda_nbytes() / B if B else 0.0,
+                    "mla_bytes_per_seq": c.mla_nbytes() / B if B else 0.0}
