@@ -50,15 +50,18 @@ def _e2m1(code):
 
 @triton.jit
 def _e4m3(byte):
-    """int32 FP8 E4M3 (fn) bytes -> fp32: (1 + m/8) * 2^(e-7), subnormals m/8 * 2^-6, 0x7F/0xFF NaN.
-    Decoded from bits rather than by casting an fp8 pointer, so it behaves the same on every triton
-    version and under the interpreter."""
+    """int32 FP8 E4M3 (fn) bytes -> fp32: (1 + m/8) * 2^(e-7), subnormals m * 2^-9, 0x7F/0xFF NaN.
+    Built as fp32 bits with integer arithmetic only (a subnormal m = 2^p * (1 + f) becomes the normal
+    fp32 (1 + f) * 2^(p-9)), so it behaves the same on every triton version and under the interpreter."""
     e = (byte >> 3) & 0xF
     m = byte & 7
     normal = ((e + 120) << 23) | (m << 20)
-    value = tl.where(e == 0, m.to(tl.float32) * (1.0 / 512.0), normal.to(tl.float32, bitcast=True))
-    value = tl.where((byte & 0x7F) == 0x7F, float("nan"), value)
-    return tl.where((byte & 0x80) != 0, -value, value)
+    p = (m >= 2).to(tl.int32) + (m >= 4).to(tl.int32)
+    subnormal = tl.where(m == 0, 0, ((118 + p) << 23) | ((m << (23 - p)) & 0x7FFFFF))
+    bits = tl.where(e == 0, subnormal, normal)
+    bits = tl.where((byte & 0x7F) == 0x7F, 0x7FC00000, bits)
+    bits = bits | ((byte & 0x80) << 24)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -16,7 +16,8 @@ Per generated position t, with p = trainer and q = engine distributions at tempe
 - ``k3_pq``: r log r - (r - 1), whose mean over tokens drawn from q is KL(p || q), the sampled
   counterpart of ``kl`` (same caveat);
 - ``logprob_abs_diff``: mean |log p(x_t) - log q(x_t)|.
-All are means over generated tokens (every token weighs the same, as in the token-level GRPO loss).
+All are means over generated tokens (every token weighs the same, as in the token-level GRPO loss);
+``kl_median`` and ``kl_max`` show how heavy the tail is (a flipped expert choice moves one position a lot).
 Log-softmax runs in fp64 on the models' logits: with fp32 log-probabilities the first-order terms
 sum_v p(v) * (rounding error of log p(v) - log q(v)) no longer cancel and leave a floor of ~1e-7
 on the KL, above the float engine's true mismatch.
@@ -114,7 +115,8 @@ def divergences(lp_trainer: list[torch.Tensor], lp_engine: list[torch.Tensor], t
     kl = (p.exp() * (p - q)).sum(-1).clamp_min(0.0)  # >= 0 up to rounding
     log_r = (p.gather(1, x[:, None]) - q.gather(1, x[:, None])).squeeze(1)
     r = log_r.exp()
-    return {"kl": float(kl.mean()), "kl_max": float(kl.max()), "k3": float((r - 1 - log_r).mean()),
+    return {"kl": float(kl.mean()), "kl_median": float(kl.median()), "kl_max": float(kl.max()),
+            "k3": float((r - 1 - log_r).mean()),
             "k3_pq": float((r * log_r - (r - 1)).mean()), "logprob_abs_diff": float(log_r.abs().mean()),
             "tokens": int(x.shape[0])}
 

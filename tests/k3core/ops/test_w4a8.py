@@ -161,6 +161,19 @@ def test_fused_kernel_logic_under_the_triton_interpreter():
             got = w4a8_grouped_mm_triton(q, qs, counts, p, s, torch.float32)
             ref = w4a8_grouped_mm(x, counts, p, s, gr, use_triton=False)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        # every E4M3 code decodes to torch's value (identity weight), NaN codes to NaN
+        codes = torch.arange(256, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0
+        finite = codes.view(torch.float8_e4m3fn).reshape(-1, 32)
+        eye = mxfp4.quantize(torch.eye(32).unsqueeze(0))
+        got = w4a8_grouped_mm_triton(finite, torch.ones(finite.shape[0], 1), torch.tensor([finite.shape[0]]),
+                                     *eye, torch.float32)
+        assert torch.equal(got, finite.float())
+        nan = torch.zeros(2, 32, dtype=torch.uint8)
+        nan[0, 3], nan[1, 7] = 0x7F, 0xFF
+        got = w4a8_grouped_mm_triton(nan.view(torch.float8_e4m3fn), torch.ones(2, 1), torch.tensor([2]), *eye,
+                                     torch.float32)
+        assert torch.isnan(got).all()
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -31,6 +31,7 @@ def test_divergences_closed_form():
     d = divergences([p.log()[:1], p.log()[1:]], [q.log()[:1], q.log()[1:]], [[0], [2]])
     kl = [sum(pi * math.log(pi / qi) for pi, qi in zip(pr, qr)) for pr, qr in zip(p.tolist(), q.tolist())]
     assert math.isclose(d["kl"], sum(kl) / 2, rel_tol=1e-12) and math.isclose(d["kl_max"], max(kl), rel_tol=1e-12)
+    assert math.isclose(d["kl_median"], min(kl), rel_tol=1e-12)  # torch's median of two: the lower
     r = [0.5 / 0.25, 0.3 / 0.6]
     assert math.isclose(d["k3"], sum(x - 1 - math.log(x) for x in r) / 2, rel_tol=1e-12)
     assert math.isclose(d["k3_pq"], sum(x * math.log(x) - (x - 1) for x in r) / 2, rel_tol=1e-12)
