@@ -1,0 +1,294 @@
+"""Same-host weight transfer across processes: buckets in shared memory (CPU) or CUDA IPC (GPU).
+
+Owns the sending side: ``send_shm`` and ``send_cuda_ipc`` write a trainer state into buckets of at
+most ``bucket_bytes`` (a tensor larger than that gets a bucket of its own) and return a
+``SentTransfer`` whose ``payload`` is a JSON-serialisable manifest; the receiving process calls
+``k3core.transfer.receive(payload)`` (``receive.py``). Payload::
+
+    {"format": "k3rl.weights/1", "transport": "shm" | "cuda_ipc", "weight_version": int,
+     "base_version": int | None, "hash": "xxh3_128" | "sha256" | "sum64", "content_sha256": hex,
+     "num_tensors": int,
+     "buckets": [{"shm": name | "ipc": {...}, "nbytes": int, "digest": hex,
+                  "tensors": [entry, ...]}],          # entries: see wire.py
+     "unchanged": [{"name": str, "digest": hex}]}     # delta transfers only
+
+Lifetimes (the sender owns every segment):
+1. the sender allocates and fills all buckets, then hands the payload over (HTTP body, queue, ...);
+2. the receiver maps the buckets, verifies every digest, and returns tensors that are views of the
+   mapped buckets (no copy); the engine copies them into its own weights;
+3. the receiver acknowledges (the HTTP response of ``/update_weights_from_tensor``, a queue
+   message); only then does the sender call ``SentTransfer.acknowledge()`` (after success: the delta
+   tracker moves to this version) or ``close()`` (after a refusal), which unlinks the shared-memory
+   segments / drops the CUDA buckets. The sender must not write to a bucket after step 1.
+A mapping the receiver still holds stays valid after the unlink (POSIX), and the memory is returned
+when the last mapping goes. If the sender dies before closing, Python's resource tracker unlinks
+its segments at exit; ``close`` also runs when the ``SentTransfer`` is garbage-collected.
+Segment names are ``k3xfer-<pid>-<random>-<bucket>``; the receiver maps only names of that form,
+from ``/dev/shm`` (Linux).
+
+CUDA IPC: buckets are CUDA uint8 tensors shared through ``torch.multiprocessing.reductions.reduce_tensor``
+(its arguments written as JSON, never pickled: a payload is data, not code). CUDA IPC does not work
+within one process; the receiver must be another process on the same host. The default digest is
+``sum64``, computed on the GPU.
+
+Memory: the buckets hold one wire copy of what is sent (MXFP4 bytes for quantised experts, changed
+tensors only for a delta); the sender holds nothing else but one expert's MXFP4 codes at a time.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+import uuid
+import weakref
+from multiprocessing import shared_memory
+from typing import Mapping
+
+import torch
+
+from k3core.transfer.delta import DeltaTracker
+from k3core.transfer.digest import check_algo, default_algo, tensor_digest
+from k3core.transfer.wire import (ALIGN, DEFAULT_BUCKET_BYTES, FORMAT, ROUTED_EXPERT_SUFFIXES, TransferReport, align_up,
+                                  bucket_digest, content_sha256, dtype_name, item_digest, iter_wire)
+
+__all__ = ["SHM_PREFIX", "SHM_DIR", "SentTransfer", "send_shm", "send_cuda_ipc", "live_segments"]
+
+SHM_PREFIX = "k3xfer-"
+SHM_DIR = "/dev/shm"
+
+
+def live_segments(prefix: str = SHM_PREFIX) -> list[str]:
+    """Names of this transport's segments present in /dev/shm (for leak checks)."""
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+class _ShmBuckets:
+    """POSIX shared-memory segments, each mapped once here as a uint8 tensor."""
+
+    transport = "shm"
+
+    def __init__(self):
+        if not os.path.isdir(SHM_DIR):
+            raise OSError(f"{SHM_DIR} not found: the shared-memory transport needs Linux POSIX shared memory")
+        self.tag = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.handles: list[shared_memory.SharedMemory] = []
+        self.buffers: list[torch.Tensor] = []
+
+    def alloc(self, nbytes: int) -> tuple[dict, torch.Tensor]:
+        name = f"{self.tag}-{len(self.handles)}"
+        seg = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+        self.handles.append(seg)  # recorded first: a failure below must still unlink it
+        seg.close()
+        # our own MAP_SHARED mapping, owned by a torch storage: the SharedMemory object's buffer
+        # cannot be pinned by torch, so it is closed at once and kept only to unlink by name
+        buf = torch.from_file(os.path.join(SHM_DIR, name), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        self.buffers.append(buf)
+        return {"shm": name}, buf
+
+    def finish(self, descriptors: list[dict]) -> None:
+        pass
+
+    @staticmethod
+    def release(handles: list, buffers: list[torch.Tensor]) -> None:
+        buffers.clear()
+        for seg in handles:
+            try:
+                seg.unlink()  # also unregisters it from this process's resource tracker
+            except FileNotFoundError:
+                pass
+        handles.clear()
+
+
+def _b64(b: bytes | None) -> str | None:
+    return None if b is None else base64.b64encode(b).decode()
+
+
+class _CudaBuckets:
+    """CUDA uint8 buckets, shared by IPC handle once written."""
+
+    transport = "cuda_ipc"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.handles: list = []  # CUDA buckets have no names: dropping the tensors releases them
+        self.buffers: list[torch.Tensor] = []
+
+    def alloc(self, nbytes: int) -> tuple[dict, torch.Tensor]:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        self.buffers.append(buf)
+        return {}, buf
+
+    def finish(self, descriptors: list[dict]) -> None:
+        """Share each bucket. Called after every write: the IPC event is recorded at share time,
+        and a synchronize before it makes the bytes visible to a receiver whatever its stream."""
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+        torch.cuda.synchronize(self.device)
+        for desc, buf in zip(descriptors, self.buffers):
+            fn, args = reduce_tensor(buf)
+            if fn is not rebuild_cuda_tensor:
+                raise RuntimeError(f"reduce_tensor gave {fn}, expected rebuild_cuda_tensor")
+            (_, size, stride, t_off, storage_cls, dtype, dev, handle, s_bytes, s_off, _, rc_handle, rc_off,
+             ev_handle, ev_sync) = args
+            if storage_cls is not torch.storage.TypedStorage or dtype != torch.uint8 or tuple(stride) != (1,):
+                raise RuntimeError(f"unexpected CUDA IPC share of a bucket: {storage_cls}, {dtype}, stride {stride}")
+            desc["ipc"] = {"device": int(dev), "numel": int(size[0]), "tensor_offset": int(t_off),
+                           "handle": _b64(handle), "storage_size_bytes": int(s_bytes),
+                           "storage_offset_bytes": int(s_off), "ref_counter_handle": _b64(rc_handle),
+                           "ref_counter_offset": int(rc_off), "event_handle": _b64(ev_handle),
+                           "event_sync_required": bool(ev_sync)}
+
+    @staticmethod
+    def release(handles: list, buffers: list[torch.Tensor]) -> None:
+        buffers.clear()
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # free blocks whose receivers have let go
+
+
+class SentTransfer:
+    """The sender's handle on one transfer: ``payload`` to hand over, ``report`` of the send, and the
+    buckets, kept until ``acknowledge()`` or ``close()`` (see the module docstring)."""
+
+    def __init__(self, payload: dict, report: TransferReport, buckets, tracker: DeltaTracker | None,
+                 digests: dict[str, str]):
+        self.payload, self.report = payload, report
+        self._tracker, self._digests = tracker, digests
+        self._handles, self._buffers = buckets.handles, buckets.buffers
+        self._finalizer = weakref.finalize(self, buckets.release, self._handles, self._buffers)
+
+    @property
+    def segment_names(self) -> list[str]:
+        """Shared-memory segment names (empty for CUDA IPC or once closed)."""
+        return [h.name for h in self._handles]
+
+    def acknowledge(self) -> None:
+        """The receiver loaded this version: move the delta tracker to it, then release the buckets."""
+        if self._tracker is not None:
+            self._tracker.commit(self.report.weight_version, self._digests, self.report.hash)
+        self.close()
+
+    def close(self) -> None:
+        """Release the buckets (unlink the segments). Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "SentTransfer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _aligned_upper_bound(named_tensors: Mapping[str, torch.Tensor], quantize_experts: bool) -> int:
+    total = 0
+    for name, t in named_tensors.items():
+        n = t.numel()
+        if quantize_experts and name.endswith(ROUTED_EXPERT_SUFFIXES):
+            total += align_up(n // 2) + align_up(n // 32)
+        else:
+            total += align_up(n * t.element_size())
+    return total
+
+
+def _write(buf: torch.Tensor, offset: int, t: torch.Tensor) -> int:
+    n = t.numel() * t.element_size()
+    if n:
+        buf[offset: offset + n].view(t.dtype).view(t.shape).copy_(t)
+    return n
+
+
+@torch.no_grad()
+def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, bucket_bytes: int, quantize_experts: bool,
+          w4a8: bool, algo: str, tracker: DeltaTracker | None) -> SentTransfer:
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    check_algo(algo)
+    t0 = time.perf_counter()
+    base_version, base = tracker.base(algo) if tracker is not None else (None, {})
+    remaining = _aligned_upper_bound(named_tensors, quantize_experts)
+    descs: list[dict] = []
+    entries: list[list[dict]] = []
+    used: list[int] = []
+    unchanged: list[dict] = []
+    digests: dict[str, str] = {}
+    rows = []
+    total_bytes = sent_bytes = 0
+    cap = 0
+    try:
+        for item in iter_wire(named_tensors, quantize_experts, w4a8):
+            part_digests = [tensor_digest(p, algo) for p in item.parts()]
+            d = item_digest(part_digests)
+            digests[item.name] = d
+            rows.append((item.name, dtype_name(item.dtype), list(item.shape), item.codec, d))
+            total_bytes += item.nbytes()
+            need = sum(align_up(p.numel() * p.element_size()) for p in item.parts())
+            # only raw items can stay behind: the receiver checks its own copy's digest, and it holds
+            # an MXFP4-codec item dequantised, not as the codes the digest covers
+            if item.codec == "raw" and base.get(item.name) == d:
+                unchanged.append({"name": item.name, "dtype": dtype_name(item.dtype), "shape": list(item.shape),
+                                  "codec": "raw", "digest": d})
+                remaining -= need
+                continue
+            if not descs or used[-1] + need > cap:
+                cap = max(min(bucket_bytes, remaining), need)
+                desc, _ = buckets.alloc(cap)
+                descs.append(desc)
+                entries.append([])
+                used.append(0)
+            buf = buckets.buffers[-1]
+            off = used[-1]
+            entry = {"name": item.name, "dtype": dtype_name(item.dtype), "shape": list(item.shape),
+                     "offset": off, "nbytes": _write(buf, off, item.data), "digest": part_digests[0]}
+            off = align_up(off + entry["nbytes"])
+            if item.codec == "mxfp4":
+                n = _write(buf, off, item.scale)
+                entry["codec"] = "mxfp4"
+                entry["scale"] = {"offset": off, "nbytes": n, "digest": part_digests[1]}
+                off = align_up(off + n)
+            entries[-1].append(entry)
+            used[-1] = off
+            remaining -= need
+            sent_bytes += item.nbytes()
+        buckets.finish(descs)
+    except BaseException:
+        buckets.release(buckets.handles, buckets.buffers)
+        raise
+    payload_buckets = []
+    for desc, ents in zip(descs, entries):
+        end = max((e["scale"]["offset"] + e["scale"]["nbytes"]) if "scale" in e else (e["offset"] + e["nbytes"])
+                  for e in ents)
+        payload_buckets.append(desc | {"nbytes": end, "digest": bucket_digest(ents), "tensors": ents})
+    content = content_sha256(rows, algo)
+    payload = {"format": FORMAT, "transport": buckets.transport, "weight_version": int(version),
+               "base_version": base_version if unchanged else None, "hash": algo, "content_sha256": content,
+               "num_tensors": len(rows), "buckets": payload_buckets, "unchanged": unchanged}
+    report = TransferReport(buckets.transport, int(version), algo, content, len(rows), len(rows) - len(unchanged),
+                            total_bytes, sent_bytes, time.perf_counter() - t0, len(descs),
+                            base_version if unchanged else None)
+    return SentTransfer(payload, report, buckets, tracker, digests)
+
+
+def send_shm(named_tensors: Mapping[str, torch.Tensor], version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+             quantize_experts: bool = False, w4a8: bool = True, algo: str | None = None,
+             tracker: DeltaTracker | None = None) -> SentTransfer:
+    """Write ``named_tensors`` (native trainer state, CPU or CUDA) into POSIX shared-memory buckets.
+    ``tracker``: send only tensors whose digest changed since the tracker's acknowledged version."""
+    return _send(_ShmBuckets(), named_tensors, version, bucket_bytes, quantize_experts, w4a8,
+                 algo or default_algo("cpu"), tracker)
+
+
+def send_cuda_ipc(named_tensors: Mapping[str, torch.Tensor], version: int, *, device: str | torch.device | None = None,
+                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, quantize_experts: bool = False, w4a8: bool = True,
+                  algo: str | None = None, tracker: DeltaTracker | None = None) -> SentTransfer:
+    """Write ``named_tensors`` into CUDA buckets on ``device`` (default: the current CUDA device) and
+    share them by CUDA IPC handle. The receiver must be another process on this host."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("send_cuda_ipc needs CUDA; use send_shm on CPU")
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return _send(_CudaBuckets(dev), named_tensors, version, bucket_bytes, quantize_experts, w4a8,
+                 algo or default_algo(dev), tracker)
