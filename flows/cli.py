@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_plan_subcommand(sub)
     except ImportError:
         pass
+    from flows.cli_serve import add_serve_parser  # after deploy: extends its `serve` with --checkpoint
+
+    add_serve_parser(sub)
     return p
 
 
