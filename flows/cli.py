@@ -9,6 +9,10 @@
   k3rl serve | deploy | worker          deployments of prefect.yaml (see flows/deploy.py)
 
 Prefect runs in its embedded mode unless PREFECT_API_URL points at a server; telemetry is off.
+
+Exit status (every subcommand): 0 success; 1 the work failed (a run or stage raised, a checkpoint
+failed validation); 2 bad usage or input (unknown option, preset or environment, a run or file that
+does not exist); 130 interrupted (Ctrl-C; ``k3rl run`` resumes with the same command).
 """
 
 from __future__ import annotations
@@ -56,14 +60,37 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, dest=f.name, type=typ, default=None, help=f"(default {f.default})")
 
 
+def check_settings(s) -> None:
+    """Bad input found before any work starts (ValueError, exit status 2): an unknown preset or
+    environment, an environment module that does not import, negative counts."""
+    from k3core.config import K3Config
+    from k3core.rl.envs import load_env
+
+    K3Config.preset(s.preset)
+    load_env(s.env)
+    for name in ("iterations", "prompts_per_iteration", "samples_per_prompt", "max_new_tokens", "warmup_steps",
+                 "eval_prompts", "eval_every"):
+        if getattr(s, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(s, name)}")
+
+
 def cmd_run(a) -> int:
     _prefect_env()
+    s = _settings_from_args(a)
+    check_settings(s)
     from flows.pipeline import rl_run
 
-    s = _settings_from_args(a)
     print(f"k3rl: RL run '{s.run_id}' on preset '{s.preset}', env '{s.env}', {s.iterations} iterations, "
           f"artifacts at {s.artifacts}", flush=True)
-    summary = rl_run(s)
+    try:
+        summary = rl_run(s)
+    except KeyboardInterrupt:
+        print(f"k3rl: interrupted; run the same command again to resume run '{s.run_id}'", file=sys.stderr)
+        return 130
+    except Exception as e:  # the failing stage has logged its traceback through Prefect
+        print(f"k3rl: run '{s.run_id}' failed: {type(e).__name__}: {e}\n"
+              f"k3rl: finished stages are kept; fix the cause and run the same command to resume", file=sys.stderr)
+        return 1
     print(json.dumps(summary, indent=2) if a.json else _format_summary(summary))
     return 0
 
@@ -85,10 +112,18 @@ def _f(x) -> str:
 
 def cmd_prepare(a) -> int:
     _prefect_env()
+    s = _settings_from_args(a)
+    check_settings(s)
     from flows.pipeline import prepare
 
-    out = prepare(_settings_from_args(a))
-    print(json.dumps({k: v for k, v in out.items()}, indent=2, default=str))
+    try:
+        out = prepare(s)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        print(f"k3rl: prepare of run '{s.run_id}' failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=2, default=str))
     return 0
 
 
@@ -103,44 +138,92 @@ def cmd_model_info(a) -> int:
 
 
 def cmd_status(a) -> int:
-    from k3core.artifacts import ArtifactStore
+    from flows.status import format_status, run_status
 
-    store = ArtifactStore(a.artifacts)
-    pre = f"runs/{a.run_id}"
-    try:
-        latest = json.loads(store.read_text(f"{pre}/latest.json"))
-    except FileNotFoundError:
-        print(f"no run '{a.run_id}' under {a.artifacts} (no latest.json)", file=sys.stderr)
-        return 2
-    hist = json.loads(store.read_text(f"{pre}/metrics.json")) if store.exists(f"{pre}/metrics.json") else []
-    out = {"run_id": a.run_id, "iterations_done": latest["iteration"], "latest_checkpoint": latest["checkpoint"],
-           "reward_trend": [round(h["reward_mean"], 3) for h in hist],
-           "heldout_trend": [(h["iteration"], round(h["heldout_reward"], 3)) for h in hist if "heldout_reward" in h]}
-    print(json.dumps(out, indent=2) if a.json else "\n".join(f"{k}: {v}" for k, v in out.items()))
+    st = run_status(a.artifacts, a.run_id)  # RunNotFound is a ValueError: exit status 2
+    print(json.dumps(st, indent=2) if a.json else format_status(st))
     return 0
 
 
+# Examples shown under each subcommand's --help (subcommands registered elsewhere keep an epilog of
+# their own when they have one).
+EXAMPLES = {
+    "run": """examples:
+  k3rl run --preset small --iterations 30 --env reverse --run-id demo
+  k3rl run --preset tiny --iterations 3 --run-id try --artifacts s3://bucket/k3rl      # any fsspec URL
+  PYTHONPATH=~/envs k3rl run --env uppercase_env:make_env --run-id upper              # your environment
+  k3rl run --run-id demo --iterations 40     # same run id: resumes, finished stages are skipped
+  PREFECT_API_URL=http://127.0.0.1:4200/api k3rl run ...   # report to a Prefect server (UI)""",
+    "prepare": """examples:
+  k3rl prepare --preset tiny --run-id try                      # fetch, validate, warm up, quantize
+  k3rl prepare --preset small --source file:///data/k3-small --warmup-steps 0 --run-id from-disk""",
+    "model-info": """examples:
+  k3rl model-info --preset full
+  k3rl model-info --config path/to/config.json --json""",
+    "status": """examples:
+  k3rl status --run-id demo
+  k3rl status --run-id demo --artifacts s3://bucket/k3rl --json | jq .heldout_reward.last""",
+    "plan": """examples:
+  k3rl plan --preset full --hardware b300 --tokens-per-gpu 100000
+  k3rl plan --preset full --tp 8 --ep 64 --pp 8 --fsdp --json""",
+    "checkpoint": """examples:
+  k3rl checkpoint init --preset tiny --out ckpt/tiny
+  k3rl checkpoint fetch file:///data/ckpt ckpt/copy --pin pin.json
+  k3rl checkpoint validate ckpt/tiny --report report.json
+  k3rl checkpoint quantize ckpt/tiny ckpt/tiny-mxfp4""",
+    "quantize": "example:\n  k3rl checkpoint quantize ckpt/tiny ckpt/tiny-mxfp4",
+    "validate": """examples:
+  k3rl checkpoint validate ckpt/tiny --roundtrip --write-pin tiny.pin.json
+  k3rl checkpoint validate ckpt/copy --pin tiny.pin.json --json""",
+}
+
+MAIN_EPILOG = """start here:
+  k3rl run --preset small --iterations 30 --run-id demo      a full RL run (Prefect embedded mode)
+  k3rl status --run-id demo                                  what that run has done
+  k3rl serve  (or: k3rl deploy; k3rl worker)                 the deployments of prefect.yaml, scheduled
+  k3rl <command> --help                                      options and examples of one command
+exit status: 0 ok, 1 the work failed, 2 bad usage or input, 130 interrupted"""
+
+
+def _add_examples(sub) -> None:
+    """Put EXAMPLES under the subcommands, and under checkpoint's subcommands, that show none yet
+    (an epilog without examples, such as an exit-status note, keeps its text above them)."""
+    def fill(name: str, p: argparse.ArgumentParser) -> None:
+        p.formatter_class = argparse.RawDescriptionHelpFormatter  # keep the examples' line breaks
+        if name in EXAMPLES and "example" not in (p.epilog or ""):
+            p.epilog = f"{p.epilog}\n\n{EXAMPLES[name]}" if p.epilog else EXAMPLES[name]
+
+    for name, p in sub.choices.items():
+        fill(name, p)
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for child_name, child in action.choices.items():
+                    fill(child_name, child)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="k3rl", description="RL post-training for Kimi-K3-architecture models")
+    p = argparse.ArgumentParser(prog="k3rl", description="RL post-training for Kimi-K3-architecture models",
+                                epilog=MAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="a full RL run (prepare + iterations), Prefect embedded mode by default",
-                       epilog="example: k3rl run --preset small --iterations 40 --env add --run-id demo")
+    r = sub.add_parser("run", help="a full RL run (prepare + iterations), Prefect embedded mode by default")
     _add_run_args(r)
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.set_defaults(fn=cmd_run)
     pr = sub.add_parser("prepare", help="fetch, validate, warm up and quantize (no RL iterations)")
     _add_run_args(pr)
     pr.set_defaults(fn=cmd_prepare)
-    mi = sub.add_parser("model-info", help="parameter counts and bytes from the config (meta device)",
-                        epilog="example: k3rl model-info --preset full --json")
-    mi.add_argument("--preset", default="full")
+    mi = sub.add_parser("model-info", help="parameter counts and bytes from the config (meta device)")
+    mi.add_argument("--preset", default="full", help="tiny, small, medium or full (default full)")
     mi.add_argument("--config", default=None, help="a config.json instead of a preset")
-    mi.add_argument("--json", action="store_true")
+    mi.add_argument("--json", action="store_true", help="print JSON instead of the table")
     mi.set_defaults(fn=cmd_model_info)
-    st = sub.add_parser("status", help="summarise a run from its artifacts")
-    st.add_argument("--run-id", dest="run_id", default="demo")
-    st.add_argument("--artifacts", default="./artifacts")
-    st.add_argument("--json", action="store_true")
+    st = sub.add_parser("status", help="summarise a run from its artifacts: iterations done, latest checkpoint, "
+                        "reward trend", description="Summarise a run from its artifacts alone (no Prefect server "
+                        "needed):\niterations done, latest checkpoint, held-out and train reward (first, last, "
+                        "best).\nExit status 2 when the run does not exist.")
+    st.add_argument("--run-id", dest="run_id", default="demo", help="the run (default demo)")
+    st.add_argument("--artifacts", default="./artifacts", help="artifact root: a path or fsspec URL (default ./artifacts)")
+    st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     st.set_defaults(fn=cmd_status)
     try:
         from k3core.checkpoint.cli import add_checkpoint_subcommands
@@ -160,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flows.cli_serve import add_serve_parser  # after deploy: extends its `serve` with --checkpoint
 
     add_serve_parser(sub)
+    _add_examples(sub)
     return p
 
 
@@ -168,9 +252,12 @@ def main(argv: list[str] | None = None) -> int:
     handler = getattr(args, "fn", None) or getattr(args, "func")
     try:
         return handler(args) or 0
-    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:  # bad input, found before the work
         print(f"k3rl: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("k3rl: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,7 +1,22 @@
-"""What a run shows in the Prefect UI (the open-source UI has no asset graph): the ``rl-metrics``
-table, a markdown lineage table, reward/KL curves rendered inside markdown, and links to checkpoints
-and the validation report. Also writes the same curves as a PNG and the summary as JSON beside the
-run's artifacts."""
+"""What a run shows in the Prefect UI (the open-source UI has no asset graph, so lineage is shown
+through artifacts), published by the ``rl_run`` flow after every iteration:
+
+- ``rl-metrics`` (table): one row per RL iteration; each publication is a new version of the key, so
+  the artifact's page lists the versions across iterations and runs;
+- ``rl-lineage`` (markdown): every artifact of the run (relative to the artifact root, which it names
+  once), its kind, content hash, the task run that produced it and its inputs;
+- ``rl-curves`` (markdown): the reward and KL curves as a PNG inside the markdown, as a
+  ``data:image/png;base64`` URI: both Prefect UIs allow exactly this image source (the v2 UI's
+  markdown sanitizer admits ``data:image/`` for ``img`` and http(s) otherwise; the v1 UI renders it
+  too), while a ``file://`` path would never load in a browser and an http URL would need a server
+  of our own; tests/flows/test_ui_browser.py checks that the image decodes in Chromium;
+- ``rl-checkpoints`` (markdown): the latest checkpoint, every iteration's checkpoint with its
+  manifest hash, and the validation report (http(s) URIs as links; ``file://`` and ``s3://`` as text,
+  since the UI strips links it cannot open), with the commands that read them;
+- ``rl-progress`` (progress): iterations done out of those asked for.
+
+Also writes the curves as PNG files and the history as ``metrics.json`` beside the run's artifacts,
+and ``summary.json`` at the end (``summary``)."""
 
 from __future__ import annotations
 
@@ -9,7 +24,8 @@ import base64
 import io
 import json
 
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
 from prefect.context import FlowRunContext
 
 from k3core.artifacts import ArtifactStore
@@ -17,6 +33,8 @@ from k3core.artifacts import ArtifactStore
 TABLE_COLUMNS = ["iteration", "weight_version", "reward_mean", "reward_std", "solved_fraction", "heldout_reward", "heldout_greedy_reward",
                  "kl_rollout_trainer_k3", "clip_fraction", "entropy", "grad_norm", "response_length_mean",
                  "tis_weight_mean", "train_tokens_per_s", "seconds_rollout", "seconds_train", "transfer_seconds"]
+# The progress artifact of each flow run (created on its first publication, then updated).
+_progress_ids: dict = {}
 
 
 def _in_flow() -> bool:
@@ -40,6 +58,8 @@ def curves_png(history: list[dict]) -> bytes:
     a.set_xlabel("iteration"), a.set_ylim(0, 1), a.legend(fontsize=8), a.set_title("reward")
     b.plot(it, [h.get("kl_rollout_trainer_k3", 0.0) for h in history], color="C3")
     b.set_xlabel("iteration"), b.set_title("KL(rollout || trainer), k3")
+    for ax in (a, b):
+        ax.xaxis.get_major_locator().set_params(integer=True)  # iterations are whole numbers
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -47,7 +67,65 @@ def curves_png(history: list[dict]) -> bytes:
     return buf.getvalue()
 
 
+def _rel(uri: str, root_uri: str) -> str:
+    """``uri`` relative to the artifact root when it lies under it (shorter table cells)."""
+    return uri[len(root_uri) + 1:] if uri.startswith(root_uri + "/") else uri
+
+
+def _link_or_code(uri: str, text: str | None = None) -> str:
+    """A markdown link for a URL a browser can open; otherwise the URI as code (the UI's sanitizer
+    drops ``file://``/``s3://`` links, and a browser would not open them from an http page)."""
+    if uri.startswith(("http://", "https://")):
+        return f"[{text or uri}]({uri})"
+    return f"`{uri}`"
+
+
+def lineage_markdown(s, lineage: list, prep: dict) -> str:
+    """The ``rl-lineage`` table: one row per artifact, oldest first."""
+    run_uri = ArtifactStore(s.artifacts).uri(f"runs/{s.run_id}")
+    base = [("source checkpoint", prep["checkpoint"]["uri"], prep["checkpoint"]["sha256"], "fetch_checkpoint",
+             [prep["checkpoint"]["source"]]),
+            ("validation report", prep["report"]["uri"], "", "validate_checkpoint", [prep["checkpoint"]["uri"]])]
+    if prep["policy"]["uri"] != prep["checkpoint"]["uri"]:
+        base.append(("warmed-up policy", prep["policy"]["uri"], prep["policy"]["sha256"], "warmup",
+                     [prep["checkpoint"]["uri"]]))
+    if prep["weights"]["uri"] != prep["policy"]["uri"]:
+        base.append(("rollout weights v0 (MXFP4)", prep["weights"]["uri"], prep["weights"]["sha256"],
+                     "quantize_mxfp4", [prep["policy"]["uri"]]))
+    md = [f"### run `{s.run_id}`: where every artifact came from", "",
+          f"Paths are relative to the run's directory `{run_uri}`; sha256 is the content hash (a directory's "
+          "over its sorted files). *produced by* names the task run (stage and iteration).", "",
+          "| artifact | kind | sha256 | produced by | inputs |", "|---|---|---|---|---|"]
+    for kind, uri, sha, task, inputs in base + list(lineage):
+        ins = "<br>".join(f"`{_rel(i, run_uri)}`" for i in inputs)
+        md.append(f"| `{_rel(uri, run_uri)}` | {kind} | {f'`{sha[:12]}`' if sha else '-'} | {task} | {ins} |")
+    return "\n".join(md)
+
+
+def checkpoints_markdown(s, lineage: list, prep: dict) -> str:
+    """The ``rl-checkpoints`` note: latest checkpoint, every iteration's checkpoint, validation report."""
+    store = ArtifactStore(s.artifacts)
+    root_uri, run_uri = store.uri("").rstrip("/"), store.uri(f"runs/{s.run_id}")
+    cks = [x for x in lineage if x[0] == "checkpoint"]
+    md = [f"### run `{s.run_id}`: checkpoints and reports", ""]
+    if cks:
+        md.append(f"- **latest checkpoint** (after {len(cks)} iterations): {_link_or_code(cks[-1][1])}")
+    md.append(f"- **validation report** of the source checkpoint: {_link_or_code(prep['report']['uri'])}")
+    md.append(f"- **summary of the run**: `k3rl status --run-id {s.run_id} --artifacts {root_uri}`")
+    if cks:
+        md += ["", f"Every checkpoint (paths relative to the run's directory `{run_uri}`):", "",
+               "| after iteration | checkpoint | manifest sha256 | produced by |", "|---|---|---|---|"]
+        for n, (_, uri, sha, task, _) in enumerate(cks, start=1):
+            rel = _rel(uri, run_uri)
+            md.append(f"| {n} | {_link_or_code(uri, rel) if uri.startswith('http') else f'`{rel}`'} | `{sha[:12]}` | {task} |")
+    return "\n".join(md)
+
+
 def publish_iteration(s, history: list[dict], lineage: list, prep: dict, final: dict | None = None) -> None:
+    """Write ``metrics.json`` and the curves PNG beside the run's artifacts; inside a flow run, also
+    publish the UI artifacts listed in the module docstring. ``history``: one metrics dict per
+    iteration done; ``lineage``: ``(kind, uri, sha256, task run name, input uris)`` rows;
+    ``final``: the run's summary (last publication only)."""
     store = ArtifactStore(s.artifacts)
     png = curves_png(history)
     store.replace_text(f"runs/{s.run_id}/metrics.json", json.dumps(history, indent=1))
@@ -58,28 +136,26 @@ def publish_iteration(s, history: list[dict], lineage: list, prep: dict, final: 
     rows = [{c: (round(h[c], 5) if isinstance(h.get(c), float) else h.get(c, "")) for c in TABLE_COLUMNS}
             for h in history]
     create_table_artifact(rows, key="rl-metrics", description=f"run {s.run_id}: one row per RL iteration")
-    md = ["| artifact | kind | sha256 | produced by | inputs |", "|---|---|---|---|---|"]
-    base = [("source checkpoint", prep["checkpoint"]["uri"], prep["checkpoint"]["sha256"], "fetch_checkpoint",
-             [prep["checkpoint"]["source"]]),
-            ("validation report", prep["report"]["uri"], "", "validate_checkpoint", [prep["checkpoint"]["uri"]])]
-    if prep["policy"]["uri"] != prep["checkpoint"]["uri"]:
-        base.append(("warmed-up policy", prep["policy"]["uri"], prep["policy"]["sha256"], "warmup",
-                     [prep["checkpoint"]["uri"]]))
-    if prep["weights"]["uri"] != prep["policy"]["uri"]:
-        base.append(("rollout weights v0 (MXFP4)", prep["weights"]["uri"], prep["weights"]["sha256"],
-                     "quantize_mxfp4", [prep["policy"]["uri"]]))
-    for kind, uri, sha, task, inputs in base + list(lineage):
-        md.append(f"| `{uri}` | {kind} | `{sha[:12]}` | {task} | {'<br>'.join(f'`{i}`' for i in inputs)} |")
-    create_markdown_artifact("\n".join(md), key="rl-lineage", description=f"run {s.run_id}: where every artifact came from")
+    create_markdown_artifact(lineage_markdown(s, lineage, prep), key="rl-lineage",
+                             description=f"run {s.run_id}: where every artifact came from")
     b64 = base64.b64encode(png).decode()
     text = f"### run `{s.run_id}`: reward and KL\n\n![reward and KL curves](data:image/png;base64,{b64})\n"
     if final:
         text += "\n" + "\n".join(f"- **{k}**: {v}" for k, v in final.items() if not isinstance(v, dict))
-    create_markdown_artifact(text, key="rl-curves", description="reward / KL curves")
-    last_ck = next((x for x in reversed(lineage) if x[0] == "checkpoint"), None)
-    if last_ck:
-        create_link_artifact(last_ck[1], link_text=f"latest checkpoint ({s.run_id})", key="rl-latest-checkpoint")
-    create_link_artifact(prep["report"]["uri"], link_text="validation report", key="rl-validation-report")
+    create_markdown_artifact(text, key="rl-curves", description=f"run {s.run_id}: reward / KL curves")
+    create_markdown_artifact(checkpoints_markdown(s, lineage, prep), key="rl-checkpoints",
+                             description=f"run {s.run_id}: checkpoints and validation report")
+    _publish_progress(s, len(history))
+
+
+def _publish_progress(s, done: int) -> None:
+    run_id = FlowRunContext.get().flow_run.id
+    pct = 100.0 * done / max(s.iterations, 1)
+    desc = f"run {s.run_id}: {done} of {s.iterations} iterations"
+    if run_id not in _progress_ids:
+        _progress_ids[run_id] = create_progress_artifact(pct, key="rl-progress", description=desc)
+    else:
+        update_progress_artifact(_progress_ids[run_id], pct, description=desc)
 
 
 def summary(s, prep: dict, history: list[dict], final: dict, wall: float) -> dict:

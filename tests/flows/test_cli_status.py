@@ -1,0 +1,164 @@
+"""``k3rl status`` (text and ``--json``) against run artifacts written by the pipeline's own writers
+(``reports.publish_iteration`` / ``reports.summary`` for metrics.json and summary.json,
+``tasks.save.save_checkpoint`` for latest.json), ``model-info --json`` against the library, the
+CLI's exit codes and ``--help`` examples, and the UI markdown of ``flows/reports.py`` (lineage,
+checkpoints). No Prefect server, no model: a few seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows import reports
+from flows.cli import build_parser, main
+from flows.pipeline import RLSettings
+from flows.status import run_status
+from tasks.save import save_checkpoint
+
+# held-out evaluations at iterations 0 and 2 (eval_every 2); the final evaluation (summary.json)
+# scores the weights after the last iteration.
+HISTORY = [
+    {"iteration": 0, "weight_version": 0, "reward_mean": 0.25, "heldout_reward": 0.30, "heldout_solved": 0.0,
+     "heldout_greedy_reward": 0.5},
+    {"iteration": 1, "weight_version": 1, "reward_mean": 0.50},
+    {"iteration": 2, "weight_version": 2, "reward_mean": 0.40, "heldout_reward": 0.55, "heldout_solved": 0.1,
+     "heldout_greedy_reward": 0.5},
+]
+FINAL = {"heldout_reward": 0.45, "heldout_solved": 0.1, "heldout_greedy_reward": 0.75}
+
+
+def _fake_run(root: Path, run_id: str, done: int, finished: bool) -> dict:
+    """A run's artifacts as the pipeline writes them, after ``done`` iterations."""
+    s = RLSettings(artifacts=str(root), run_id=run_id, iterations=len(HISTORY))
+    uri = f"file://{root}/runs/{run_id}"
+    prep = {"checkpoint": {"uri": f"{uri}/source", "sha256": "a" * 64, "source": "init:tiny:0"},
+            "report": {"uri": f"{uri}/source.validation.json"},
+            "policy": {"uri": f"{uri}/warmup", "sha256": "b" * 64},
+            "weights": {"uri": f"{uri}/rollout-weights-v0", "sha256": "c" * 64},
+            "seconds": {"fetch": 1.0}}
+    lineage = []
+    for n in range(done):
+        state = root / "trained" / f"v{n + 1}"
+        state.mkdir(parents=True)
+        (state / "model.bin").write_bytes(bytes([n]) * 16)
+        ck = save_checkpoint({"path": str(state), "version": n + 1, "uri": f"file://{state}"}, run_id, n + 1,
+                             str(root), f"runs/{run_id}/checkpoints/iter-{n + 1:04d}", f"runs/{run_id}/latest.json")
+        lineage.append(("checkpoint", ck["uri"], ck["sha256"], f"save_checkpoint-iter{n}", [f"{uri}/iter-{n:04d}/trainer"]))
+        reports.publish_iteration(s, HISTORY[: n + 1], lineage, prep)
+    if finished:
+        reports.summary(s, prep, HISTORY[:done], FINAL, wall=12.5)
+    return {"settings": s, "prep": prep, "lineage": lineage}
+
+
+def test_status_json_and_text_agree_with_the_artifacts(tmp_path, capsys):
+    _fake_run(tmp_path, "r1", done=3, finished=True)
+    run_dir = tmp_path / "runs" / "r1"
+    assert main(["status", "--run-id", "r1", "--artifacts", str(tmp_path), "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    latest = json.loads((run_dir / "latest.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert st["iterations_done"] == latest["iteration"] == 3
+    assert st["latest_checkpoint"] == latest["checkpoint"] and st["latest_checkpoint"].endswith("checkpoints/iter-0003")
+    assert st["weight_version"] == latest["version"] == 3
+    # held-out: v0 0.30, v2 0.55, then the final evaluation of v3 (summary.json) 0.45
+    h = st["heldout_reward"]
+    assert (h["first"], h["last"], h["best"], h["count"]) == (
+        {"weight_version": 0, "value": 0.30}, {"weight_version": 3, "value": summary["heldout_reward_end"]},
+        {"weight_version": 2, "value": 0.55}, 3)
+    g = st["heldout_greedy_reward"]
+    assert g["best"] == {"weight_version": 3, "value": 0.75} and g["first"]["value"] == 0.5
+    t = st["train_reward"]
+    assert (t["first"], t["last"], t["best"]) == ({"iteration": 0, "value": 0.25}, {"iteration": 2, "value": 0.40},
+                                                   {"iteration": 1, "value": 0.50})
+    assert st["finished"] and st["wall_seconds"] == 12.5
+
+    assert main(["status", "--run-id", "r1", "--artifacts", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "iterations done: 3" in text and latest["checkpoint"] in text
+    assert "0.300 (weights v0) -> 0.450 (weights v3), best 0.550 (weights v2)" in text
+    assert "0.250 (iteration 0) -> 0.400 (iteration 2), best 0.500 (iteration 1)" in text
+
+
+def test_status_of_a_run_in_progress_uses_metrics_only(tmp_path):
+    _fake_run(tmp_path, "r2", done=2, finished=False)
+    st = run_status(str(tmp_path), "r2")
+    assert st["iterations_done"] == 2 and not st["finished"]
+    assert st["heldout_reward"]["last"] == {"weight_version": 0, "value": 0.30}  # no final evaluation yet
+    assert st["train_reward"]["count"] == 2
+
+
+def test_status_of_a_stale_summary_is_not_final(tmp_path):
+    """summary.json of an earlier, shorter invocation (e.g. a later scheduled tick is running)."""
+    _fake_run(tmp_path, "r3", done=3, finished=False)
+    (tmp_path / "runs" / "r3" / "summary.json").write_text(json.dumps({"iterations": 2, "heldout_reward_end": 0.9}))
+    st = run_status(str(tmp_path), "r3")
+    assert not st["finished"] and st["heldout_reward"]["last"]["value"] == 0.55
+
+
+def test_status_of_a_missing_run_exits_2_and_lists_the_runs(tmp_path, capsys):
+    _fake_run(tmp_path, "exists", done=1, finished=False)
+    assert main(["status", "--run-id", "nope", "--artifacts", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no run 'nope'" in err and "runs there: exists" in err
+    assert main(["status", "--run-id", "nope", "--artifacts", str(tmp_path / "empty")]) == 2
+    assert "no runs there" in capsys.readouterr().err
+
+
+def test_model_info_json_matches_the_library(capsys):
+    from k3core.config import K3Config
+    from k3core.model.info import model_info
+
+    assert main(["model-info", "--preset", "tiny", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(model_info(K3Config.preset("tiny"))))
+
+
+@pytest.mark.parametrize("argv", [["run", "--preset", "nope"], ["run", "--preset", "tiny", "--env", "no_such_module:f"],
+                                  ["run", "--preset", "tiny", "--iterations", "-1"], ["prepare", "--env", "bogus"],
+                                  ["model-info", "--preset", "nope"]])
+def test_bad_input_exits_2_before_any_work(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3rl: error:") and len(err.strip().splitlines()) == 1
+
+
+def test_usage_errors_exit_2():
+    with pytest.raises(SystemExit) as e:
+        main(["status", "--no-such-flag"])
+    assert e.value.code == 2
+
+
+def test_every_subcommand_help_shows_examples():
+    p = build_parser()
+    sub = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction")
+    names = ["run", "prepare", "model-info", "status", "plan", "checkpoint", "serve", "deploy", "worker"]
+    for name in names:
+        assert "example" in (sub.choices[name].format_help()), name
+    cp = next(a for a in sub.choices["checkpoint"]._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name in ("init", "fetch", "validate", "quantize"):
+        assert "example" in cp.choices[name].format_help(), name
+    assert "exit status 0 valid, 1 invalid" in cp.choices["validate"].format_help()  # kept above the examples
+    assert "exit status" in p.format_help()
+
+
+def test_lineage_and_checkpoint_markdown(tmp_path):
+    run = _fake_run(tmp_path, "r4", done=2, finished=False)
+    s, prep, lineage = run["settings"], run["prep"], run["lineage"]
+    md = reports.lineage_markdown(s, lineage, prep)
+    rows = [line for line in md.splitlines() if line.startswith("| `")]
+    assert len(rows) == 4 + len(lineage)  # source, validation report, warm-up, MXFP4 weights, then the run's
+    assert f"`file://{tmp_path}/runs/r4`" in md  # the run directory, named once
+    assert rows[0] == f"| `source` | source checkpoint | `{'a' * 12}` | fetch_checkpoint | `init:tiny:0` |"
+    assert rows[1].startswith("| `source.validation.json` | validation report | - |")
+    ck2 = lineage[-1]
+    assert f"| `checkpoints/iter-0002` | checkpoint | `{ck2[2][:12]}` | save_checkpoint-iter1 | `iter-0001/trainer` |" in rows
+    cmd = reports.checkpoints_markdown(s, lineage, prep)
+    assert f"**latest checkpoint** (after 2 iterations): `{ck2[1]}`" in cmd
+    assert f"| 2 | `checkpoints/iter-0002` | `{ck2[2][:12]}` | save_checkpoint-iter1 |" in cmd
+    assert "](" not in cmd  # file:// URIs are shown as text: the UI would strip such links
+
+
+def test_http_uris_become_links():
+    assert reports._link_or_code("https://h/x", "x") == "[x](https://h/x)"
+    assert reports._link_or_code("s3://b/k") == "`s3://b/k`"

@@ -1,0 +1,107 @@
+"""docs/environments.md, exercised: its example environment module is written to a temporary
+directory outside the package, put on sys.path, loaded by its ``module:factory`` spec, and used
+where k3rl uses an environment: prompt streams (training and held-out), a real rollout of a tiny
+K3 model, and the ``score_rewards`` stage (rewards and GRPO advantages in scored.parquet, checked
+against the closed forms of the documented reward). A reward outside [0, 1] fails the stage with
+the prompt named. (A full RL run with this environment, through ``k3rl run``:
+tests/flows/test_ui_browser.py.)"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from flows.deploy import PROJECT_ROOT
+
+SPEC = "uppercase_env:make_env"
+
+
+@pytest.fixture
+def env_module(tmp_path, monkeypatch):
+    doc = (PROJECT_ROOT / "docs" / "environments.md").read_text()
+    m = re.search(r"<!-- k3rl-test: uppercase_env.py -->\s*```python\n(.*?)```", doc, re.S)
+    assert m, "docs/environments.md lost its tested example"
+    outside = tmp_path / "my-envs"
+    outside.mkdir()
+    (outside / "uppercase_env.py").write_text(m.group(1))
+    monkeypatch.syspath_prepend(str(outside))
+    monkeypatch.delitem(sys.modules, "uppercase_env", raising=False)
+    yield outside
+    sys.modules.pop("uppercase_env", None)
+
+
+def test_documented_env_loads_from_outside_the_package_and_scores_as_documented(env_module):
+    from k3core.rl.envs import checked_reward, load_env
+
+    env = load_env(SPEC)
+    mod = sys.modules["uppercase_env"]
+    assert mod.__file__.startswith(str(env_module)) and not mod.__file__.startswith(str(PROJECT_ROOT))
+    assert env.reference("up:cab=") == "CAB"
+    # the documented closed forms: 0.5 * share of capitals + 0.5 * share of positions right
+    assert checked_reward(env, "up:cab=", "CAB", SPEC) == 1.0
+    assert checked_reward(env, "up:cab=", " CAB ", SPEC) == 1.0
+    assert checked_reward(env, "up:cab=", "CAX", SPEC) == pytest.approx(0.5 + 0.5 * 2 / 3)
+    assert checked_reward(env, "up:cab=", "cab", SPEC) == 0.0
+    assert checked_reward(env, "up:cab=", "CA", SPEC) == pytest.approx(0.5 + 0.5 * 2 / 3)
+    assert checked_reward(env, "up:cab=", "", SPEC) == 0.0
+
+
+def test_documented_env_through_rollout_and_the_scoring_stage(env_module, tmp_path):
+    from k3core.config import K3Config
+    from k3core.model import K3ForCausalLM
+    from k3core.rl.data import heldout_prompts, is_heldout, training_prompts
+    from k3core.rl.envs import load_env
+    from k3core.rl.stages import engine_from_model, rollout_table
+    from k3core.rollout.engine import SamplingParams
+    from k3core.tokenizer import ByteTokenizer
+    from tasks.score import score_rewards
+
+    env = load_env(SPEC)
+    train = training_prompts(env, seed=0, iteration=0, n=4, spec=SPEC)
+    held = heldout_prompts(env, seed=0, n=4, spec=SPEC)
+    assert not any(map(is_heldout, train)) and all(map(is_heldout, held))
+    assert all(re.fullmatch(r"up:[a-h]{2,5}=", p) for p in train + held)
+
+    torch.manual_seed(0)
+    cfg = K3Config.preset("tiny")
+    engine = engine_from_model(K3ForCausalLM(cfg).eval(), weight_version=0, quantized=False)
+    tok = ByteTokenizer(cfg)
+    group = 4
+    table = rollout_table(engine, tok, train, SamplingParams(max_new_tokens=4, temperature=1.0, n=group, seed=0,
+                                                             stop_token_ids=(tok.eos_id,)), iteration=0)
+    path = tmp_path / "rollouts.parquet"
+    pq.write_table(table, path)
+
+    out = score_rewards({"path": str(path)}, SPEC, group, str(tmp_path / "artifacts"), "scored.parquet")
+    scored = pq.read_table(out["path"]).to_pylist()
+    assert len(scored) == len(train) * group
+    want = torch.tensor([env.reward(r["prompt"], r["completion"]) for r in scored])
+    got = torch.tensor([r["reward"] for r in scored])
+    torch.testing.assert_close(got, want.float())
+    adv = torch.tensor([r["advantage"] for r in scored]).view(-1, group)
+    g = want.float().view(-1, group)
+    torch.testing.assert_close(adv, (g - g.mean(1, keepdim=True)) / (g.std(1, unbiased=False, keepdim=True) + 1e-6))
+    assert out["stats"]["reward_mean"] == pytest.approx(float(want.mean()))
+
+
+def test_a_reward_outside_0_1_fails_scoring_with_the_prompt(env_module, tmp_path, monkeypatch):
+    import pyarrow as pa
+
+    from k3core.rl.data import ROLLOUT_SCHEMA
+    from tasks.score import score_rewards
+
+    mod = __import__("uppercase_env")
+    monkeypatch.setattr(mod.UppercaseEnv, "reward", lambda self, p, c: 2.0)
+    rows = {f.name: [] for f in ROLLOUT_SCHEMA}
+    for i in range(2):
+        for k, v in dict(iteration=0, prompt_index=0, sample_index=i, prompt="up:cab=", prompt_ids=[1], output_ids=[2],
+                         completion="CAB", logprobs=[0.0], routing=[], finish_reason="length", weight_version=0).items():
+            rows[k].append(v)
+    path = tmp_path / "rollouts.parquet"
+    pq.write_table(pa.table(rows, schema=ROLLOUT_SCHEMA), path)
+    with pytest.raises(ValueError, match=r"uppercase_env:make_env.*reward 2\.0 for prompt 'up:cab='"):
+        score_rewards({"path": str(path)}, SPEC, 2, str(tmp_path / "artifacts"), "scored.parquet")
