@@ -61,6 +61,8 @@ class RLSettings:
     eval_every: int = 5
     # per-iteration KL(trainer || W4A8 engine) vs KL(trainer || float engine) on this many rollouts (0: off)
     mismatch_sequences: int = 16
+    # the rollout stage's engine: "local" (embedded) or a rollout server URL (k3rl serve, SGLang)
+    rollout_url: str = "local"
 
 
 def _run_prefix(s: RLSettings) -> str:
@@ -120,7 +122,7 @@ def rl_iteration(settings: RLSettings, iteration: int, state: dict, weights: dic
     ro = timed("rollout", lambda: stage(rollout, name=f"rollout-{name}", artifact_root=root,
                                          outputs=[_uri(root, f"{it}/rollouts.parquet")], inputs=[weights["uri"]])(
         s.run_id, iteration, weights, s.env, s.prompts_per_iteration, s.samples_per_prompt, s.max_new_tokens,
-        s.temperature, s.top_p, s.seed, root, f"{it}/rollouts.parquet"))
+        s.temperature, s.top_p, s.seed, root, f"{it}/rollouts.parquet", s.rollout_url))
     mm = None
     if s.quantized_rollouts and s.mismatch_sequences:
         mm = timed("mismatch", lambda: stage(rollout_mismatch, name=f"rollout_mismatch-{name}", artifact_root=root,

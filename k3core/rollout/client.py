@@ -194,7 +194,11 @@ class RolloutClient:
         if self.is_local:
             from k3core.rollout.server import checkpoint_state_for
 
-            self.engine.load_weights(checkpoint_state_for(self.engine, model_path), weight_version)
+            sd, declared = checkpoint_state_for(self.engine, model_path)
+            if declared is not None and not _same_version(declared, weight_version):
+                raise WeightUpdateRefused(f"{model_path} declares weight version {declared}, the caller says "
+                                          f"{weight_version}", 400)
+            self.engine.load_weights(sd, weight_version)
             return {"success": True, "weight_version": weight_version}
         return self._ok("POST", "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version},
                         refused=WeightUpdateRefused)
@@ -281,7 +285,10 @@ class RolloutClient:
         fr = meta.get("finish_reason") or {}
         reason = fr.get("type", "length") if isinstance(fr, dict) else str(fr)
         matched = fr.get("matched", fr.get("length")) if isinstance(fr, dict) else None
-        return Completion(i, j, list(prompt), ids, lps, routing, reason, meta.get("weight_version"),
+        version = meta.get("weight_version")
+        if isinstance(version, str) and version.lstrip("-").isdigit():
+            version = int(version)  # SGLang reports versions as strings
+        return Completion(i, j, list(prompt), ids, lps, routing, reason, version,
                           {"matched": matched, "id": meta.get("id")})
 
 

@@ -11,7 +11,9 @@
                                    [prompt + completion - 1, n_moe_layers, k])}}; a single prompt with n = 1
                                    answers one object, anything else a list ordered (prompt, sample)
   POST /update_weights_from_disk   {model_path (our public HF layout), weight_version} -> {success, message,
-                                   num_paused_requests}; 400 and the old version keeps serving on failure
+                                   num_paused_requests}; 400 and the old version keeps serving on failure.
+                                   A directory from ``k3core.transfer.write_disk`` is digest-checked and
+                                   its declared version used when the request names none
   POST /update_weights_from_tensor a transfer payload of ``k3core.transfer`` (``send_shm`` /
                                    ``send_cuda_ipc``; not SGLang's serialized tensors): the bytes stay in
                                    shared memory, ``load_payload`` verifies digests, names, shapes, dtypes
@@ -101,11 +103,13 @@ def engine_from_checkpoint(path: str | Path, dtype: str = "float32", experts: st
     return RolloutEngine(model, weight_version, max_batch=max_batch, max_queue=max_queue)
 
 
-def checkpoint_state_for(engine: "RolloutEngine", path: str | Path) -> dict:
-    """The state dict ``engine.load_weights`` takes, read from the public checkpoint at ``path``
-    (shapes and dtypes checked against the engine's config while reading). A W4A8 engine gets packed
-    expert bytes (as stored in an MXFP4 checkpoint, quantised from a bf16 one); a float engine gets
-    ``load_hf``'s native tensors (MXFP4 pairs dequantised) in its own dtype."""
+def checkpoint_state_for(engine: "RolloutEngine", path: str | Path) -> tuple[dict, int | None]:
+    """(the state dict ``engine.load_weights`` takes, the version the directory declares or None),
+    read from the public checkpoint at ``path``, shapes and dtypes checked against the engine's config
+    while reading. A directory published by ``k3core.transfer.write_disk`` (``weight_version.json``
+    beside it) goes through ``read_disk``: every stored tensor's digest is checked first. A W4A8
+    engine gets packed expert bytes (as stored in an MXFP4 checkpoint, quantised from a bf16 one); a
+    float engine gets native tensors (MXFP4 pairs dequantised) in its own dtype (``load_hf``)."""
     from k3core.checkpoint.files import CONFIG_NAME
     from k3core.checkpoint.hf import checkpoint_target, load_hf
     from k3core.config import K3Config
@@ -114,15 +118,23 @@ def checkpoint_state_for(engine: "RolloutEngine", path: str | Path) -> dict:
     path = Path(path)
     if not (path / CONFIG_NAME).is_file():
         raise FileNotFoundError(f"{path}: no {CONFIG_NAME} (model_path must be a checkpoint directory in the public layout)")
+    _check_same_architecture(engine, path)
     dtype = engine.model.lm_head.weight.dtype
-    fmt = expert_format(engine.model)
-    if fmt in ("w4a8", "w4a16"):
+    packed = expert_format(engine.model) in ("w4a8", "w4a16")
+    mxfp4 = checkpoint_target(K3Config.from_json_file(path / CONFIG_NAME)) == "mxfp4"
+    try:
+        from k3core.transfer import VERSION_FILE, read_disk
+    except ImportError:  # the transfer package is optional here: plain checkpoints still load
+        VERSION_FILE, read_disk = None, None
+    if VERSION_FILE and (path / VERSION_FILE).is_file():
+        state, version = read_disk(path, packed_experts=packed and mxfp4, dtype=dtype)
+        return (packed_expert_state(state) if packed and not mxfp4 else state), version
+    if packed:
         act = next(m.act_granularity for m in engine.model.modules() if isinstance(m, W4A8Experts))
-        if checkpoint_target(K3Config.from_json_file(path / CONFIG_NAME)) == "mxfp4":
-            _check_same_architecture(engine, path)
-            return load_w4a8_model(path, dtype, act).state_dict()
-        return packed_expert_state(load_hf(path, config=engine.config, dtype=dtype))
-    return load_hf(path, config=engine.config, dtype=dtype)
+        if mxfp4:
+            return load_w4a8_model(path, dtype, act).state_dict(), None
+        return packed_expert_state(load_hf(path, config=engine.config, dtype=dtype)), None
+    return load_hf(path, config=engine.config, dtype=dtype), None
 
 
 def _check_same_architecture(engine: "RolloutEngine", path: Path) -> None:
@@ -338,7 +350,10 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
 
         def load():
-            engine.load_weights(checkpoint_state_for(engine, path), version)
+            sd, declared = checkpoint_state_for(engine, path)
+            if declared is not None and body.get("weight_version") is not None and not _same(declared, version):
+                raise ValueError(f"{path} declares weight version {declared}, the request says {version}")
+            engine.load_weights(sd, declared if declared is not None and body.get("weight_version") is None else version)
             state["model_path"] = path
 
         return await _update(load, version, path)
@@ -377,6 +392,10 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
                 "tokenizer": type(tokenizer).__name__ if tokenizer is not None else None, "load": engine.load()}
 
     return app
+
+
+def _same(a, b) -> bool:
+    return str(a) == str(b)
 
 
 def _version(v, current):

@@ -1,0 +1,75 @@
+"""The rollout stage through a rollout server (a real subprocess on 127.0.0.1): a server serving
+another version is pushed the weights from disk (a public checkpoint as is, a trainer checkpoint
+written with k3core.transfer.write_disk first), and the rollout table equals the embedded engine's."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from prefect.logging import disable_run_logger
+
+from k3core.checkpoint.hf import init_checkpoint, load_model
+from k3core.rl.stages import make_optimizer, save_trainer_state
+from k3core.rollout.client import RolloutClient
+from tasks import engines
+from tasks.rollout import rollout
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ro")
+    init_checkpoint("tiny", root / "a", seed=0)
+    init_checkpoint("tiny", root / "b", seed=1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(root / "server.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "k3core.rollout.server", "--checkpoint", str(root / "a"),
+                             "--port", str(port), "--weight-version", "7"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    client = RolloutClient(f"http://127.0.0.1:{port}", timeout=60, retries=1, backoff=0.05)
+    deadline = time.monotonic() + 90
+    while not client.health():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            pytest.fail(f"server did not start:\n{log.read()}")
+        time.sleep(0.2)
+    yield root, client
+    proc.terminate()
+    proc.wait(20)
+    log.close()
+
+
+def _run(root, weights, url, name):
+    with disable_run_logger():
+        out = rollout("u", 0, weights, "add", 3, 2, 5, 1.0, 1.0, 0, str(root / "art"), f"runs/u/{name}.parquet", url)
+    return pq.read_table(out["path"])
+
+
+def test_rollout_through_a_server_equals_the_embedded_engine(served):
+    root, client = served
+    weights = {"kind": "hf", "path": str(root / "b"), "version": 0, "uri": "file://b"}
+    remote = _run(root, weights, client.target, "remote")
+    assert client.weight_version() == 0  # pushed from disk: the server was at version 7
+    engines.clear()
+    local = _run(root, weights, "local", "local")
+    engines.clear()
+    for col in ("prompt_ids", "output_ids", "routing", "finish_reason", "weight_version"):
+        assert remote.column(col).to_pylist() == local.column(col).to_pylist(), col
+    lr = torch.tensor([x for r in remote.column("logprobs").to_pylist() for x in r])
+    ll = torch.tensor([x for r in local.column("logprobs").to_pylist() for x in r])
+    torch.testing.assert_close(lr, ll, rtol=0, atol=1e-5)
+
+
+def test_a_trainer_checkpoint_is_written_and_pushed(served):
+    root, client = served
+    model = load_model(root / "b", dtype=torch.float32)
+    save_trainer_state(root / "state", model, make_optimizer(model, 1e-3), {"iteration": 1})
+    weights = {"kind": "dcp", "path": str(root / "state"), "version": 1, "quantized": False, "uri": "file://state"}
+    table = _run(root, weights, client.target, "dcp")
+    assert client.weight_version() == 1 and set(table.column("weight_version").to_pylist()) == {1}
