@@ -154,10 +154,13 @@ def measure_mismatch(trainer: K3ForCausalLM, seqs: list[tuple[list[int], list[in
     if dtype is not None:
         t.cast(dtype)
     out: dict = {}
+    tokens = [o for _, o in seqs]
+    # without routing replay the trainer's forward is the same for both engines: run it once
+    lp_free = None if routing_replay else trainer_logprobs(t, seqs, pad_id, temperature)
     for name, quantized in (("w4a8", True), ("bf16", False)):
-        eng = _engine_copy(t, quantized, act_granularity)
-        for k, v in rollout_mismatch(t, eng, seqs, pad_id, temperature, routing_replay).items():
+        lp_e, routes = engine_logprobs(_engine_copy(t, quantized, act_granularity), seqs, pad_id, temperature)
+        lp_t = lp_free if lp_free is not None else trainer_logprobs(t, seqs, pad_id, temperature, routes)
+        for k, v in divergences(lp_t, lp_e, tokens).items():
             out[f"{name}_{k}"] = v
-        del eng
     out["kl_ratio"] = out["w4a8_kl"] / out["bf16_kl"] if out["bf16_kl"] > 0 else float("inf")
     return out
