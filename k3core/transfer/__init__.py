@@ -9,7 +9,8 @@ as a new weight version, and refusing anything that is not exactly that:
   handles) write buckets of at most ``bucket_bytes`` and return a ``SentTransfer`` whose JSON
   ``payload`` the receiver turns back into a verified state dict with ``receive(payload)`` (the
   server's ``/update_weights_from_tensor`` calls exactly that; ``load_payload(engine, payload)``
-  does receive + load against an engine); the sender unlinks the buckets after the receiver's ack;
+  does receive + load against an engine); the sender unlinks the buckets after the receiver's ack
+  (or, with a ``ShmPool``, reuses them for the next transfer);
 - disk: ``write_disk(path, model_or_state, config, version, quantize_experts)`` publishes a public
   layout checkpoint (MXFP4 routed experts when quantised) with ``weight_version.json`` atomically;
   ``read_disk(path)`` returns (state dict, version) for ``update_weights_from_disk``.
@@ -30,11 +31,11 @@ from k3core.transfer.digest import ALGOS, available_algos, default_algo, tensor_
 from k3core.transfer.disk import VERSION_FILE, read_disk, read_version, write_disk
 from k3core.transfer.inprocess import engine_tensors, push_inprocess
 from k3core.transfer.receive import load_payload, receive
-from k3core.transfer.shm import SHM_PREFIX, SentTransfer, live_segments, send_cuda_ipc, send_shm
+from k3core.transfer.shm import SHM_PREFIX, SentTransfer, ShmPool, live_segments, send_cuda_ipc, send_shm
 from k3core.transfer.wire import DEFAULT_BUCKET_BYTES, FORMAT, TransferError, TransferReport, iter_wire, wire_nbytes
 
 __all__ = [
-    "TransferError", "TransferReport", "DeltaTracker", "SentTransfer",
+    "TransferError", "TransferReport", "DeltaTracker", "SentTransfer", "ShmPool",
     "push_inprocess", "send_shm", "send_cuda_ipc", "receive", "load_payload", "write_disk", "read_disk", "read_version",
     "engine_tensors", "iter_wire", "wire_nbytes", "tensor_digest", "default_algo", "available_algos", "live_segments",
     "ALGOS", "FORMAT", "DEFAULT_BUCKET_BYTES", "SHM_PREFIX", "VERSION_FILE",

@@ -7,7 +7,8 @@ re-quantised to MXFP4 one tensor at a time, per-tensor digests (for the lineage 
 transfers and an optional read-back check), and dtype checks (``load_weights``' ``copy_`` would
 otherwise cast silently, and a cast weight is not the trainer's weight).
 
-Memory: plain tensors are passed by reference (no copy before the engine's own); quantised experts
+Digests that only feed the report (no delta, no ``verify``) are computed in a second thread while
+the engine copies. Memory: plain tensors are passed by reference (no copy before the engine's own); quantised experts
 exist once as their MXFP4 codes (W4A8 engine) or as their dequantised float values (``w4a8=False``)
 until the engine has copied them.
 """
@@ -15,6 +16,7 @@ until the engine has copied them.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 import torch
@@ -28,10 +30,7 @@ __all__ = ["push_inprocess", "engine_tensors"]
 
 def engine_tensors(engine) -> dict[str, torch.Tensor]:
     """The engine's own parameters and persistent buffers by name (the tensors ``load_weights`` fills)."""
-    m = engine.model
-    own = dict(m.named_parameters()) | {k: v for k, v in m.named_buffers() if v is not None}
-    persistent = set(m.state_dict().keys())
-    return {k: v for k, v in own.items() if k in persistent}
+    return {k: v.data if isinstance(v, torch.nn.Parameter) else v for k, v in engine.model.state_dict(keep_vars=True).items()}
 
 
 @torch.no_grad()
@@ -63,19 +62,27 @@ def push_inprocess(engine, named_tensors: Mapping[str, torch.Tensor], version: i
     base_version, base = tracker.base(algo) if tracker is not None else (None, {})
     if base_version != engine.weight_version:  # the engine moved on by another path: send everything
         base_version, base = None, {}
-    state: dict[str, torch.Tensor] = {}
-    digests: dict[str, str] = {}
-    rows = []
-    sent = sent_bytes = total_bytes = 0
+    items = []
     for item in iter_wire(named_tensors, quantize_experts, w4a8):
         dst = own.get(item.name)
         if dst is not None and dst.dtype != item.dtype:
             raise TransferError(f"{item.name}: sent as {item.dtype}, the engine holds {dst.dtype}: refused "
                                 f"(cast on the trainer side if that is meant)")
-        d = item_digest([tensor_digest(p, algo) for p in item.parts()]) if hashing else ""
-        digests[item.name] = d
-        rows.append((item.name, dtype_name(item.dtype), list(item.shape), item.codec, d))
-        total_bytes += item.nbytes()
+        items.append(item)
+
+    def digest_all() -> list[str]:
+        return [item_digest([tensor_digest(p, algo) for p in it.parts()]) if hashing else "" for it in items]
+
+    # Without a delta or a check, the digests only go into the report: compute them in a second thread
+    # while the engine copies (both only read the trainer's tensors; hashing and copy_ release the GIL).
+    background = hashing and not base and not verify
+    pool = ThreadPoolExecutor(1, thread_name_prefix="k3-transfer-digest") if background else None
+    pending = pool.submit(digest_all) if pool is not None else None
+    digests = [""] * len(items) if background else digest_all()
+    state: dict[str, torch.Tensor] = {}
+    sent = sent_bytes = 0
+    for item, d in zip(items, digests):
+        dst = own.get(item.name)
         if base and dst is not None and base.get(item.name) == d:
             if verify and item.codec == "raw" and tensor_digest(dst, algo) != d:
                 raise TransferError(f"{item.name}: the engine's copy does not match the digest of version "
@@ -87,16 +94,20 @@ def push_inprocess(engine, named_tensors: Mapping[str, torch.Tensor], version: i
         sent_bytes += item.nbytes()
     try:
         engine.load_weights(state, version, refresh=refresh)
-    except TransferError:
-        raise
-    except ValueError as e:  # load_weights refuses a name or shape mismatch before copying anything
-        raise TransferError(str(e)) from e
+    except ValueError as e:  # load_weights refuses a name, shape or dtype mismatch before copying anything
+        raise e if isinstance(e, TransferError) else TransferError(str(e)) from e
+    finally:
+        if pool is not None:
+            digests = pending.result()
+            pool.shutdown()
+    rows = [(it.name, dtype_name(it.dtype), list(it.shape), it.codec, d) for it, d in zip(items, digests)]
     if verify:
         # after the fact, so it cannot protect this version: it catches a loader that changed bytes
         bad = [n for n, _, _, codec, d in rows if codec == "raw" and tensor_digest(own[n], algo) != d]
         if bad:
             raise TransferError(f"engine copies differ from what was sent after loading: {bad[:3]}")
     if tracker is not None:
-        tracker.commit(version, digests, algo)
+        tracker.commit(version, {it.name: d for it, d in zip(items, digests)}, algo)
+    total_bytes = sum(it.nbytes() for it in items)
     return TransferReport("inprocess", version, algo, content_sha256(rows, algo) if hashing else "", len(rows), sent,
                           total_bytes, sent_bytes, time.perf_counter() - t0, base_version=base_version)

@@ -21,7 +21,9 @@ Lifetimes (the sender owns every segment):
    tracker moves to this version) or ``close()`` (after a refusal), which unlinks the shared-memory
    segments / drops the CUDA buckets. The sender must not write to a bucket after step 1.
 A mapping the receiver still holds stays valid after the unlink (POSIX), and the memory is returned
-when the last mapping goes. If the sender dies before closing, Python's resource tracker unlinks
+when the last mapping goes. With a ``ShmPool`` the segments are not unlinked at step 3 but handed to
+the next transfer (fresh pages cost more to fill than the copy); the receiver must then be done
+with the returned views when it acknowledges, and the pool's ``close()`` unlinks everything. If the sender dies before closing, Python's resource tracker unlinks
 its segments at exit; ``close`` also runs when the ``SentTransfer`` is garbage-collected.
 Segment names are ``k3xfer-<pid>-<random>-<bucket>``; the receiver maps only names of that form,
 from ``/dev/shm`` (Linux).
@@ -52,7 +54,7 @@ from k3core.transfer.digest import check_algo, default_algo, tensor_digest
 from k3core.transfer.wire import (ALIGN, DEFAULT_BUCKET_BYTES, FORMAT, ROUTED_EXPERT_SUFFIXES, TransferReport, align_up,
                                   bucket_digest, content_sha256, dtype_name, item_digest, iter_wire)
 
-__all__ = ["SHM_PREFIX", "SHM_DIR", "SentTransfer", "send_shm", "send_cuda_ipc", "live_segments"]
+__all__ = ["SHM_PREFIX", "SHM_DIR", "SentTransfer", "ShmPool", "send_shm", "send_cuda_ipc", "live_segments"]
 
 SHM_PREFIX = "k3xfer-"
 SHM_DIR = "/dev/shm"
@@ -66,41 +68,120 @@ def live_segments(prefix: str = SHM_PREFIX) -> list[str]:
         return []
 
 
+def _create_segment(name: str, nbytes: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+    seg = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
+    seg.close()
+    try:
+        # our own MAP_SHARED mapping, owned by a torch storage: the SharedMemory object's buffer
+        # cannot be pinned by torch, so it is closed at once and kept only to unlink by name
+        buf = torch.from_file(os.path.join(SHM_DIR, name), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+    except BaseException:
+        seg.unlink()
+        raise
+    return seg, buf
+
+
+def _unlink(handles: list) -> None:
+    for seg in handles:
+        try:
+            seg.unlink()  # also unregisters it from this process's resource tracker
+        except FileNotFoundError:
+            pass
+    handles.clear()
+
+
+def _check_shm_dir() -> None:
+    if not os.path.isdir(SHM_DIR):
+        raise OSError(f"{SHM_DIR} not found: the shared-memory transport needs Linux POSIX shared memory")
+
+
+class ShmPool:
+    """Shared-memory segments kept across transfers (``send_shm(..., pool=pool)``).
+
+    Fresh shared memory is slow to fill: the kernel allocates and zeroes every page on first touch,
+    which here costs several times the copy itself. A pool keeps each segment after the transfer that
+    used it is acknowledged (or closed) and hands it to the next transfer, so steady-state transfers
+    write into pages that already exist. The price is standing memory: the pool holds the largest
+    transfer's wire bytes in /dev/shm until ``close()`` (or garbage collection, or process exit via
+    the resource tracker) unlinks every segment. Contract for the receiver: a reused segment is
+    overwritten by the next transfer, so the tensors ``receive`` returned must not be used after the
+    ack (``load_payload`` copies them into the engine before returning; ``receive(copy=True)`` keeps
+    its own copies). New segments are at least ``segment_bytes`` long."""
+
+    def __init__(self, segment_bytes: int = DEFAULT_BUCKET_BYTES):
+        _check_shm_dir()
+        self.segment_bytes = segment_bytes
+        self.tag = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._handles: list[shared_memory.SharedMemory] = []
+        self._free: list[tuple[shared_memory.SharedMemory, torch.Tensor]] = []
+        self._finalizer = weakref.finalize(self, ShmPool._close, self._handles, self._free)
+
+    @staticmethod
+    def _close(handles: list, free: list) -> None:
+        free.clear()
+        _unlink(handles)
+
+    @property
+    def segment_names(self) -> list[str]:
+        return [h.name for h in self._handles]
+
+    def take(self, nbytes: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+        if not self._finalizer.alive:
+            raise RuntimeError("this ShmPool is closed")
+        fits = [i for i, (_, b) in enumerate(self._free) if b.numel() >= nbytes]
+        if fits:
+            return self._free.pop(min(fits, key=lambda i: self._free[i][1].numel()))
+        seg, buf = _create_segment(f"{self.tag}-{len(self._handles)}", max(nbytes, self.segment_bytes))
+        self._handles.append(seg)
+        return seg, buf
+
+    def give(self, pairs: list) -> None:
+        if self._finalizer.alive:
+            self._free.extend(pairs)
+
+    def close(self) -> None:
+        """Unlink every segment. Idempotent; transfers still open must not be used afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> "ShmPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class _ShmBuckets:
-    """POSIX shared-memory segments, each mapped once here as a uint8 tensor."""
+    """POSIX shared-memory segments for one transfer (fresh ones, or borrowed from a pool), each
+    mapped once here as a uint8 tensor."""
 
     transport = "shm"
 
-    def __init__(self):
-        if not os.path.isdir(SHM_DIR):
-            raise OSError(f"{SHM_DIR} not found: the shared-memory transport needs Linux POSIX shared memory")
+    def __init__(self, pool: ShmPool | None = None):
+        _check_shm_dir()
+        self.pool = pool
         self.tag = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.handles: list[shared_memory.SharedMemory] = []
         self.buffers: list[torch.Tensor] = []
 
     def alloc(self, nbytes: int) -> tuple[dict, torch.Tensor]:
-        name = f"{self.tag}-{len(self.handles)}"
-        seg = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
-        self.handles.append(seg)  # recorded first: a failure below must still unlink it
-        seg.close()
-        # our own MAP_SHARED mapping, owned by a torch storage: the SharedMemory object's buffer
-        # cannot be pinned by torch, so it is closed at once and kept only to unlink by name
-        buf = torch.from_file(os.path.join(SHM_DIR, name), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        if self.pool is not None:
+            seg, buf = self.pool.take(nbytes)
+        else:
+            seg, buf = _create_segment(f"{self.tag}-{len(self.handles)}", nbytes)
+        self.handles.append(seg)
         self.buffers.append(buf)
-        return {"shm": name}, buf
+        return {"shm": seg.name}, buf
 
     def finish(self, descriptors: list[dict]) -> None:
         pass
 
     @staticmethod
-    def release(handles: list, buffers: list[torch.Tensor]) -> None:
+    def release(pool: ShmPool | None, handles: list, buffers: list[torch.Tensor]) -> None:
+        if pool is not None:
+            pool.give(list(zip(handles, buffers)))
+            handles.clear()
         buffers.clear()
-        for seg in handles:
-            try:
-                seg.unlink()  # also unregisters it from this process's resource tracker
-            except FileNotFoundError:
-                pass
-        handles.clear()
+        _unlink(handles)
 
 
 def _b64(b: bytes | None) -> str | None:
@@ -114,6 +195,7 @@ class _CudaBuckets:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.pool = None
         self.handles: list = []  # CUDA buckets have no names: dropping the tensors releases them
         self.buffers: list[torch.Tensor] = []
 
@@ -143,7 +225,7 @@ class _CudaBuckets:
                            "event_sync_required": bool(ev_sync)}
 
     @staticmethod
-    def release(handles: list, buffers: list[torch.Tensor]) -> None:
+    def release(pool, handles: list, buffers: list[torch.Tensor]) -> None:
         buffers.clear()
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # free blocks whose receivers have let go
@@ -158,7 +240,7 @@ class SentTransfer:
         self.payload, self.report = payload, report
         self._tracker, self._digests = tracker, digests
         self._handles, self._buffers = buckets.handles, buckets.buffers
-        self._finalizer = weakref.finalize(self, buckets.release, self._handles, self._buffers)
+        self._finalizer = weakref.finalize(self, buckets.release, buckets.pool, self._handles, self._buffers)
 
     @property
     def segment_names(self) -> list[str]:
@@ -233,8 +315,8 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
                 remaining -= need
                 continue
             if not descs or used[-1] + need > cap:
-                cap = max(min(bucket_bytes, remaining), need)
-                desc, _ = buckets.alloc(cap)
+                desc, buf = buckets.alloc(max(min(bucket_bytes, remaining), need))
+                cap = min(buf.numel(), max(bucket_bytes, need))  # a pooled segment may be larger
                 descs.append(desc)
                 entries.append([])
                 used.append(0)
@@ -254,7 +336,7 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
             sent_bytes += item.nbytes()
         buckets.finish(descs)
     except BaseException:
-        buckets.release(buckets.handles, buckets.buffers)
+        buckets.release(buckets.pool, buckets.handles, buckets.buffers)
         raise
     payload_buckets = []
     for desc, ents in zip(descs, entries):
@@ -273,10 +355,12 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
 
 def send_shm(named_tensors: Mapping[str, torch.Tensor], version: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
              quantize_experts: bool = False, w4a8: bool = True, algo: str | None = None,
-             tracker: DeltaTracker | None = None) -> SentTransfer:
+             tracker: DeltaTracker | None = None, pool: ShmPool | None = None) -> SentTransfer:
     """Write ``named_tensors`` (native trainer state, CPU or CUDA) into POSIX shared-memory buckets.
-    ``tracker``: send only tensors whose digest changed since the tracker's acknowledged version."""
-    return _send(_ShmBuckets(), named_tensors, version, bucket_bytes, quantize_experts, w4a8,
+    ``tracker``: send only tensors whose digest changed since the tracker's acknowledged version.
+    ``pool``: take the buckets from (and give them back to) a ``ShmPool`` instead of creating fresh
+    segments and unlinking them after the ack."""
+    return _send(_ShmBuckets(pool), named_tensors, version, bucket_bytes, quantize_experts, w4a8,
                  algo or default_algo("cpu"), tracker)
 
 

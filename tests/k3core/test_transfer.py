@@ -69,6 +69,15 @@ def test_sum64_equals_reference_and_every_digest_sees_one_flipped_byte(n):
             assert tensor_digest(flipped, algo) != tensor_digest(b, algo), algo
 
 
+def test_default_digest_falls_back_to_sha256_without_xxhash(monkeypatch):
+    from k3core.transfer import digest
+
+    monkeypatch.setattr(digest, "_xxhash", lambda: None)
+    assert digest.default_algo("cpu") == "sha256" and digest.default_algo("cuda") == "sum64"
+    with pytest.raises(ValueError, match="xxhash"):
+        digest.check_algo("xxh3_128")
+
+
 def test_digest_covers_bytes_in_memory_order():
     t = torch.arange(12, dtype=torch.float32).view(3, 4)
     for algo in T.available_algos():
@@ -146,9 +155,10 @@ def test_inprocess_delta_moves_only_changed_bytes_and_ends_identical():
 
 
 # ------------------------------------------------------------------ shared memory, same process
-def test_shm_payload_round_trip_bucketed_and_unlinked():
+@pytest.mark.parametrize("algo", T.available_algos())
+def test_shm_payload_round_trip_bucketed_and_unlinked(algo):
     trainer = _model(9)
-    with T.send_shm(trainer.state_dict(), 5, bucket_bytes=64 << 10) as sent:
+    with T.send_shm(trainer.state_dict(), 5, bucket_bytes=64 << 10, algo=algo) as sent:
         payload = json.loads(json.dumps(sent.payload))  # JSON-serialisable
         assert sent.report.buckets == len(payload["buckets"]) > 5
         assert all(b["nbytes"] <= 64 << 10 or len(b["tensors"]) == 1 for b in payload["buckets"])
@@ -157,6 +167,23 @@ def test_shm_payload_round_trip_bucketed_and_unlinked():
     assert version == 5 and not _my_segments()
     for k, v in trainer.state_dict().items():
         assert torch.equal(sd[k], v), k  # views stay valid after the sender unlinked
+
+
+def test_shm_pool_reuses_segments_and_unlinks_on_close():
+    trainer = _model(20)
+    with T.ShmPool(segment_bytes=256 << 10) as pool:
+        names = None
+        for version in (1, 2, 3):
+            _perturb(trainer, seed=version)
+            sent = T.send_shm(trainer.state_dict(), version, bucket_bytes=256 << 10, pool=pool)
+            sd, got = T.receive(sent.payload)
+            assert got == version and all(torch.equal(sd[k], v) for k, v in trainer.state_dict().items())
+            del sd
+            sent.acknowledge()
+            assert names is None or pool.segment_names == names  # the same segments, refilled
+            names = pool.segment_names
+        assert set(_my_segments()) == set(names)
+    assert not _my_segments()
 
 
 def test_receive_refuses_bad_payloads():

@@ -1,0 +1,352 @@
+"""Weight transfer throughput per path (k3core.transfer) against a plain memcpy of the same bytes.
+
+Claims (issue 7, benchmarks): the in-process path reaches >= 50% of a memcpy of the same bytes, and
+the in-memory paths are >= 10x the disk path. All rows in one run, on the same state.
+
+States: the ``small`` preset, and a synthetic ~1 GiB K3 (the small preset's shapes with more routed
+experts), both bf16 (so the disk path's public layout carries the very same bytes as the in-memory
+paths; the release's fp32 tensors stay fp32 everywhere).
+
+Rows (GB/s = bytes that moved / wall seconds; "vs memcpy" and "vs disk" are ratios of GB/s):
+  memcpy            ``dst.copy_(src)`` of one flat buffer holding as many bytes (the baseline)
+  inprocess         ``push_inprocess`` into a ``RolloutEngine`` in this process, without digests
+                    (``algo="none"``), with xxh3-128 digests (when ``xxhash`` is installed), with sha256
+  shm               ``send_shm`` here -> ``load_payload`` in a receiver process (verify every digest,
+                    load into its engine) -> ack -> unlink; wall time from the first byte to the ack
+  shm pooled        the same with a ``ShmPool``: segments reused across transfers (fresh shared
+                    memory pages cost more to fault in than the copy itself)
+  cuda_ipc          (``--device cuda``) the same with CUDA IPC buckets and ``sum64`` digests on the GPU
+  disk              ``write_disk`` (public layout, fsync'ed, published) + ``read_disk`` (digests checked)
+                    + ``load_weights``; the read hits the page cache the write just filled
+  *, MXFP4          (small preset only) routed experts re-quantised to MXFP4 on the way: GB/s over
+                    the MXFP4 bytes that moved; on CPU the quantiser, not the copy, sets the pace
+
+Usage:
+    python benchmarks/weight_transfer.py                  # small preset + ~1 GiB synthetic, 3 repeats
+    python benchmarks/weight_transfer.py --quick          # small preset only, 1 repeat
+    python benchmarks/weight_transfer.py --device cuda    # GPU: memcpy on device, in-process, CUDA IPC, disk
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from k3core.config import K3Config  # noqa: E402
+
+GiB = 1 << 30
+
+
+# ------------------------------------------------------------------ states and engines
+def synthetic_config(target_bytes: int) -> K3Config:
+    """The small preset with as many routed experts as make ~``target_bytes`` of bf16 weights."""
+    from k3core.checkpoint.names import native_shapes
+
+    base = K3Config.preset("small")
+    shapes = native_shapes(base)
+    expert = sum(torch.Size(s).numel() for k, s in shapes.items() if k.endswith((".experts.w13", ".experts.w2")))
+    other = sum(torch.Size(s).numel() for k, s in shapes.items()) - expert
+    per_expert = expert // base.num_experts
+    n = max(base.num_experts, int((target_bytes / 2 - other) // per_expert))
+    return base.replace(num_experts=n)
+
+
+def blank_model(config: K3Config, dtype: torch.dtype, device: str):
+    from k3core.checkpoint.names import materialize, meta_model
+
+    model = materialize(meta_model(config), device).cast(dtype)
+    with torch.no_grad():
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.zero_()
+    return model
+
+
+def random_model(config: K3Config, dtype: torch.dtype, device: str, seed: int = 0):
+    """Random weights, filled one tensor at a time (no model-sized temporaries)."""
+    model = blank_model(config, dtype, device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(0, 0.02, generator=g)
+    return model
+
+
+def blank_engine(config: K3Config, dtype: torch.dtype, device: str, quantized: bool = False):
+    from k3core.rl.stages import engine_from_model
+
+    return engine_from_model(blank_model(config, dtype, device), -1, quantized)
+
+
+def perturb(model) -> None:
+    """A new version: every tensor changes (the full-fine-tuning case)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+
+
+# ------------------------------------------------------------------ receiver process
+def serve_receiver() -> None:
+    """``--serve-receiver``: one JSON line of setup, then one payload per line; answers each."""
+    from k3core.transfer import TransferError, load_payload
+
+    setup = json.loads(sys.stdin.readline())
+    torch.set_num_threads(setup["threads"])
+    config = K3Config.from_hf_dict(setup["config"])
+    engines = {}
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("op") == "quit":
+            break
+        key = (req["quantized"],)
+        if key not in engines:
+            engines[key] = blank_engine(config, getattr(torch, setup["dtype"]), setup["device"], req["quantized"])
+        t0 = time.perf_counter()
+        try:
+            version = load_payload(engines[key], req["payload"])
+            out = {"ok": True, "version": version}
+        except TransferError as e:
+            out = {"ok": False, "error": str(e)}
+        out["seconds"] = time.perf_counter() - t0
+        print(json.dumps(out), flush=True)
+
+
+class Receiver:
+    def __init__(self, config: K3Config, dtype: torch.dtype, device: str):
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve-receiver"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.ask({"config": config.to_hf_dict(), "dtype": str(dtype).removeprefix("torch."), "device": device,
+                  "threads": torch.get_num_threads()})
+
+    def ask(self, req: dict) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("receiver process died")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        self.proc.stdin.flush()
+        self.proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------ rows
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_memcpy(nbytes: int, device: str, repeats: int) -> list[float]:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 256)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of every page, outside the timing
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return times
+
+
+class Versions:
+    def __init__(self):
+        self.v = 0
+
+    def next(self) -> int:
+        self.v += 1
+        return self.v
+
+
+def run_state(label: str, config: K3Config, dtype: torch.dtype, device: str, repeats: int, bucket_bytes: int,
+              quantized_rows: bool, tmp: Path) -> list[dict]:
+    from k3core import transfer as T
+
+    rows: list[dict] = []
+    trainer = random_model(config, dtype, device)
+    state = trainer.state_dict()
+    nbytes = T.wire_nbytes(state)
+    versions = Versions()
+
+    def add(name: str, times: list[float], moved: int, note: str = "") -> None:
+        rows.append({"state": label, "path": name, "bytes": moved, "times": times, "note": note})
+        med = statistics.median(times)
+        print(f"  {label:>10} {name:<32} {moved / 2**20:9.1f} MiB  median {med * 1e3:9.1f} ms  "
+              f"{moved / med / 1e9:7.3f} GB/s", flush=True)
+
+    add("memcpy", time_memcpy(nbytes, device, repeats), nbytes)
+
+    # in-process
+    eng = blank_engine(config, dtype, device)
+    algos = ["none"] + [a for a in ("xxh3_128", "sha256", "sum64") if a in T.available_algos()
+                        and (device == "cuda" or a != "sum64")]
+    T.push_inprocess(eng, state, versions.next(), algo="none")  # first touch of the engine's pages: not timed
+    for algo in algos:
+        times = []
+        for _ in range(repeats):
+            perturb(trainer)
+            sync(device)
+            t0 = time.perf_counter()
+            rep = T.push_inprocess(eng, state, versions.next(), algo=algo)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        add(f"inprocess ({'no digest' if algo == 'none' else algo})", times, rep.bytes_sent)
+    del eng
+
+    # another process: shared memory on CPU, CUDA IPC on GPU
+    recv = Receiver(config, dtype, device)
+    pool = T.ShmPool(bucket_bytes)
+    try:
+        transports = [("shm", T.send_shm, T.default_algo("cpu"), {}),
+                      ("shm pooled", T.send_shm, T.default_algo("cpu"), {"pool": pool})]
+        if device == "cuda":
+            transports.append(("cuda_ipc", T.send_cuda_ipc, "sum64", {}))
+        for name, send, algo, kw in transports:
+            times = []
+            for i in range(repeats + 1):  # the first builds the receiver's engine / fills the pool: not timed
+                perturb(trainer)
+                sync(device)
+                t0 = time.perf_counter()
+                sent = send(state, versions.next(), bucket_bytes=bucket_bytes, algo=algo, **kw)
+                r = recv.ask({"payload": sent.payload, "quantized": False})
+                if not r["ok"]:
+                    raise RuntimeError(f"{name} transfer refused: {r['error']}")
+                sent.acknowledge()
+                if i:
+                    times.append(time.perf_counter() - t0)
+            add(f"{name} ({algo}, {sent.report.buckets} buckets)", times, sent.report.bytes_sent)
+        if quantized_rows:
+            times = []
+            for i in range(repeats + 1):
+                perturb(trainer)
+                t0 = time.perf_counter()
+                sent = T.send_shm(state, versions.next(), bucket_bytes=bucket_bytes, quantize_experts=True, pool=pool)
+                r = recv.ask({"payload": sent.payload, "quantized": True})
+                if not r["ok"]:
+                    raise RuntimeError(f"shm MXFP4 transfer refused: {r['error']}")
+                sent.acknowledge()
+                if i:
+                    times.append(time.perf_counter() - t0)
+            add("shm pooled, MXFP4 experts", times, sent.report.bytes_sent, "quantiser-bound")
+    finally:
+        recv.close()
+        pool.close()
+
+    if quantized_rows:
+        qeng = blank_engine(config, dtype, device, quantized=True)
+        times = []
+        for _ in range(repeats):
+            perturb(trainer)
+            sync(device)
+            t0 = time.perf_counter()
+            rep = T.push_inprocess(qeng, state, versions.next(), quantize_experts=True, algo="none")
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        add("inprocess, MXFP4 experts", times, rep.bytes_sent, "quantiser-bound")
+        del qeng
+
+    # disk
+    eng = blank_engine(config, dtype, device)
+    times, wt, rt = [], [], []
+    for _ in range(repeats):
+        perturb(trainer)
+        sync(device)
+        t0 = time.perf_counter()
+        rep = T.write_disk(tmp / label, trainer, config, versions.next())
+        t1 = time.perf_counter()
+        sd, version = T.read_disk(tmp / label, current_version=eng.weight_version)
+        eng.load_weights(sd, version)
+        del sd
+        sync(device)
+        t2 = time.perf_counter()
+        times.append(t2 - t0)
+        wt.append(t1 - t0)
+        rt.append(t2 - t1)
+    add("disk (write + read + load)", times, rep.bytes_sent,
+        f"write {statistics.median(wt) * 1e3:.0f} ms, read+load {statistics.median(rt) * 1e3:.0f} ms")
+    shutil.rmtree(tmp / label, ignore_errors=True)
+    del eng, trainer, state
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| state | path | MiB moved | median ms | best ms | GB/s (median) | vs memcpy | vs disk | note |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    by_state: dict[str, list[dict]] = {}
+    for r in rows:
+        by_state.setdefault(r["state"], []).append(r)
+    for state, rs in by_state.items():
+        gbps = {r["path"]: r["bytes"] / statistics.median(r["times"]) / 1e9 for r in rs}
+        mem = gbps["memcpy"]
+        disk = next(v for k, v in gbps.items() if k.startswith("disk"))
+        for r in rs:
+            g = gbps[r["path"]]
+            out.append(f"| {state} | {r['path']} | {r['bytes'] / 2**20:.1f} | {statistics.median(r['times']) * 1e3:.1f} | "
+                       f"{min(r['times']) * 1e3:.1f} | {g:.3f} | {g / mem:.2f}x | {g / disk:.1f}x | {r['note']} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small preset only, 1 repeat")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--large-gib", type=float, default=1.0, help="size of the synthetic state (0: skip it)")
+    ap.add_argument("--bucket-mib", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--dir", default=None, help="where the disk path writes (default: a temp dir under /tmp)")
+    ap.add_argument("--serve-receiver", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_receiver:
+        serve_receiver()
+        return
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
+    from k3core.transfer import available_algos, default_algo
+
+    repeats = args.repeats or (1 if args.quick else 3)
+    states = [("small", K3Config.preset("small"), True)]
+    if not args.quick and args.large_gib > 0:
+        states.append((f"{args.large_gib:g}GiB-syn", synthetic_config(int(args.large_gib * GiB)), False))
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else f"{os.cpu_count()}-core CPU"
+    print(f"# weight transfer, {dev}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"digests available {available_algos()} (CPU default {default_algo('cpu')}), repeats {repeats}, "
+          f"bucket {args.bucket_mib} MiB", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="k3-weight-transfer-") as tmp:
+        for label, config, quantized_rows in states:
+            print(f"## {label}: {config.num_experts} experts", flush=True)
+            rows += run_state(label, config, torch.bfloat16, args.device, repeats, args.bucket_mib << 20,
+                              quantized_rows, Path(tmp))
+    print()
+    print(table(rows))
+    print()
+    for state in dict.fromkeys(r["state"] for r in rows):
+        rs = {r["path"]: r["bytes"] / statistics.median(r["times"]) / 1e9 for r in rows if r["state"] == state}
+        mem, disk = rs["memcpy"], next(v for k, v in rs.items() if k.startswith("disk"))
+        for k, v in rs.items():
+            if k.startswith("inprocess ("):
+                print(f"{state}: {k} {v / mem:.0%} of memcpy (target >= 50%: {'met' if v >= 0.5 * mem else 'MISSED'})")
+        for k, v in rs.items():
+            if k.startswith(("inprocess (", "shm (", "shm pooled (", "cuda_ipc (")):
+                print(f"{state}: {k} {v / disk:.1f}x disk (target >= 10x: {'met' if v >= 10 * disk else 'MISSED'})")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Weight transfer on CUDA: CUDA IPC buckets to an engine in a second process (``sum64`` digests on
+the GPU), shared memory from GPU tensors, and a flipped byte in a CUDA bucket refused.
+
+References: the bytes (every engine tensor's digest equals the trainer's), and logprobs bit-equal to
+an engine loaded in process on the same GPU (same kernels); with MXFP4 experts, an engine loaded with
+``stages.engine_state(quantize_experts=True)``. Run: ``pytest -m gpu tests/k3core/test_transfer_gpu.py``.
+"""
+
+import base64
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3core import transfer as T
+from k3core.config import K3Config
+from k3core.model import K3ForCausalLM
+from k3core.rl.stages import engine_from_model, engine_state
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TINY = K3Config.preset("tiny")
+
+
+def _model(seed: int) -> K3ForCausalLM:
+    m = K3ForCausalLM(TINY)
+    m.reset_parameters(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("_res_proj.weight"):
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(seed))
+    return m.cuda()
+
+
+IDS = torch.randint(0, 256, (3, 11), generator=torch.Generator().manual_seed(7))
+
+
+def _logprobs(model) -> torch.Tensor:
+    ids = IDS.cuda()
+    with torch.no_grad():
+        return model(ids[:, :-1], targets=ids[:, 1:], return_logprobs=True).logprobs.float().cpu()
+
+
+class Worker:
+    def __init__(self):
+        script = Path(__file__).with_name("transfer_engine_worker.py")
+        self.proc = subprocess.Popen([sys.executable, str(script), "tiny", "cuda", str(torch.get_num_threads())],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+        assert json.loads(self.proc.stdout.readline())["ready"]
+
+    def __call__(self, **req) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "worker died"
+        return json.loads(line)
+
+    def logprobs(self, engine: str) -> torch.Tensor:
+        r = self(op="logprobs", engine=engine, ids=IDS.tolist())
+        return torch.frombuffer(bytearray(base64.b64decode(r["logprobs"])), dtype=torch.float32).view(r["shape"])
+
+    def close(self):
+        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        self.proc.stdin.flush()
+        self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker()
+    yield w
+    w.close()
+
+
+def test_cuda_ipc_bit_exact_then_a_corrupt_bucket_is_refused(worker):
+    trainer = _model(1)
+    sd = trainer.state_dict()
+    with T.send_cuda_ipc(sd, 1, bucket_bytes=128 << 10) as sent:
+        assert sent.payload["transport"] == "cuda_ipc" and sent.payload["hash"] == "sum64"
+        r = worker(op="load", engine="float", payload=json.loads(json.dumps(sent.payload)))
+        assert r == {"ok": True, "version": 1}, r
+        sent.acknowledge()
+    got = worker(op="digests", engine="float", algo="sum64")["digests"]
+    assert got == {k: T.tensor_digest(v, "sum64") for k, v in sd.items()}
+    local = engine_from_model(_model(2), 0, quantized=False)
+    T.push_inprocess(local, sd, 1)
+    assert torch.equal(worker.logprobs("float"), _logprobs(local.model))
+    torch.testing.assert_close(worker.logprobs("float"), _logprobs(trainer), rtol=0, atol=1e-5)
+
+    new = _model(3)
+    with T.send_cuda_ipc(new.state_dict(), 2, bucket_bytes=128 << 10) as sent:
+        e = sent.payload["buckets"][1]["tensors"][0]
+        buf = sent._buffers[1]
+        i = e["offset"] + e["nbytes"] // 2
+        buf[i] = buf[i] ^ 1
+        torch.cuda.synchronize()
+        r = worker(op="load", engine="float", payload=sent.payload)
+    assert not r["ok"] and "corrupt bucket" in r["error"] and r["version"] == 1
+    assert torch.equal(worker.logprobs("float"), _logprobs(local.model))
+
+
+def test_cuda_ipc_mxfp4_experts_equal_engine_state(worker):
+    trainer = _model(4)
+    ref = engine_from_model(_model(5), 0, quantized=True)
+    ref.load_weights(engine_state(trainer, quantize_experts=True), 1)
+    with T.send_cuda_ipc(trainer.state_dict(), 1, quantize_experts=True) as sent:
+        r = worker(op="load", engine="w4a8", payload=sent.payload)
+        assert r["ok"], r
+        sent.acknowledge()
+    assert sent.report.bytes_sent == T.wire_nbytes(trainer.state_dict(), quantize_experts=True)
+    assert torch.equal(worker.logprobs("w4a8"), _logprobs(ref.model))
+
+
+def test_shm_from_gpu_tensors_to_a_gpu_engine(worker):
+    trainer = _model(6)
+    with T.send_shm(trainer.state_dict(), 10, bucket_bytes=128 << 10) as sent:
+        r = worker(op="load", engine="float", payload=sent.payload)
+        assert r["ok"], r
+        sent.acknowledge()
+    local = engine_from_model(_model(7), 0, quantized=False)
+    T.push_inprocess(local, trainer.state_dict(), 1)
+    assert torch.equal(worker.logprobs("float"), _logprobs(local.model))
+    assert not [n for n in T.live_segments() if n.startswith(f"{T.SHM_PREFIX}{os.getpid()}-")]
