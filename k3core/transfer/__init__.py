@@ -13,7 +13,8 @@ as a new weight version, and refusing anything that is not exactly that:
   (or, with a ``ShmPool``, reuses them for the next transfer);
 - disk: ``write_disk(path, model_or_state, config, version, quantize_experts)`` publishes a public
   layout checkpoint (MXFP4 routed experts when quantised) with ``weight_version.json`` atomically;
-  ``read_disk(path)`` returns (state dict, version) for ``update_weights_from_disk``.
+  ``read_disk(path)`` returns (state dict, version) for ``update_weights_from_disk``
+  (``load_disk(engine, path)``: read shaped for the engine, then load).
 
 Routed experts are re-quantised to MXFP4 on the way when the engine runs quantised, and travel as
 MXFP4 bytes (``wire.py``). Every tensor carries a content digest (``digest.py``: xxh3-128 when the
@@ -28,7 +29,7 @@ caches and publishes the version), the checkpoint layout (``k3core.checkpoint``)
 
 from k3core.transfer.delta import DeltaTracker
 from k3core.transfer.digest import ALGOS, available_algos, default_algo, tensor_digest
-from k3core.transfer.disk import VERSION_FILE, read_disk, read_version, write_disk
+from k3core.transfer.disk import VERSION_FILE, load_disk, read_disk, read_version, write_disk
 from k3core.transfer.inprocess import engine_tensors, push_inprocess
 from k3core.transfer.receive import load_payload, receive
 from k3core.transfer.shm import SHM_PREFIX, SentTransfer, ShmPool, live_segments, send_cuda_ipc, send_shm
@@ -36,7 +37,7 @@ from k3core.transfer.wire import DEFAULT_BUCKET_BYTES, FORMAT, TransferError, Tr
 
 __all__ = [
     "TransferError", "TransferReport", "DeltaTracker", "SentTransfer", "ShmPool",
-    "push_inprocess", "send_shm", "send_cuda_ipc", "receive", "load_payload", "write_disk", "read_disk", "read_version",
+    "push_inprocess", "send_shm", "send_cuda_ipc", "receive", "load_payload", "write_disk", "read_disk", "read_version", "load_disk",
     "engine_tensors", "iter_wire", "wire_nbytes", "tensor_digest", "default_algo", "available_algos", "live_segments",
     "ALGOS", "FORMAT", "DEFAULT_BUCKET_BYTES", "SHM_PREFIX", "VERSION_FILE",
 ]

@@ -1,7 +1,9 @@
 """Weight transfer through disk, in the public layout an engine's ``update_weights_from_disk`` reads.
 
 Owns: ``write_disk`` (trainer state -> a versioned, checksummed public checkpoint, published in one
-step) and ``read_disk`` (that directory -> a verified native state dict and its version). The
+step), ``read_disk`` (that directory -> a verified native state dict and its version) and
+``load_disk(engine, path)`` (read_disk shaped for an engine, then ``load_weights``: what
+``update_weights_from_disk`` does). The
 checkpoint itself is ``k3core.checkpoint.hf.save_hf``'s: shards, ``config.json``, then the index
 last; MXFP4 routed experts (``target="mxfp4"``) when the engine runs quantised. Beside it,
 ``weight_version.json``::
@@ -42,7 +44,7 @@ from k3core.transfer.digest import check_algo, default_algo, tensor_digest
 from k3core.transfer.wire import (FORMAT, TransferError, TransferReport, bucket_digest, content_sha256, dtype_name,
                                   parse_dtype)
 
-__all__ = ["VERSION_FILE", "write_disk", "read_disk", "read_version"]
+__all__ = ["VERSION_FILE", "write_disk", "read_disk", "read_version", "load_disk"]
 
 VERSION_FILE = "weight_version.json"
 
@@ -224,3 +226,22 @@ def read_disk(path: str | os.PathLike, *, current_version: int | None = None, pa
             except ValueError as e:  # nonzero A_log padding
                 raise TransferError(str(e)) from None
     return state, version
+
+
+def load_disk(engine, path: str | os.PathLike) -> int:
+    """``read_disk`` for ``engine`` (its version as ``current_version``, packed experts for a W4A8
+    engine, its float dtype), then ``engine.load_weights``. Returns the new version; raises
+    ``TransferError`` with the engine untouched."""
+    from k3core.checkpoint.names import public_dtype
+    from k3core.rollout.quantized import expert_format
+    from k3core.transfer.inprocess import engine_tensors
+
+    own = engine_tensors(engine)
+    dtype = next((t.dtype for k, t in own.items() if t.is_floating_point() and public_dtype(k) != torch.float32), None)
+    state, version = read_disk(path, current_version=engine.weight_version, dtype=dtype,
+                               packed_experts=expert_format(engine.model) in ("w4a8", "w4a16"))
+    try:
+        engine.load_weights(state, version)
+    except ValueError as e:
+        raise e if isinstance(e, TransferError) else TransferError(str(e)) from e
+    return version

@@ -44,6 +44,7 @@ import os
 import time
 import uuid
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
 from typing import Mapping
 
@@ -275,6 +276,10 @@ def _aligned_upper_bound(named_tensors: Mapping[str, torch.Tensor], quantize_exp
     return total
 
 
+def _part_digests(item, algo: str) -> list[str]:
+    return [tensor_digest(p, algo) for p in item.parts()]
+
+
 def _write(buf: torch.Tensor, offset: int, t: torch.Tensor) -> int:
     n = t.numel() * t.element_size()
     if n:
@@ -295,25 +300,27 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
     entries: list[list[dict]] = []
     used: list[int] = []
     unchanged: list[dict] = []
-    digests: dict[str, str] = {}
-    rows = []
-    total_bytes = sent_bytes = 0
+    written: list[tuple] = []  # (item, its entry or None, its part digests or their future)
     cap = 0
+    # Without a delta base the layout does not depend on the digests: hash in a second thread while
+    # this one copies (both only read the source; hashing and copy_ release the GIL).
+    pool = ThreadPoolExecutor(1, thread_name_prefix="k3-transfer-digest") if not base else None
     try:
         for item in iter_wire(named_tensors, quantize_experts, w4a8):
-            part_digests = [tensor_digest(p, algo) for p in item.parts()]
-            d = item_digest(part_digests)
-            digests[item.name] = d
-            rows.append((item.name, dtype_name(item.dtype), list(item.shape), item.codec, d))
-            total_bytes += item.nbytes()
             need = sum(align_up(p.numel() * p.element_size()) for p in item.parts())
-            # only raw items can stay behind: the receiver checks its own copy's digest, and it holds
-            # an MXFP4-codec item dequantised, not as the codes the digest covers
-            if item.codec == "raw" and base.get(item.name) == d:
-                unchanged.append({"name": item.name, "dtype": dtype_name(item.dtype), "shape": list(item.shape),
-                                  "codec": "raw", "digest": d})
-                remaining -= need
-                continue
+            if pool is not None:
+                part_digests = pool.submit(_part_digests, item, algo)
+            else:
+                part_digests = _part_digests(item, algo)
+                d = item_digest(part_digests)
+                # only raw items can stay behind: the receiver checks its own copy's digest, and it
+                # holds an MXFP4-codec item dequantised, not as the codes the digest covers
+                if item.codec == "raw" and base.get(item.name) == d:
+                    unchanged.append({"name": item.name, "dtype": dtype_name(item.dtype), "shape": list(item.shape),
+                                      "codec": "raw", "digest": d})
+                    written.append((item, None, part_digests))
+                    remaining -= need
+                    continue
             if not descs or used[-1] + need > cap:
                 desc, buf = buckets.alloc(max(min(bucket_bytes, remaining), need))
                 cap = min(buf.numel(), max(bucket_bytes, need))  # a pooled segment may be larger
@@ -323,21 +330,39 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
             buf = buckets.buffers[-1]
             off = used[-1]
             entry = {"name": item.name, "dtype": dtype_name(item.dtype), "shape": list(item.shape),
-                     "offset": off, "nbytes": _write(buf, off, item.data), "digest": part_digests[0]}
+                     "offset": off, "nbytes": _write(buf, off, item.data)}
             off = align_up(off + entry["nbytes"])
             if item.codec == "mxfp4":
                 n = _write(buf, off, item.scale)
                 entry["codec"] = "mxfp4"
-                entry["scale"] = {"offset": off, "nbytes": n, "digest": part_digests[1]}
+                entry["scale"] = {"offset": off, "nbytes": n}
                 off = align_up(off + n)
             entries[-1].append(entry)
+            written.append((item, entry, part_digests))
             used[-1] = off
             remaining -= need
-            sent_bytes += item.nbytes()
         buckets.finish(descs)
+        digests: dict[str, str] = {}
+        rows = []
+        total_bytes = sent_bytes = 0
+        for item, entry, part_digests in written:
+            if pool is not None:
+                part_digests = part_digests.result()
+            d = item_digest(part_digests)
+            digests[item.name] = d
+            rows.append((item.name, dtype_name(item.dtype), list(item.shape), item.codec, d))
+            total_bytes += item.nbytes()
+            if entry is not None:
+                entry["digest"] = part_digests[0]
+                if item.codec == "mxfp4":
+                    entry["scale"]["digest"] = part_digests[1]
+                sent_bytes += item.nbytes()
     except BaseException:
         buckets.release(buckets.pool, buckets.handles, buckets.buffers)
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     payload_buckets = []
     for desc, ents in zip(descs, entries):
         end = max((e["scale"]["offset"] + e["scale"]["nbytes"]) if "scale" in e else (e["offset"] + e["nbytes"])

@@ -374,3 +374,28 @@ def test_disk_mxfp4_to_w4a8_engine_equals_engine_state(tmp_path):
     assert torch.equal(_logprobs(eng_f.model), _logprobs(ref_f.model))
     out = eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, temperature=0.0), pad_id=TINY.pad_token_id)
     assert out[0].weight_version == 1
+
+
+def test_disk_fp32_trainer_arrives_rounded_to_bf16_and_load_disk_fits_the_engine(tmp_path):
+    """The public layout is bf16: an fp32 engine gets the trainer's weights rounded to bf16 (the
+    fp32-kept tensors exact), the same as loading that rounding in process."""
+    from k3core.checkpoint.names import public_dtype
+
+    trainer = _model(21)
+    T.write_disk(tmp_path / "w", trainer, TINY, version=2)
+    eng = engine_from_model(_model(22), 0, quantized=False)
+    assert T.load_disk(eng, tmp_path / "w") == 2 and eng.weight_version == 2
+    rounded = {k: v.to(public_dtype(k)).float() for k, v in trainer.state_dict().items()}
+    ref = engine_from_model(_model(22), 0, quantized=False)
+    ref.load_weights(rounded, 2)
+    assert torch.equal(_logprobs(eng.model), _logprobs(ref.model))
+    with pytest.raises(T.TransferError, match="not newer"):
+        T.load_disk(eng, tmp_path / "w")
+    # a W4A8 engine from an MXFP4 checkpoint gets its packed buffers
+    T.write_disk(tmp_path / "mx", trainer, TINY, version=3, quantize_experts=True)
+    q = engine_from_model(_model(23), 0, quantized=True)
+    assert T.load_disk(q, tmp_path / "mx") == 3
+    qref = engine_from_model(_model(23), 0, quantized=True)
+    qref.load_weights({k: v.to(public_dtype(k)).float() if v.is_floating_point() else v
+                       for k, v in engine_state(trainer, quantize_experts=True).items()}, 3)
+    assert torch.equal(_logprobs(q.model), _logprobs(qref.model))
