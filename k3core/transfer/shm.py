@@ -302,15 +302,14 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
     unchanged: list[dict] = []
     written: list[tuple] = []  # (item, its entry or None, its part digests or their future)
     cap = 0
-    # Without a delta base the layout does not depend on the digests: hash in a second thread while
-    # this one copies (both only read the source; hashing and copy_ release the GIL).
+    # Without a delta base nothing waits for a digest: each item is hashed from its bucket copy (on the
+    # bucket's device: no extra device-to-host copy for CUDA sources) in a second thread, while this
+    # one writes the next (hashing and copy_ release the GIL). A delta must hash the source first.
     pool = ThreadPoolExecutor(1, thread_name_prefix="k3-transfer-digest") if not base else None
     try:
         for item in iter_wire(named_tensors, quantize_experts, w4a8):
             need = sum(align_up(p.numel() * p.element_size()) for p in item.parts())
-            if pool is not None:
-                part_digests = pool.submit(_part_digests, item, algo)
-            else:
+            if pool is None:
                 part_digests = _part_digests(item, algo)
                 d = item_digest(part_digests)
                 # only raw items can stay behind: the receiver checks its own copy's digest, and it
@@ -338,6 +337,11 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
                 entry["scale"] = {"offset": off, "nbytes": n}
                 off = align_up(off + n)
             entries[-1].append(entry)
+            if pool is not None:
+                views = [buf[entry["offset"]: entry["offset"] + entry["nbytes"]]]
+                if item.codec == "mxfp4":
+                    views.append(buf[entry["scale"]["offset"]: entry["scale"]["offset"] + entry["scale"]["nbytes"]])
+                part_digests = pool.submit(lambda vs: [tensor_digest(v, algo) for v in vs], views)
             written.append((item, entry, part_digests))
             used[-1] = off
             remaining -= need
