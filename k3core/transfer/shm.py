@@ -10,7 +10,7 @@ most ``bucket_bytes`` (a tensor larger than that gets a bucket of its own) and r
      "num_tensors": int,
      "buckets": [{"shm": name | "ipc": {...}, "nbytes": int, "digest": hex,
                   "tensors": [entry, ...]}],          # entries: see wire.py
-     "unchanged": [{"name": str, "digest": hex}]}     # delta transfers only
+     "unchanged": [{"name", "dtype", "shape", "codec": "raw", "digest"}]}  # delta: kept, not sent
 
 Lifetimes (the sender owns every segment):
 1. the sender allocates and fills all buckets, then hands the payload over (HTTP body, queue, ...);
@@ -23,8 +23,9 @@ Lifetimes (the sender owns every segment):
 A mapping the receiver still holds stays valid after the unlink (POSIX), and the memory is returned
 when the last mapping goes. With a ``ShmPool`` the segments are not unlinked at step 3 but handed to
 the next transfer (fresh pages cost more to fill than the copy); the receiver must then be done
-with the returned views when it acknowledges, and the pool's ``close()`` unlinks everything. If the sender dies before closing, Python's resource tracker unlinks
-its segments at exit; ``close`` also runs when the ``SentTransfer`` is garbage-collected.
+with the returned views when it acknowledges, and the pool's ``close()`` unlinks everything.
+If the sender dies before closing, Python's resource tracker unlinks its segments at exit;
+``close`` also runs when the ``SentTransfer`` is garbage-collected.
 Segment names are ``k3xfer-<pid>-<random>-<bucket>``; the receiver maps only names of that form,
 from ``/dev/shm`` (Linux).
 
@@ -52,7 +53,7 @@ import torch
 
 from k3core.transfer.delta import DeltaTracker
 from k3core.transfer.digest import check_algo, default_algo, tensor_digest
-from k3core.transfer.wire import (ALIGN, DEFAULT_BUCKET_BYTES, FORMAT, ROUTED_EXPERT_SUFFIXES, TransferReport, align_up,
+from k3core.transfer.wire import (DEFAULT_BUCKET_BYTES, FORMAT, ROUTED_EXPERT_SUFFIXES, TransferReport, align_up,
                                   bucket_digest, content_sha256, dtype_name, item_digest, iter_wire)
 
 __all__ = ["SHM_PREFIX", "SHM_DIR", "SentTransfer", "ShmPool", "send_shm", "send_cuda_ipc", "live_segments"]
@@ -305,11 +306,11 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
     # Without a delta base nothing waits for a digest: each item is hashed from its bucket copy (on the
     # bucket's device: no extra device-to-host copy for CUDA sources) in a second thread, while this
     # one writes the next (hashing and copy_ release the GIL). A delta must hash the source first.
-    pool = ThreadPoolExecutor(1, thread_name_prefix="k3-transfer-digest") if not base else None
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="k3-transfer-digest") if not base else None
     try:
         for item in iter_wire(named_tensors, quantize_experts, w4a8):
             need = sum(align_up(p.numel() * p.element_size()) for p in item.parts())
-            if pool is None:
+            if hasher is None:
                 part_digests = _part_digests(item, algo)
                 d = item_digest(part_digests)
                 # only raw items can stay behind: the receiver checks its own copy's digest, and it
@@ -337,11 +338,11 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
                 entry["scale"] = {"offset": off, "nbytes": n}
                 off = align_up(off + n)
             entries[-1].append(entry)
-            if pool is not None:
+            if hasher is not None:
                 views = [buf[entry["offset"]: entry["offset"] + entry["nbytes"]]]
                 if item.codec == "mxfp4":
                     views.append(buf[entry["scale"]["offset"]: entry["scale"]["offset"] + entry["scale"]["nbytes"]])
-                part_digests = pool.submit(lambda vs: [tensor_digest(v, algo) for v in vs], views)
+                part_digests = hasher.submit(lambda vs: [tensor_digest(v, algo) for v in vs], views)
             written.append((item, entry, part_digests))
             used[-1] = off
             remaining -= need
@@ -350,7 +351,7 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
         rows = []
         total_bytes = sent_bytes = 0
         for item, entry, part_digests in written:
-            if pool is not None:
+            if hasher is not None:
                 part_digests = part_digests.result()
             d = item_digest(part_digests)
             digests[item.name] = d
@@ -365,8 +366,8 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
         buckets.release(buckets.pool, buckets.handles, buckets.buffers)
         raise
     finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
+        if hasher is not None:
+            hasher.shutdown(cancel_futures=True)
     payload_buckets = []
     for desc, ents in zip(descs, entries):
         end = max((e["scale"]["offset"] + e["scale"]["nbytes"]) if "scale" in e else (e["offset"] + e["nbytes"])
