@@ -198,8 +198,9 @@ def main() -> None:
         w, s = step_bytes(model, r["batch"], r["stats"])
         roof_w = r["batch"] / (w / bw)
         roof_ws = r["batch"] / ((w + s) / bw)
-        print(f"\nroofline at batch {r['batch']}: {'HBM' if a.device == 'cuda' else 'DRAM'} copy bandwidth {bw / 1e9:.0f} GB/s "
-              f"(measured); a decode step reads "
+        mem_kind = "HBM" if a.device == "cuda" else "DRAM"
+        print(f"\nroofline at batch {r['batch']}: {mem_kind} copy bandwidth {bw / 1e9:.0f} GB/s (measured); "
+              f"a decode step reads "
               f"{w / 1e9:.2f} GB of weights and moves {s / 1e9:.3f} GB of decode state")
         print(f"  measured {r['cached_tok_s']:.0f} tok/s; roofline {roof_w:.0f} tok/s (weights only), "
               f"{roof_ws:.0f} tok/s (weights + state): {100 * r['cached_tok_s'] / roof_ws:.1f}% of the roofline")

@@ -92,7 +92,8 @@ class RolloutClient:
         else:
             u = urlparse(target)
             if u.scheme not in ("http", "https") or not u.netloc:
-                raise ValueError(f"rollout target must be 'local' or an http(s) URL like http://127.0.0.1:30000, got {target!r}")
+                raise ValueError("rollout target must be 'local' or an http(s) URL like http://127.0.0.1:30000, "
+                                 f"got {target!r}")
             self.url = target.rstrip("/")
             # loopback never goes through an environment proxy
             handlers = [urllib.request.ProxyHandler({})] if u.hostname in ("127.0.0.1", "localhost", "::1") else []
@@ -200,8 +201,8 @@ class RolloutClient:
                                           f"{weight_version}", 400)
             self.engine.load_weights(sd, weight_version)
             return {"success": True, "weight_version": weight_version}
-        return self._ok("POST", "/update_weights_from_disk", {"model_path": str(model_path), "weight_version": weight_version},
-                        refused=WeightUpdateRefused)
+        body = {"model_path": str(model_path), "weight_version": weight_version}
+        return self._ok("POST", "/update_weights_from_disk", body, refused=WeightUpdateRefused)
 
     def update_weights_from_tensor(self, payload: dict) -> dict:
         if self.is_local:

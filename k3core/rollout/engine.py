@@ -425,7 +425,8 @@ class RolloutEngine:
         return True
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits ``[B, V]`` (fp32, fp64 for an fp64 model) of the running sequences -> (tokens ``[B]``, logprobs ``[B]``)."""
+        """logits ``[B, V]`` (fp32; fp64 for an fp64 model) of the running sequences -> (tokens ``[B]``,
+        logprobs ``[B]``)."""
         ps = [s.req.params for s in self._running]
         dev = logits.device
         temp = torch.tensor([p.temperature for p in ps], dtype=logits.dtype, device=dev)

@@ -300,7 +300,8 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             parsed = [_sampling(sp, eos) for sp in sps]
             for _, stops, _ in parsed:
                 if stops and tokenizer is None:
-                    raise BadRequest("stop strings need a tokenizer, which this model has not on the server: use stop_token_ids")
+                    raise BadRequest("stop strings need a tokenizer and this server has none for this model: "
+                                     "use stop_token_ids")
             reqs = [(p, params, stop_string_checker(tokenizer, stops) if stops else None)
                     for p, (params, stops, _) in zip(prompts, parsed)]
             futures = engine.submit_many(reqs)

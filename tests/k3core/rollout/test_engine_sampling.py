@@ -115,7 +115,8 @@ def test_generate_keeps_its_api_and_per_prompt_seeds():
     assert [c.output_ids for c in direct] == [c.output_ids for c in out[2:]]
     for c in out:
         assert len(c.logprobs) == len(c.output_ids) and all(lp <= 0 for lp in c.logprobs)
-        assert c.routing.shape == (len(c.prompt_ids) + len(c.output_ids) - 1, len(TINY.moe_layers), TINY.num_experts_per_token)
+        positions = len(c.prompt_ids) + len(c.output_ids) - 1
+        assert c.routing.shape == (positions, len(TINY.moe_layers), TINY.num_experts_per_token)
 
 
 def test_greedy_logprobs_and_mixed_temperatures_in_one_batch():

@@ -213,3 +213,25 @@ def test_client_errors_for_a_dead_server():
         client.wait_ready(timeout=0.3)
     with pytest.raises(ValueError, match="'local' or an http"):
         RolloutClient("ftp://x")
+
+
+def test_update_from_a_write_disk_directory_checks_digests(server, tmp_path):
+    """A directory published by k3core.transfer.write_disk: its declared version is used when the
+    request names none, and a flipped byte in a shard is refused with the old version serving."""
+    transfer = pytest.importorskip("k3core.transfer")
+    client, port = server["client"], server["port"]
+    v = client.weight_version()
+    model = load_model(server["ckpts"]["a"], dtype=torch.float32)
+    transfer.write_disk(tmp_path / "w", model, model.config, v + 1)
+    shard = next((tmp_path / "w").glob("*.safetensors"))
+    good = shard.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0xFF
+    shard.write_bytes(bytes(bad))
+    with pytest.raises(WeightUpdateRefused, match="refused"):
+        client.update_weights_from_disk(str(tmp_path / "w"), v + 1)
+    assert client.weight_version() == v
+    shard.write_bytes(good)
+    ans = _post(port, "/update_weights_from_disk", {"model_path": str(tmp_path / "w")})  # no weight_version
+    assert ans["success"] and ans["weight_version"] == v + 1 == client.weight_version()
+    assert _outputs(client.generate(PROMPTS, GREEDY)) == _outputs(server["local"]["a"].generate(PROMPTS, GREEDY))
