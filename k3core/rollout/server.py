@@ -13,7 +13,9 @@
   POST /update_weights_from_disk   {model_path (our public HF layout), weight_version} -> {success, message,
                                    num_paused_requests}; 400 and the old version keeps serving on failure.
                                    A directory from ``k3core.transfer.write_disk`` is digest-checked and
-                                   its declared version used when the request names none
+                                   its declared version used when the request names none. The new
+                                   weights are read into host memory first (one full copy beside the
+                                   engine's), then swapped between requests
   POST /update_weights_from_tensor a transfer payload of ``k3core.transfer`` (``send_shm`` /
                                    ``send_cuda_ipc``; not SGLang's serialized tensors): the bytes stay in
                                    shared memory, ``load_payload`` verifies digests, names, shapes, dtypes
@@ -195,7 +197,7 @@ def _sampling(sp: Any, eos_id: int | None) -> tuple[Any, list[str], bool]:
         raise BadRequest("'stop_token_ids' must be a list of token ids")
     if eos_id is not None and not sp.get("ignore_eos", False):
         stop_ids = stop_ids + [eos_id]  # SGLang stops at the end-of-sequence token unless ignore_eos
-    seed = sp.get("seed", sp.get("sampling_seed"))
+    seed = sp.get("seed") if sp.get("seed") is not None else sp.get("sampling_seed")
     top_k = sp.get("top_k", -1)
     try:
         params = SamplingParams(
@@ -219,8 +221,8 @@ def stop_string_checker(tokenizer, stops: list[str]):
     return check
 
 
-def _output(c, tokenizer, stops: list[str], no_stop_trim: bool, return_logprob: bool, return_routing: bool,
-            rid: str, t0: float) -> dict:
+def _output(c, tokenizer, no_stop_trim: bool, return_logprob: bool, return_routing: bool, rid: str,
+            t0: float) -> dict:
     if c.finish_reason == "length":
         finish = {"type": "length", "length": c.meta.get("matched")}
     elif c.finish_reason == "abort":
@@ -319,9 +321,9 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             log.exception("generation failed")
             return error(500, f"generation failed: {type(e).__name__}: {e}")
         rid = body.get("rid") or uuid.uuid4().hex
-        outs = [_output(c, tokenizer, stops, nst, bool(body.get("return_logprob")),
-                        bool(body.get("return_routed_experts")), f"{rid}-{i}-{c.sample_index}", t0)
-                for i, (comps, (_, stops, nst)) in enumerate(zip(results, parsed)) for c in comps]
+        outs = [_output(c, tokenizer, nst, bool(body.get("return_logprob")), bool(body.get("return_routed_experts")),
+                        f"{rid}-{i}-{c.sample_index}", t0)
+                for i, (comps, (_, _, nst)) in enumerate(zip(results, parsed)) for c in comps]
         return JSONResponse(outs if batch or len(outs) > 1 else outs[0])
 
     async def _update(load, version, what: str):
@@ -371,7 +373,7 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
 
             load_payload(engine, body)
 
-        return await _update(load, None, "a transfer manifest")
+        return await _update(load, None, "a transfer payload")
 
     @app.get("/health")
     async def health():
