@@ -75,14 +75,6 @@ def engine_from_model(model: K3ForCausalLM, weight_version: int, quantized: bool
     return RolloutEngine(model, weight_version)
 
 
-def engine_matches(engine: RolloutEngine, quantized: bool) -> bool:
-    """Whether ``engine`` takes ``engine_state(..., quantize_experts=quantized)`` (W4A8 experts for a
-    quantised state, float experts otherwise); a transfer that switches format needs a new engine."""
-    from k3core.rollout.quantized import expert_format
-
-    return expert_format(engine.model) in (("w4a8", "none") if quantized else ("bf16", "none"))
-
-
 def build_engine(weights_path: str | Path, weight_version: int, dtype: torch.dtype = torch.float32,
                  w4a8: bool = True) -> RolloutEngine:
     """An engine from a public-layout checkpoint. An MXFP4 checkpoint gives the W4A8 engine (packed
