@@ -69,7 +69,7 @@ def _run_prefix(s: RLSettings) -> str:
     return f"runs/{s.run_id}"
 
 
-@flow(name="prepare", log_prints=True)
+@flow(name="prepare", flow_run_name="{settings.run_id}-prepare", log_prints=True)
 def prepare(settings: RLSettings) -> dict:
     """fetch -> validate -> (supervised warm-up) -> quantize (MXFP4 rollout weights, version 0)."""
     s, root, pre = settings, settings.artifacts, _run_prefix(settings)
@@ -100,7 +100,7 @@ def prepare(settings: RLSettings) -> dict:
     return {"checkpoint": ckpt, "report": report, "policy": policy, "weights": weights, "seconds": t}
 
 
-@flow(name="rl_iteration", log_prints=True)
+@flow(name="rl_iteration", flow_run_name="{settings.run_id}-iter{iteration}", log_prints=True)
 def rl_iteration(settings: RLSettings, iteration: int, state: dict, weights: dict) -> dict:
     """One iteration: rollout, score, train, save, transfer. Returns the next state and weights."""
     s, root = settings, settings.artifacts
@@ -160,7 +160,7 @@ def rl_iteration(settings: RLSettings, iteration: int, state: dict, weights: dic
     return {"state": ck, "weights": new_weights, "metrics": metrics, "lineage": lineage}
 
 
-@flow(name="rl_run", log_prints=True)
+@flow(name="rl_run", flow_run_name="{settings.run_id}", log_prints=True)
 def rl_run(settings: RLSettings = RLSettings()) -> dict:
     """prepare, then ``iterations`` RL iterations (resuming a run id skips finished stages), then a
     final held-out evaluation and the run's reports (metrics table, lineage, curves, links)."""
