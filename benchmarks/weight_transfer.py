@@ -217,7 +217,7 @@ def run_state(label: str, config: K3Config, dtype: torch.dtype, device: str, rep
         if device == "cuda":
             transports.append(("cuda_ipc", T.send_cuda_ipc, "sum64", {}))
         for name, send, algo, kw in transports:
-            times = []
+            times, recv_s = [], []
             for i in range(repeats + 1):  # the first builds the receiver's engine / fills the pool: not timed
                 perturb(trainer)
                 sync(device)
@@ -229,7 +229,9 @@ def run_state(label: str, config: K3Config, dtype: torch.dtype, device: str, rep
                 sent.acknowledge()
                 if i:
                     times.append(time.perf_counter() - t0)
-            add(f"{name} ({algo}, {sent.report.buckets} buckets)", times, sent.report.bytes_sent)
+                    recv_s.append(r["seconds"])
+            add(f"{name} ({algo}, {sent.report.buckets} buckets)", times, sent.report.bytes_sent,
+                f"receiver (verify + load) {statistics.median(recv_s) * 1e3:.0f} ms")
         if quantized_rows:
             times = []
             for i in range(repeats + 1):

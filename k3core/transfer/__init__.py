@@ -31,13 +31,14 @@ from k3core.transfer.delta import DeltaTracker
 from k3core.transfer.digest import ALGOS, available_algos, default_algo, tensor_digest
 from k3core.transfer.disk import VERSION_FILE, load_disk, read_disk, read_version, write_disk
 from k3core.transfer.inprocess import engine_tensors, push_inprocess
-from k3core.transfer.receive import load_payload, receive
+from k3core.transfer.receive import forget_mappings, load_payload, receive
 from k3core.transfer.shm import SHM_PREFIX, SentTransfer, ShmPool, live_segments, send_cuda_ipc, send_shm
 from k3core.transfer.wire import DEFAULT_BUCKET_BYTES, FORMAT, TransferError, TransferReport, iter_wire, wire_nbytes
 
 __all__ = [
     "TransferError", "TransferReport", "DeltaTracker", "SentTransfer", "ShmPool",
-    "push_inprocess", "send_shm", "send_cuda_ipc", "receive", "load_payload", "write_disk", "read_disk", "read_version", "load_disk",
+    "push_inprocess", "send_shm", "send_cuda_ipc", "receive", "load_payload", "forget_mappings",
+    "write_disk", "read_disk", "read_version", "load_disk",
     "engine_tensors", "iter_wire", "wire_nbytes", "tensor_digest", "default_algo", "available_algos", "live_segments",
     "ALGOS", "FORMAT", "DEFAULT_BUCKET_BYTES", "SHM_PREFIX", "VERSION_FILE",
 ]

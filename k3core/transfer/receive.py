@@ -13,7 +13,9 @@ and dtypes against ``expected``; and the content digest over all of it. Any fail
 ``TransferError``.
 
 Returned tensors are views of the mapped buckets (no copy; ``copy=True`` clones them): valid after
-the sender unlinks the segments, until the receiver drops them. MXFP4 entries (``codec: "mxfp4"``)
+the sender unlinks the segments, until the receiver drops them; for a pooled transfer
+(``"pooled": true``, the sender reuses its segments) only until the receiver acknowledges. The
+mappings of pooled segments are cached between transfers (``forget_mappings`` drops them). MXFP4 entries (``codec: "mxfp4"``)
 come back dequantised, in their float dtype.
 """
 
@@ -31,7 +33,7 @@ from k3core.transfer.digest import ALGOS, available_algos, tensor_digest
 from k3core.transfer.wire import (ALIGN, FORMAT, TransferError, bucket_digest, content_sha256, dtype_name, item_digest,
                                   parse_dtype)
 
-__all__ = ["receive", "load_payload"]
+__all__ = ["receive", "load_payload", "forget_mappings"]
 
 _SHM_NAME = re.compile(r"^k3xfer-[0-9A-Za-z-]{1,200}$")
 
@@ -52,7 +54,18 @@ def _shape(x, what: str) -> tuple[int, ...]:
     return tuple(x)
 
 
-def _map_shm(bucket: dict, nbytes: int) -> torch.Tensor:
+# Mappings of pooled segments (a sender's ShmPool refills the same segments every transfer), kept
+# between transfers so steady-state receives do not fault every page in again: name -> (identity of
+# the file, its mapping). Dropped for segments a payload no longer names, or by forget_mappings().
+_POOLED: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
+
+
+def forget_mappings() -> None:
+    """Drop the cached mappings of pooled segments (they pin the segments' memory until dropped)."""
+    _POOLED.clear()
+
+
+def _map_shm(bucket: dict, nbytes: int, pooled: bool) -> torch.Tensor:
     from k3core.transfer.shm import SHM_DIR
 
     name = bucket.get("shm")
@@ -60,11 +73,22 @@ def _map_shm(bucket: dict, nbytes: int) -> torch.Tensor:
           f"malformed payload: shared-memory name {name!r} is not a k3xfer-* segment name")
     path = os.path.join(SHM_DIR, name)
     try:
-        # MAP_PRIVATE, opened read-only: the receiver can never write into the sender's bucket
-        return torch.from_file(path, shared=False, size=max(nbytes, 1), dtype=torch.uint8)
-    except RuntimeError as e:
-        raise TransferError(f"shared-memory segment {name} is missing or shorter than the {nbytes} bytes declared "
-                            f"(did the sender close the transfer before the receiver loaded it?): {e}") from None
+        st = os.stat(path)
+        ident = (st.st_dev, st.st_ino, st.st_size)
+        hit = _POOLED.get(name) if pooled else None
+        if hit is not None and hit[0] == ident:
+            buf = hit[1]
+        else:
+            # MAP_PRIVATE, opened read-only: the receiver can never write into the sender's bucket
+            # (a write would only diverge its own copy, which the next digest check then refuses)
+            buf = torch.from_file(path, shared=False, size=max(st.st_size, 1), dtype=torch.uint8)
+            if pooled:
+                _POOLED[name] = (ident, buf)
+    except (OSError, RuntimeError) as e:
+        raise TransferError(f"shared-memory segment {name} is missing (did the sender close the transfer before "
+                            f"the receiver loaded it?): {e}") from None
+    _need(buf.numel() >= nbytes, f"shared-memory segment {name} has {buf.numel()} bytes, the payload declares {nbytes}")
+    return buf
 
 
 def _map_cuda(bucket: dict, nbytes: int) -> torch.Tensor:
@@ -151,6 +175,10 @@ def receive(payload: dict, *, current_version: int | None = None,
         if current_version is not None and base_version != current_version:
             raise TransferError(f"delta computed against version {base_version}, but the receiver holds {current_version}: refused")
 
+    pooled = payload.get("pooled") is True and transport == "shm"
+    if pooled:  # segments this sender no longer uses: stop pinning them
+        for name in set(_POOLED) - {b.get("shm") for b in buckets if isinstance(b, dict)}:
+            del _POOLED[name]
     out: dict[str, torch.Tensor] = {}
     rows = []
     for bi, bucket in enumerate(buckets):
@@ -159,7 +187,7 @@ def receive(payload: dict, *, current_version: int | None = None,
         ents = bucket["tensors"]
         _need(bucket_digest(ents) == bucket.get("digest"), f"bucket {bi}: entry list does not match its digest: refused")
         nbytes = _int(bucket.get("nbytes"), f"bucket {bi} nbytes")
-        buf = _map_shm(bucket, nbytes) if transport == "shm" else _map_cuda(bucket, nbytes)
+        buf = _map_shm(bucket, nbytes, pooled) if transport == "shm" else _map_cuda(bucket, nbytes)
         for e in ents:
             _need(isinstance(e, dict) and isinstance(e.get("name"), str), f"malformed payload: bucket {bi} entry {e!r}")
             name = e["name"]

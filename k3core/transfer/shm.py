@@ -7,7 +7,7 @@ most ``bucket_bytes`` (a tensor larger than that gets a bucket of its own) and r
 
     {"format": "k3rl.weights/1", "transport": "shm" | "cuda_ipc", "weight_version": int,
      "base_version": int | None, "hash": "xxh3_128" | "sha256" | "sum64", "content_sha256": hex,
-     "num_tensors": int,
+     "num_tensors": int, "pooled": bool,   # pooled: the segments are refilled by later transfers
      "buckets": [{"shm": name | "ipc": {...}, "nbytes": int, "digest": hex,
                   "tensors": [entry, ...]}],          # entries: see wire.py
      "unchanged": [{"name", "dtype", "shape", "codec": "raw", "digest"}]}  # delta: kept, not sent
@@ -376,7 +376,8 @@ def _send(buckets, named_tensors: Mapping[str, torch.Tensor], version: int, buck
     content = content_sha256(rows, algo)
     payload = {"format": FORMAT, "transport": buckets.transport, "weight_version": int(version),
                "base_version": base_version if unchanged else None, "hash": algo, "content_sha256": content,
-               "num_tensors": len(rows), "buckets": payload_buckets, "unchanged": unchanged}
+               "num_tensors": len(rows), "buckets": payload_buckets, "unchanged": unchanged,
+               "pooled": buckets.pool is not None}
     report = TransferReport(buckets.transport, int(version), algo, content, len(rows), len(rows) - len(unchanged),
                             total_bytes, sent_bytes, time.perf_counter() - t0, len(descs),
                             base_version if unchanged else None)
