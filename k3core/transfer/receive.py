@@ -25,6 +25,7 @@ import base64
 import math
 import os
 import re
+import threading
 from typing import Mapping
 
 import torch
@@ -58,11 +59,13 @@ def _shape(x, what: str) -> tuple[int, ...]:
 # between transfers so steady-state receives do not fault every page in again: name -> (identity of
 # the file, its mapping). Dropped for segments a payload no longer names, or by forget_mappings().
 _POOLED: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
+_POOLED_LOCK = threading.Lock()  # a server may receive from several threads
 
 
 def forget_mappings() -> None:
     """Drop the cached mappings of pooled segments (they pin the segments' memory until dropped)."""
-    _POOLED.clear()
+    with _POOLED_LOCK:
+        _POOLED.clear()
 
 
 def _map_shm(bucket: dict, nbytes: int, pooled: bool) -> torch.Tensor:
@@ -75,7 +78,8 @@ def _map_shm(bucket: dict, nbytes: int, pooled: bool) -> torch.Tensor:
     try:
         st = os.stat(path)
         ident = (st.st_dev, st.st_ino, st.st_size)
-        hit = _POOLED.get(name) if pooled else None
+        with _POOLED_LOCK:
+            hit = _POOLED.get(name) if pooled else None
         if hit is not None and hit[0] == ident:
             buf = hit[1]
         else:
@@ -83,7 +87,8 @@ def _map_shm(bucket: dict, nbytes: int, pooled: bool) -> torch.Tensor:
             # (a write would only diverge its own copy, which the next digest check then refuses)
             buf = torch.from_file(path, shared=False, size=max(st.st_size, 1), dtype=torch.uint8)
             if pooled:
-                _POOLED[name] = (ident, buf)
+                with _POOLED_LOCK:
+                    _POOLED[name] = (ident, buf)
     except (OSError, RuntimeError) as e:
         raise TransferError(f"shared-memory segment {name} is missing (did the sender close the transfer before "
                             f"the receiver loaded it?): {e}") from None
@@ -177,8 +182,10 @@ def receive(payload: dict, *, current_version: int | None = None,
 
     pooled = payload.get("pooled") is True and transport == "shm"
     if pooled:  # segments this sender no longer uses: stop pinning them
-        for name in set(_POOLED) - {b.get("shm") for b in buckets if isinstance(b, dict)}:
-            del _POOLED[name]
+        named = {b.get("shm") for b in buckets if isinstance(b, dict)}
+        with _POOLED_LOCK:
+            for name in set(_POOLED) - named:
+                del _POOLED[name]
     out: dict[str, torch.Tensor] = {}
     rows = []
     for bi, bucket in enumerate(buckets):

@@ -163,7 +163,9 @@ def content_sha256(items: list[tuple[str, str, list[int], str, str]], algo: str)
 @dataclass
 class TransferReport:
     """What one transfer did. ``bytes_sent`` are the wire bytes that moved (MXFP4 bytes for quantised
-    experts; changed tensors only for a delta); ``bytes_total`` what a full transfer would move."""
+    experts; changed tensors only for a delta); ``bytes_total`` what a full transfer would move.
+    ``seconds``: this side's work: the whole load for ``inprocess``, filling the buckets for ``shm``
+    and ``cuda_ipc`` (the receiver's part is not in it), writing and publishing for ``disk``."""
 
     path: str  # "inprocess" | "shm" | "cuda_ipc" | "disk"
     weight_version: int

@@ -1,9 +1,11 @@
 """Weight transfer on CUDA: CUDA IPC buckets to an engine in a second process (``sum64`` digests on
 the GPU), shared memory from GPU tensors, and a flipped byte in a CUDA bucket refused.
 
-References: the bytes (every engine tensor's digest equals the trainer's), and logprobs bit-equal to
-an engine loaded in process on the same GPU (same kernels); with MXFP4 experts, an engine loaded with
-``stages.engine_state(quantize_experts=True)``. Run: ``pytest -m gpu tests/k3core/test_transfer_gpu.py``.
+References: the bytes (every tensor of the receiving engine has the digest of the trainer's, or with
+MXFP4 experts of an engine loaded with ``stages.engine_state(quantize_experts=True)`` in process), and
+logprobs close to that in-process engine's on the same GPU (not asserted bit-equal across processes:
+Triton autotuning may pick different kernel configurations in each). Run:
+``pytest -m gpu tests/k3core/test_transfer_gpu.py``.
 """
 
 import base64
@@ -88,8 +90,8 @@ def test_cuda_ipc_bit_exact_then_a_corrupt_bucket_is_refused(worker):
     assert got == {k: T.tensor_digest(v, "sum64") for k, v in sd.items()}
     local = engine_from_model(_model(2), 0, quantized=False)
     T.push_inprocess(local, sd, 1)
-    assert torch.equal(worker.logprobs("float"), _logprobs(local.model))
-    torch.testing.assert_close(worker.logprobs("float"), _logprobs(trainer), rtol=0, atol=1e-5)
+    want = _logprobs(local.model)
+    torch.testing.assert_close(worker.logprobs("float"), want, rtol=0, atol=1e-5)
 
     new = _model(3)
     with T.send_cuda_ipc(new.state_dict(), 2, bucket_bytes=128 << 10) as sent:
@@ -100,7 +102,8 @@ def test_cuda_ipc_bit_exact_then_a_corrupt_bucket_is_refused(worker):
         torch.cuda.synchronize()
         r = worker(op="load", engine="float", payload=sent.payload)
     assert not r["ok"] and "corrupt bucket" in r["error"] and r["version"] == 1
-    assert torch.equal(worker.logprobs("float"), _logprobs(local.model))
+    assert worker(op="digests", engine="float", algo="sum64")["digests"] == got
+    torch.testing.assert_close(worker.logprobs("float"), want, rtol=0, atol=1e-5)
 
 
 def test_cuda_ipc_mxfp4_experts_equal_engine_state(worker):
@@ -112,7 +115,9 @@ def test_cuda_ipc_mxfp4_experts_equal_engine_state(worker):
         assert r["ok"], r
         sent.acknowledge()
     assert sent.report.bytes_sent == T.wire_nbytes(trainer.state_dict(), quantize_experts=True)
-    assert torch.equal(worker.logprobs("w4a8"), _logprobs(ref.model))
+    got = worker(op="digests", engine="w4a8", algo="sum64")["digests"]
+    assert got == {k: T.tensor_digest(v, "sum64") for k, v in T.engine_tensors(ref).items()}
+    torch.testing.assert_close(worker.logprobs("w4a8"), _logprobs(ref.model), rtol=0, atol=1e-5)
 
 
 def test_shm_from_gpu_tensors_to_a_gpu_engine(worker):
@@ -121,7 +126,6 @@ def test_shm_from_gpu_tensors_to_a_gpu_engine(worker):
         r = worker(op="load", engine="float", payload=sent.payload)
         assert r["ok"], r
         sent.acknowledge()
-    local = engine_from_model(_model(7), 0, quantized=False)
-    T.push_inprocess(local, trainer.state_dict(), 1)
-    assert torch.equal(worker.logprobs("float"), _logprobs(local.model))
+    got = worker(op="digests", engine="float", algo="sum64")["digests"]
+    assert got == {k: T.tensor_digest(v, "sum64") for k, v in trainer.state_dict().items()}
     assert not [n for n in T.live_segments() if n.startswith(f"{T.SHM_PREFIX}{os.getpid()}-")]
