@@ -7,11 +7,8 @@ in process. The shared-memory path runs against an engine in a real second proce
 segment, delta against other weights) must leave the old version answering.
 """
 
-import base64
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -222,34 +219,17 @@ def test_receive_refuses_bad_payloads():
 
 
 # ------------------------------------------------------------------ shared memory, another process
-class Worker:
-    def __init__(self):
-        script = Path(__file__).with_name("transfer_engine_worker.py")
-        env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
-        self.proc = subprocess.Popen([sys.executable, str(script), "tiny", "cpu", str(torch.get_num_threads())],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        assert json.loads(self.proc.stdout.readline())["ready"]
+DEVICE = "cpu"
+import importlib.util
 
-    def __call__(self, **req) -> dict:
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, "worker died"
-        return json.loads(line)
-
-    def logprobs(self, engine: str) -> torch.Tensor:
-        r = self(op="logprobs", engine=engine, ids=IDS.tolist())
-        return torch.frombuffer(bytearray(base64.b64decode(r["logprobs"])), dtype=torch.float32).view(r["shape"])
-
-    def close(self):
-        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-        self.proc.stdin.flush()
-        self.proc.wait(timeout=30)
+_spec = importlib.util.spec_from_file_location("transfer_engine_worker", Path(__file__).with_name("transfer_engine_worker.py"))
+_worker_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_worker_module)
 
 
 @pytest.fixture(scope="module")
 def worker():
-    w = Worker()
+    w = _worker_module.Worker(DEVICE)
     yield w
     w.close()
 
@@ -267,7 +247,7 @@ def test_shm_to_another_process_bit_exact_then_refusals_keep_the_old_version(wor
     r, sent = _send_and_load(worker, "float", trainer.state_dict(), 1)
     assert r == {"ok": True, "version": 1} and sent.report.bytes_sent == T.wire_nbytes(trainer.state_dict())
     want = _logprobs(trainer)
-    assert torch.equal(worker.logprobs("float"), want)
+    assert torch.equal(worker.logprobs("float", IDS), want)
     assert not _my_segments()
 
     new = _model(12)
@@ -291,7 +271,7 @@ def test_shm_to_another_process_bit_exact_then_refusals_keep_the_old_version(wor
     r, _ = _send_and_load(worker, "float", new.state_dict(), 1)
     assert not r["ok"] and "not newer" in r["error"]
     # the old version keeps answering
-    assert torch.equal(worker.logprobs("float"), want)
+    assert torch.equal(worker.logprobs("float", IDS), want)
     g = worker(op="generate", engine="float")
     assert g["version"] == 1 and g["versions"] == [1, 1] and all(1 <= n <= 3 for n in g["lengths"])
     assert not _my_segments()
@@ -304,14 +284,14 @@ def test_shm_quantized_experts_to_another_process_equal_engine_state(worker):
     r, sent = _send_and_load(worker, "w4a8", trainer.state_dict(), 1, quantize_experts=True)
     assert r["ok"], r
     assert sent.report.bytes_sent == T.wire_nbytes(trainer.state_dict(), quantize_experts=True)
-    assert torch.equal(worker.logprobs("w4a8"), _logprobs(ref.model))
+    assert torch.equal(worker.logprobs("w4a8", IDS), _logprobs(ref.model))
     # float engine running MXFP4 weights: packed bytes travel, dequantised on receive
     ref_f = engine_from_model(_model(14), 0, quantized=False)
     ref_f.load_weights(engine_state(trainer, quantize_experts=True, w4a8=False), 1)
     r, sent = _send_and_load(worker, "float", trainer.state_dict(), 50, quantize_experts=True, w4a8=False)
     assert r["ok"], r
     assert sent.report.bytes_sent == T.wire_nbytes(trainer.state_dict(), quantize_experts=True)
-    assert torch.equal(worker.logprobs("float"), _logprobs(ref_f.model))
+    assert torch.equal(worker.logprobs("float", IDS), _logprobs(ref_f.model))
 
 
 def test_shm_delta_to_another_process_moves_only_changed_bytes(worker):
@@ -327,7 +307,7 @@ def test_shm_delta_to_another_process_moves_only_changed_bytes(worker):
     sd = trainer.state_dict()
     assert r["ok"] and delta.report.tensors_sent == 2 and delta.payload["base_version"] == 100
     assert delta.report.bytes_sent == sum(sd[n].numel() * 4 for n in changed)
-    assert torch.equal(worker.logprobs("float"), _logprobs(trainer))
+    assert torch.equal(worker.logprobs("float", IDS), _logprobs(trainer))
     digests = worker(op="digests", engine="float", algo="sha256")["digests"]
     assert digests == {k: tensor_digest(v, "sha256") for k, v in sd.items()}
     # a delta computed against a version the receiver does not hold is refused

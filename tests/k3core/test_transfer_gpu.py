@@ -8,11 +8,8 @@ Triton autotuning may pick different kernel configurations in each). Run:
 ``pytest -m gpu tests/k3core/test_transfer_gpu.py``.
 """
 
-import base64
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -47,33 +44,17 @@ def _logprobs(model) -> torch.Tensor:
         return model(ids[:, :-1], targets=ids[:, 1:], return_logprobs=True).logprobs.float().cpu()
 
 
-class Worker:
-    def __init__(self):
-        script = Path(__file__).with_name("transfer_engine_worker.py")
-        self.proc = subprocess.Popen([sys.executable, str(script), "tiny", "cuda", str(torch.get_num_threads())],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=dict(os.environ))
-        assert json.loads(self.proc.stdout.readline())["ready"]
+DEVICE = "cuda"
+import importlib.util
 
-    def __call__(self, **req) -> dict:
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, "worker died"
-        return json.loads(line)
-
-    def logprobs(self, engine: str) -> torch.Tensor:
-        r = self(op="logprobs", engine=engine, ids=IDS.tolist())
-        return torch.frombuffer(bytearray(base64.b64decode(r["logprobs"])), dtype=torch.float32).view(r["shape"])
-
-    def close(self):
-        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-        self.proc.stdin.flush()
-        self.proc.wait(timeout=60)
+_spec = importlib.util.spec_from_file_location("transfer_engine_worker", Path(__file__).with_name("transfer_engine_worker.py"))
+_worker_module = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_worker_module)
 
 
 @pytest.fixture(scope="module")
 def worker():
-    w = Worker()
+    w = _worker_module.Worker(DEVICE)
     yield w
     w.close()
 
@@ -91,7 +72,7 @@ def test_cuda_ipc_bit_exact_then_a_corrupt_bucket_is_refused(worker):
     local = engine_from_model(_model(2), 0, quantized=False)
     T.push_inprocess(local, sd, 1)
     want = _logprobs(local.model)
-    torch.testing.assert_close(worker.logprobs("float"), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(worker.logprobs("float", IDS), want, rtol=0, atol=1e-5)
 
     new = _model(3)
     with T.send_cuda_ipc(new.state_dict(), 2, bucket_bytes=128 << 10) as sent:
@@ -103,7 +84,7 @@ def test_cuda_ipc_bit_exact_then_a_corrupt_bucket_is_refused(worker):
         r = worker(op="load", engine="float", payload=sent.payload)
     assert not r["ok"] and "corrupt bucket" in r["error"] and r["version"] == 1
     assert worker(op="digests", engine="float", algo="sum64")["digests"] == got
-    torch.testing.assert_close(worker.logprobs("float"), want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(worker.logprobs("float", IDS), want, rtol=0, atol=1e-5)
 
 
 def test_cuda_ipc_mxfp4_experts_equal_engine_state(worker):
@@ -117,7 +98,7 @@ def test_cuda_ipc_mxfp4_experts_equal_engine_state(worker):
     assert sent.report.bytes_sent == T.wire_nbytes(trainer.state_dict(), quantize_experts=True)
     got = worker(op="digests", engine="w4a8", algo="sum64")["digests"]
     assert got == {k: T.tensor_digest(v, "sum64") for k, v in T.engine_tensors(ref).items()}
-    torch.testing.assert_close(worker.logprobs("w4a8"), _logprobs(ref.model), rtol=0, atol=1e-5)
+    torch.testing.assert_close(worker.logprobs("w4a8", IDS), _logprobs(ref.model), rtol=0, atol=1e-5)
 
 
 def test_shm_from_gpu_tensors_to_a_gpu_engine(worker):

@@ -10,13 +10,46 @@ answers one request per line:
 - ``{"op": "generate", "engine": E}`` -> a short greedy generation still works: output lengths, version
 - ``{"op": "digests", "engine": E, "algo": A}`` -> digest of every engine tensor
 - ``{"op": "quit"}``
+
+``Worker`` below is the tests' side of that protocol (imported by file path: the tests run with
+``--import-mode=importlib``).
 """
 
 import base64
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
+
+
+class Worker:
+    """This script as a subprocess on ``device``: call it with a request's fields, get the reply."""
+
+    def __init__(self, device: str = "cpu", preset: str = "tiny"):
+        threads = str(torch.get_num_threads())
+        env = dict(os.environ, OMP_NUM_THREADS=threads) if device == "cpu" else dict(os.environ)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), preset, device, threads],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        assert json.loads(self.proc.stdout.readline())["ready"]
+
+    def __call__(self, **req) -> dict:
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, "worker died"
+        return json.loads(line)
+
+    def logprobs(self, engine: str, ids: torch.Tensor) -> torch.Tensor:
+        r = self(op="logprobs", engine=engine, ids=ids.tolist())
+        return torch.frombuffer(bytearray(base64.b64decode(r["logprobs"])), dtype=torch.float32).view(r["shape"])
+
+    def close(self):
+        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        self.proc.stdin.flush()
+        self.proc.wait(timeout=60)
 
 
 def main() -> None:
