@@ -7,6 +7,7 @@ in process. The shared-memory path runs against an engine in a real second proce
 segment, delta against other weights) must leave the old version answering.
 """
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -220,8 +221,6 @@ def test_receive_refuses_bad_payloads():
 
 # ------------------------------------------------------------------ shared memory, another process
 DEVICE = "cpu"
-import importlib.util
-
 _spec = importlib.util.spec_from_file_location("transfer_engine_worker", Path(__file__).with_name("transfer_engine_worker.py"))
 _worker_module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_worker_module)

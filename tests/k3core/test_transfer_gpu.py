@@ -8,6 +8,7 @@ Triton autotuning may pick different kernel configurations in each). Run:
 ``pytest -m gpu tests/k3core/test_transfer_gpu.py``.
 """
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -45,8 +46,6 @@ def _logprobs(model) -> torch.Tensor:
 
 
 DEVICE = "cuda"
-import importlib.util
-
 _spec = importlib.util.spec_from_file_location("transfer_engine_worker", Path(__file__).with_name("transfer_engine_worker.py"))
 _worker_module = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_worker_module)
