@@ -452,6 +452,36 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def launch(checkpoint: str | Path, *args: str, log_path: str | Path, env: dict | None = None,
+           ready_timeout: float = 90.0, **client_kw):
+    """Start ``python -m k3core.rollout.server --checkpoint CHECKPOINT --port P ARGS`` on a free
+    loopback port, wait until ``/health`` answers, and return ``(process, RolloutClient)``. Output
+    goes to ``log_path``; a server that exits or stays silent past ``ready_timeout`` raises with its
+    log. The caller terminates the process."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from k3core.rollout.client import RolloutClient
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "k3core.rollout.server", "--checkpoint", str(checkpoint),
+                                 "--port", str(port), *args], env={**os.environ, **(env or {})},
+                                stdout=log, stderr=subprocess.STDOUT)
+    client = RolloutClient(f"http://127.0.0.1:{port}", **client_kw)
+    deadline = time.monotonic() + ready_timeout
+    while not client.health():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"rollout server did not start (exit {proc.wait()}):\n{Path(log_path).read_text()}")
+        time.sleep(0.2)
+    return proc, client
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m k3core.rollout.server", description=__doc__.split("\n")[0])
     add_arguments(p)

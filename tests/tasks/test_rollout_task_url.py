@@ -2,11 +2,6 @@
 another version is pushed the weights from disk (a public checkpoint as is, a trainer checkpoint
 written with k3core.transfer.write_disk first), and the rollout table equals the embedded engine's."""
 
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -15,7 +10,7 @@ from prefect.logging import disable_run_logger
 
 from k3core.checkpoint.hf import init_checkpoint, load_model
 from k3core.rl.stages import make_optimizer, save_trainer_state
-from k3core.rollout.client import RolloutClient
+from k3core.rollout.server import launch
 from tasks import engines
 from tasks.rollout import rollout
 
@@ -25,24 +20,11 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("ro")
     init_checkpoint("tiny", root / "a", seed=0)
     init_checkpoint("tiny", root / "b", seed=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(root / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "k3core.rollout.server", "--checkpoint", str(root / "a"),
-                             "--port", str(port), "--weight-version", "7"],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
-    client = RolloutClient(f"http://127.0.0.1:{port}", timeout=60, retries=1, backoff=0.05)
-    deadline = time.monotonic() + 90
-    while not client.health():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            pytest.fail(f"server did not start:\n{log.read()}")
-        time.sleep(0.2)
+    proc, client = launch(root / "a", "--weight-version", "7", log_path=root / "server.log",
+                          env={"OMP_NUM_THREADS": "1"}, timeout=60, retries=1, backoff=0.05)
     yield root, client
     proc.terminate()
     proc.wait(20)
-    log.close()
 
 
 def _run(root, weights, url, name):

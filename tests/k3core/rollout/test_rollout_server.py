@@ -7,10 +7,7 @@ bad updates are refused while the old version keeps answering; transfer payloads
 import base64
 import copy
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -24,7 +21,7 @@ from k3core.config import K3Config
 from k3core.rollout.client import (RequestRefused, RolloutClient, ServerOverloaded, ServerUnavailable,
                                    WeightUpdateRefused, WeightVersionMismatch)
 from k3core.rollout.engine import SamplingParams
-from k3core.rollout.server import engine_from_checkpoint
+from k3core.rollout.server import engine_from_checkpoint, launch
 
 TINY = K3Config.preset("tiny")
 PROMPTS = [[256, 72, 105], [256, 1, 2, 3, 4, 5, 6, 7], [256, 9]]
@@ -44,23 +41,13 @@ def server(tmp_path_factory):
     init_checkpoint("tiny", ckpts["a"], seed=0)
     init_checkpoint("tiny", ckpts["b"], seed=1)
     init_checkpoint(TINY.replace(hidden_size=128), ckpts["other"], seed=0)  # another architecture
-    port = _free_port()
-    log = open(root / "server.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "k3core.rollout.server", "--checkpoint", str(ckpts["a"]),
-                             "--port", str(port), "--max-batch", "8", "--max-queue", "64"],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=subprocess.STDOUT)
-    client = RolloutClient(f"http://127.0.0.1:{port}", timeout=60, retries=2, backoff=0.05)
-    deadline = time.monotonic() + 90
-    while not client.health():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            pytest.fail(f"server did not start (exit {proc.poll()}):\n{log.read()}")
-        time.sleep(0.2)
+    proc, client = launch(ckpts["a"], "--max-batch", "8", "--max-queue", "64", log_path=root / "server.log",
+                          env={"OMP_NUM_THREADS": "1"}, timeout=60, retries=2, backoff=0.05)
+    port = int(client.url.rsplit(":", 1)[1])
     local = {k: RolloutClient("local", engine=engine_from_checkpoint(ckpts[k])) for k in ("a", "b")}
     yield {"client": client, "ckpts": ckpts, "local": local, "port": port}
     proc.terminate()
     proc.wait(20)
-    log.close()
 
 
 def _post(port, path, body):
