@@ -61,7 +61,7 @@ class RLSettings:
     eval_every: int = 5
     # per-iteration KL(trainer || W4A8 engine) vs KL(trainer || float engine) on this many rollouts (0: off)
     mismatch_sequences: int = 16
-    # the rollout stage's engine: "local" (embedded) or a rollout server URL (k3rl serve, SGLang)
+    # the engine of the rollout and evaluation stages: "local" (embedded) or a rollout server URL (k3rl serve, SGLang)
     rollout_url: str = "local"
 
 
@@ -118,7 +118,7 @@ def rl_iteration(settings: RLSettings, iteration: int, state: dict, weights: dic
     if s.eval_every and iteration % s.eval_every == 0:
         ev = timed("evaluate", lambda: stage(evaluate, name=f"evaluate-{name}", artifact_root=root, outputs=[],
                                               inputs=[weights["uri"]])(
-            s.run_id, weights, s.env, s.eval_prompts, s.max_new_tokens, s.seed, s.temperature))
+            s.run_id, weights, s.env, s.eval_prompts, s.max_new_tokens, s.seed, s.temperature, s.rollout_url))
     ro = timed("rollout", lambda: stage(rollout, name=f"rollout-{name}", artifact_root=root,
                                          outputs=[_uri(root, f"{it}/rollouts.parquet")], inputs=[weights["uri"]])(
         s.run_id, iteration, weights, s.env, s.prompts_per_iteration, s.samples_per_prompt, s.max_new_tokens,
@@ -181,7 +181,7 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
                  + (f" held-out {m['heldout_reward']:.3f}" if "heldout_reward" in m else ""))
         reports.publish_iteration(s, history, lineage, prep)
     final = stage(evaluate, name=f"evaluate-final", artifact_root=s.artifacts, outputs=[], inputs=[weights["uri"]])(
-        s.run_id, weights, s.env, s.eval_prompts, s.max_new_tokens, s.seed, s.temperature)
+        s.run_id, weights, s.env, s.eval_prompts, s.max_new_tokens, s.seed, s.temperature, s.rollout_url)
     summary = reports.summary(s, prep, history, final, time.perf_counter() - t_start)
     reports.publish_iteration(s, history, lineage, prep, final=summary)
     return summary
