@@ -11,6 +11,11 @@ as a new weight version, and refusing anything that is not exactly that:
   server's ``/update_weights_from_tensor`` calls exactly that; ``load_payload(engine, payload)``
   does receive + load against an engine); the sender unlinks the buckets after the receiver's ack
   (or, with a ``ShmPool``, reuses them for the next transfer);
+- same host, another process, streamed: ``send_shm_stream`` moves the same bytes through a fixed ring
+  of ``ring`` shared-memory buckets (filled while the receiver copies the previous one out, with flow
+  control over a Unix-domain socket), so /dev/shm peaks at ``ring * bucket_bytes`` whatever the model
+  size; the receiver stages one host copy and loads it only once all of it is verified
+  (``load_payload`` / ``/update_weights_from_tensor`` take its payload too; ``stream.py``);
 - disk: ``write_disk(path, model_or_state, config, version, quantize_experts)`` publishes a public
   layout checkpoint (MXFP4 routed experts when quantised) with ``weight_version.json`` atomically;
   ``read_disk(path)`` returns (state dict, version) for ``update_weights_from_disk``
@@ -33,11 +38,12 @@ from k3core.transfer.disk import VERSION_FILE, load_disk, read_disk, read_versio
 from k3core.transfer.inprocess import engine_tensors, push_inprocess
 from k3core.transfer.receive import forget_mappings, load_payload, receive
 from k3core.transfer.shm import SHM_PREFIX, SentTransfer, ShmPool, live_segments, send_cuda_ipc, send_shm
+from k3core.transfer.stream import StreamedSend, receive_stream, send_shm_stream
 from k3core.transfer.wire import DEFAULT_BUCKET_BYTES, FORMAT, TransferError, TransferReport, iter_wire, wire_nbytes
 
 __all__ = [
     "TransferError", "TransferReport", "DeltaTracker", "SentTransfer", "ShmPool",
-    "push_inprocess", "send_shm", "send_cuda_ipc", "receive", "load_payload", "forget_mappings",
+    "push_inprocess", "send_shm", "send_shm_stream", "send_cuda_ipc", "receive", "receive_stream", "StreamedSend", "load_payload", "forget_mappings",
     "write_disk", "read_disk", "read_version", "load_disk",
     "engine_tensors", "iter_wire", "wire_nbytes", "tensor_digest", "default_algo", "available_algos", "live_segments",
     "ALGOS", "FORMAT", "DEFAULT_BUCKET_BYTES", "SHM_PREFIX", "VERSION_FILE",

@@ -2,7 +2,9 @@
 
 Owns: ``receive(payload)`` (what ``/update_weights_from_tensor`` calls) and ``load_payload(engine,
 payload)`` (receive with the engine's version, names, shapes, dtypes and current tensors as the
-reference, then ``engine.load_weights``). Does not own: the payload format (``shm.py``, ``wire.py``).
+reference, then ``engine.load_weights``). Does not own: the payload format (``shm.py``, ``wire.py``),
+the streamed transport (``stream.py``: ``receive`` and ``load_payload`` hand ``"shm_stream"`` payloads
+to it; the same checks apply, and its tensors are staged copies, never views).
 
 Everything is checked before anything is returned, so a refused transfer never reaches the engine
 and the previous version keeps serving: the payload's structure; the version (newer than
@@ -148,6 +150,35 @@ def _expected_spec(v) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(shape), dtype
 
 
+def _check_unchanged(u, base: Mapping[str, torch.Tensor], algo: str, out: dict, rows: list, base_version) -> None:
+    """A delta's unchanged entry: the receiver's own tensor must have the digest the sender recorded;
+    it joins ``out`` and ``rows`` as is."""
+    _need(isinstance(u, dict) and isinstance(u.get("name"), str), f"malformed payload: unchanged entry {u!r}")
+    name = u["name"]
+    _need(name not in out, f"malformed payload: {name} both sent and listed unchanged")
+    _need(name in base, f"delta refused: the receiver has no {name} to keep")
+    own = base[name]
+    dtype, shape = parse_dtype(u.get("dtype")), _shape(u.get("shape"), name)
+    _need(u.get("codec", "raw") == "raw", f"delta refused: {name}: only raw tensors can stay unchanged")
+    _need(own.dtype == dtype and tuple(own.shape) == shape,
+          f"delta refused: {name} is {dtype_name(own.dtype)} {list(own.shape)} here, the sender's is {dtype_name(dtype)} {list(shape)}")
+    got = tensor_digest(own, algo)
+    _need(got == u.get("digest"), f"delta refused: the receiver's {name} does not match the sender's record of "
+                                  f"version {base_version} ({got} != {u.get('digest')})")
+    out[name] = own
+    rows.append((name, dtype_name(dtype), list(shape), "raw", u["digest"]))
+
+
+def _check_expected(out: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor | tuple]) -> None:
+    """Exactly ``expected``'s names, shapes and dtypes."""
+    missing, extra = sorted(set(expected) - set(out)), sorted(set(out) - set(expected))
+    _need(not missing and not extra, f"name set differs from the receiver's: missing {missing[:3]}, unexpected {extra[:3]}: refused")
+    for name, t in out.items():
+        shape, dtype = _expected_spec(expected[name])
+        _need(tuple(t.shape) == shape, f"{name}: shape {list(t.shape)}, the receiver expects {list(shape)}: refused")
+        _need(t.dtype == dtype, f"{name}: dtype {dtype_name(t.dtype)}, the receiver expects {dtype_name(dtype)}: refused")
+
+
 @torch.no_grad()
 def receive(payload: dict, *, current_version: int | None = None,
             expected: Mapping[str, torch.Tensor | tuple] | None = None,
@@ -164,7 +195,12 @@ def receive(payload: dict, *, current_version: int | None = None,
     _need(isinstance(payload, dict), f"malformed payload: expected a JSON object, got {type(payload).__name__}")
     _need(payload.get("format") == FORMAT, f"malformed payload: format {payload.get('format')!r}, expected {FORMAT!r}")
     transport = payload.get("transport")
-    _need(transport in ("shm", "cuda_ipc"), f"malformed payload: transport {transport!r}, expected 'shm' or 'cuda_ipc'")
+    if transport == "shm_stream":  # the tensors come back staged, never views: copy is moot
+        from k3core.transfer.stream import receive_stream
+
+        return receive_stream(payload, current_version=current_version, expected=expected, base=base)
+    _need(transport in ("shm", "cuda_ipc"),
+          f"malformed payload: transport {transport!r}, expected 'shm', 'shm_stream' or 'cuda_ipc'")
     version = _int(payload.get("weight_version"), "weight_version", -(2**63))
     if current_version is not None and version <= current_version:
         raise TransferError(f"weight version {version} is not newer than the receiver's {current_version}: refused")
@@ -222,29 +258,11 @@ def receive(payload: dict, *, current_version: int | None = None,
             out[name] = t
             rows.append((name, dtype_name(dtype), list(shape), codec, digest))
     for u in unchanged:
-        _need(isinstance(u, dict) and isinstance(u.get("name"), str), f"malformed payload: unchanged entry {u!r}")
-        name = u["name"]
-        _need(name not in out, f"malformed payload: {name} both sent and listed unchanged")
-        _need(name in base, f"delta refused: the receiver has no {name} to keep")
-        own = base[name]
-        dtype, shape = parse_dtype(u.get("dtype")), _shape(u.get("shape"), name)
-        _need(u.get("codec", "raw") == "raw", f"delta refused: {name}: only raw tensors can stay unchanged")
-        _need(own.dtype == dtype and tuple(own.shape) == shape,
-              f"delta refused: {name} is {dtype_name(own.dtype)} {list(own.shape)} here, the sender's is {dtype_name(dtype)} {list(shape)}")
-        got = tensor_digest(own, algo)
-        _need(got == u.get("digest"), f"delta refused: the receiver's {name} does not match the sender's record of "
-                                      f"version {payload.get('base_version')} ({got} != {u.get('digest')})")
-        out[name] = own
-        rows.append((name, dtype_name(dtype), list(shape), "raw", u["digest"]))
+        _check_unchanged(u, base, algo, out, rows, payload.get("base_version"))
     _need(len(rows) == payload.get("num_tensors"), f"payload lists {len(rows)} tensors, its header says {payload.get('num_tensors')}")
     _need(content_sha256(rows, algo) == payload.get("content_sha256"), "content digest does not match the entries: refused")
     if expected is not None:
-        missing, extra = sorted(set(expected) - set(out)), sorted(set(out) - set(expected))
-        _need(not missing and not extra, f"name set differs from the receiver's: missing {missing[:3]}, unexpected {extra[:3]}: refused")
-        for name, t in out.items():
-            shape, dtype = _expected_spec(expected[name])
-            _need(tuple(t.shape) == shape, f"{name}: shape {list(t.shape)}, the receiver expects {list(shape)}: refused")
-            _need(t.dtype == dtype, f"{name}: dtype {dtype_name(t.dtype)}, the receiver expects {dtype_name(dtype)}: refused")
+        _check_expected(out, expected)
     if copy:
         kept = {u["name"] for u in unchanged}
         out = {k: v if k in kept else v.clone() for k, v in out.items()}
@@ -258,6 +276,13 @@ def load_payload(engine, payload: dict) -> int:
     from k3core.transfer.inprocess import engine_tensors
 
     own = engine_tensors(engine)
+    if isinstance(payload, dict) and payload.get("transport") == "shm_stream":
+        from k3core.transfer.stream import receive_stream
+
+        # staged copies, loaded before the sender hears "done": its wait() reports the load too
+        _, version = receive_stream(payload, current_version=engine.weight_version, expected=own, base=own,
+                                    apply=engine.load_weights)
+        return version
     state, version = receive(payload, current_version=engine.weight_version, expected=own, base=own)
     engine.load_weights(state, version)
     return version

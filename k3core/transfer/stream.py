@@ -1,0 +1,572 @@
+"""Streamed same-host weight transfer: a fixed ring of shared-memory buckets with flow control.
+
+Owns both ends of the ``"shm_stream"`` transport: ``send_shm_stream`` (sender) and
+``receive_stream`` (receiver; ``load_payload`` in ``receive.py`` calls it for such payloads, so the
+server's ``/update_weights_from_tensor`` takes them as it takes ``send_shm`` payloads).
+
+Why: ``send_shm`` writes one whole wire copy of the weights into /dev/shm before the receiver sees a
+byte. Here the sender owns ``ring`` segments of ``bucket_bytes`` each, allocated once; it fills
+bucket ``i`` while the receiver copies bucket ``i - 1`` out, and reuses a segment only after the
+receiver said it is done with it. A tensor larger than a bucket is split across buckets, so shared
+memory peaks at ``ring * bucket_bytes`` whatever the model's size or its largest tensor.
+
+Protocol. ``send_shm_stream`` creates the ring and a Unix-domain control socket (Linux abstract
+namespace: nothing on disk, gone when the sender dies) and returns at once with a JSON ``payload``;
+a background thread streams. The payload travels like any other (HTTP body, queue)::
+
+    {"format": "k3rl.weights/1", "transport": "shm_stream", "weight_version": int,
+     "base_version": int | None,   # a delta's base: the receiver must hold exactly that version
+     "hash": algo, "ring": [segment name, ...], "bucket_bytes": int, "control": socket name,
+     "token": hex, "timeout_s": float}
+
+The receiver connects to ``control`` and sends ``{"op": "hello", "token"}``; then, one JSON line each:
+- sender: ``{"op": "bucket", "seq": i, "slot": i % ring, "items": [...], "chunks": [...], "digests": {...}}``:
+  ``items`` declares the wire items that start in this bucket (``{"idx", "name", "dtype", "shape",
+  "codec", "parts": [nbytes, ...]}``; parts: the data, then the MXFP4 scales for ``codec: "mxfp4"``,
+  see ``wire.py``); ``chunks`` are ``[idx, part, at, offset, nbytes]``: bytes ``[at, at + nbytes)`` of
+  that part lie at ``offset`` in the slot, in order; ``digests`` maps ``idx`` to the part digests of
+  every item whose last byte is in this bucket (hashed from the sender's source tensors);
+- receiver: ``{"op": "consumed", "seq": i}`` once bucket ``i`` is copied out (the slot is free);
+- sender: ``{"op": "end", "num_tensors", "content_sha256", "unchanged": [...]}`` (``unchanged``: a
+  delta's kept tensors, as in ``shm.py``);
+- receiver: ``{"op": "done"}`` after everything is verified (and, from ``load_payload``, loaded), or
+  ``{"op": "refused", "error"}`` at the first problem; the sender: ``{"op": "abort", "error"}`` if it
+  fails. Either side that stops hearing from the other for ``timeout_s`` gives up with a
+  ``TransferError`` naming what it waited for; a peer that dies closes the socket, which the other
+  side sees at once. The sender unlinks the ring when the stream ends, whatever the outcome.
+
+Checks (same guarantees as ``receive``): version newer than the receiver's (a delta's base equal to
+it), every item's name, dtype and shape against ``expected`` when it is declared, chunk bounds and
+order, every part's digest over the receiver's own staged copy, the unchanged tensors' digests, the
+name set and the content digest; the first failure refuses the transfer before anything is applied.
+
+Memory. Shared memory: ``ring * bucket_bytes`` (sender-owned; the receiver maps the same pages).
+Receiver: the staged copy of every sent tensor in host memory (one model copy for a full transfer,
+the changed tensors for a delta), which ``load_payload`` hands to the engine's checked atomic
+``load_weights`` only once all of it is verified; MXFP4-codec items are staged as their codes and
+dequantised one at a time. Sender: nothing beyond the ring but one expert's MXFP4 codes at a time.
+Against ``send_shm``: that one holds one full wire copy in /dev/shm (and the receiver returns views
+of it, no staging); this one holds a fixed ring in /dev/shm plus the receiver's staged copy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import socket
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Mapping
+
+import torch
+
+from k3core.transfer.delta import DeltaTracker
+from k3core.transfer.digest import ALGOS, available_algos, bytes_view, check_algo, default_algo, tensor_digest
+from k3core.transfer.wire import (FORMAT, TransferError, TransferReport, align_up, content_sha256, dtype_name,
+                                  item_digest, iter_wire, parse_dtype)
+
+__all__ = ["StreamedSend", "send_shm_stream", "receive_stream", "DEFAULT_RING", "DEFAULT_STREAM_BUCKET_BYTES"]
+
+TRANSPORT = "shm_stream"
+DEFAULT_RING = 3
+DEFAULT_STREAM_BUCKET_BYTES = 64 << 20
+DEFAULT_TIMEOUT_S = 60.0
+
+
+# ------------------------------------------------------------------ control channel
+class _Channel:
+    """JSON lines over a connected Unix-domain socket; every read waits at most ``timeout`` seconds."""
+
+    def __init__(self, sock: socket.socket, timeout: float, peer: str):
+        self.sock, self.peer, self._buf = sock, peer, b""
+        sock.settimeout(timeout)
+
+    def send(self, msg: dict) -> None:
+        try:
+            self.sock.sendall(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
+        except OSError as e:
+            raise TransferError(f"the {self.peer} closed the control connection ({e}): did it die or give up?") from None
+
+    def recv(self, waiting_for: str) -> dict:
+        while b"\n" not in self._buf:
+            try:
+                data = self.sock.recv(1 << 20)
+            except TimeoutError:
+                raise TransferError(f"no word from the {self.peer} for {self.sock.gettimeout():g} s while waiting "
+                                    f"for {waiting_for}: is it stuck? (timeout_s)") from None
+            except OSError as e:
+                raise TransferError(f"control connection to the {self.peer} failed while waiting for "
+                                    f"{waiting_for}: {e}") from None
+            if not data:
+                raise TransferError(f"the {self.peer} closed the control connection while this side waited for "
+                                    f"{waiting_for}: it died or gave up")
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            raise TransferError(f"the {self.peer} sent a malformed control message: {line[:200]!r}") from None
+        if not isinstance(msg, dict):
+            raise TransferError(f"the {self.peer} sent a malformed control message: {line[:200]!r}")
+        return msg
+
+    def last_words(self, wait: float = 0.2) -> dict | None:
+        """The next message if one arrives within ``wait`` seconds (after an error), else None."""
+        try:
+            self.sock.settimeout(wait)
+            return self.recv("its last words")
+        except (TransferError, OSError):
+            return None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _abstract(name: str) -> str:
+    return "\0" + name
+
+
+# ------------------------------------------------------------------ sender
+class StreamedSend:
+    """The sender's handle on one streamed transfer (``send_shm_stream``): hand ``payload`` to the
+    receiver, then ``wait()`` (or ``acknowledge()``) for the outcome. The stream runs in a background
+    thread from construction on; ``close()`` stops it and unlinks the ring (idempotent, also run on
+    garbage collection)."""
+
+    def __init__(self, named_tensors: Mapping[str, torch.Tensor], version: int, ring: int, bucket_bytes: int,
+                 quantize_experts: bool, w4a8: bool, algo: str, tracker: DeltaTracker | None, timeout: float):
+        from k3core.transfer.shm import SHM_PREFIX, _check_shm_dir, _create_segment, _unlink
+
+        if ring < 1 or bucket_bytes < 1 or timeout <= 0:
+            raise ValueError(f"ring, bucket_bytes and timeout must be positive, got {ring}, {bucket_bytes}, {timeout}")
+        _check_shm_dir()
+        check_algo(algo)
+        self._tensors, self._quantize, self._w4a8, self._algo = named_tensors, quantize_experts, w4a8, algo
+        self._tracker, self._timeout = tracker, timeout
+        self._base_version, self._base = tracker.base(algo) if tracker is not None else (None, {})
+        self.slot_bytes = align_up(bucket_bytes)
+        tag = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        self._handles: list = []
+        self._slots: list[torch.Tensor] = []
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._finalizer = weakref.finalize(self, StreamedSend._release, self._listener, self._handles, self._slots,
+                                           _unlink)
+        try:
+            for k in range(ring):
+                seg, buf = _create_segment(f"{tag}-{k}", self.slot_bytes)
+                self._handles.append(seg)
+                self._slots.append(buf)
+            self._listener.bind(_abstract(f"{tag}-control"))
+            self._listener.listen(4)
+            self._listener.settimeout(timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.payload = {"format": FORMAT, "transport": TRANSPORT, "weight_version": int(version),
+                        "base_version": self._base_version if self._base else None, "hash": algo,
+                        "ring": [h.name for h in self._handles], "bucket_bytes": self.slot_bytes,
+                        "control": f"{tag}-control", "token": secrets.token_hex(16), "timeout_s": float(timeout)}
+        self.report: TransferReport | None = None
+        self._digests: dict[str, str] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="k3-transfer-stream", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _release(listener: socket.socket, handles: list, slots: list, unlink) -> None:
+        listener.close()
+        slots.clear()
+        unlink(handles)
+
+    @property
+    def segment_names(self) -> list[str]:
+        """The ring's shared-memory segment names (empty once the stream ended)."""
+        return [h.name for h in self._handles]
+
+    @property
+    def peak_shm_bytes(self) -> int:
+        return len(self.payload["ring"]) * self.slot_bytes
+
+    def wait(self, timeout: float | None = None) -> TransferReport:
+        """Block until the receiver verified (and loaded) everything; return the report. Raises
+        ``TransferError`` with the receiver's reason when it refused, or the sender's own failure."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the stream is still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.report
+
+    def acknowledge(self) -> None:
+        """``wait()``, then move the delta tracker to this version (the receiver loaded it)."""
+        rep = self.wait()
+        if self._tracker is not None:
+            self._tracker.commit(rep.weight_version, self._digests, rep.hash)
+
+    def close(self) -> None:
+        """Stop the stream (the receiver sees the connection close) and unlink the ring."""
+        for sock in (self._listener, getattr(getattr(self, "_channel", None), "sock", None)):
+            try:  # wakes the stream thread out of accept / recv
+                if sock is not None:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._timeout)
+        self._finalizer()
+
+    def __enter__(self) -> "StreamedSend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- the stream (background thread)
+    def _accept(self) -> _Channel:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            self._listener.settimeout(max(deadline - time.monotonic(), 1e-3))
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                raise TransferError(f"no receiver connected within {self._timeout:g} s: was the payload handed "
+                                    "to it?") from None
+            except OSError as e:
+                raise TransferError(f"stream closed before a receiver connected ({e})") from None
+            ch = _Channel(conn, self._timeout, "receiver")
+            try:
+                hello = ch.recv("its hello")
+            except TransferError:
+                ch.close()
+                continue
+            if hello.get("op") == "hello" and hello.get("token") == self.payload["token"]:
+                return ch
+            ch.close()  # not the receiver of this payload
+
+    def _run(self) -> None:
+        ch = None
+        try:
+            ch = self._channel = self._accept()
+            self._listener.close()  # one receiver per stream
+            t0 = time.perf_counter()
+            self.report = self._stream(ch)
+            msg = ch.recv("its verdict")
+            if msg.get("op") == "refused":
+                raise TransferError(f"the receiver refused the transfer: {msg.get('error')}")
+            if msg.get("op") != "done":
+                raise TransferError(f"the receiver sent {msg.get('op')!r} instead of its verdict")
+            self.report.seconds = time.perf_counter() - t0
+        except BaseException as e:
+            self._error = e if isinstance(e, TransferError) else TransferError(f"streamed send failed: {type(e).__name__}: {e}")
+            if ch is not None:
+                words = ch.last_words()  # a receiver that refused and hung up before this side read why
+                if words is not None and words.get("op") == "refused":
+                    self._error = TransferError(f"the receiver refused the transfer: {words.get('error')}")
+                try:
+                    ch.send({"op": "abort", "error": str(self._error)})
+                except TransferError:
+                    pass
+        finally:
+            if ch is not None:
+                ch.close()
+            self._finalizer()
+
+    @torch.no_grad()
+    def _stream(self, ch: _Channel) -> TransferReport:
+        algo, ring, S = self._algo, len(self._slots), self.slot_bytes
+        consumed = -1  # highest bucket the receiver has released
+
+        def wait_free(seq: int) -> None:
+            nonlocal consumed
+            while consumed < seq - ring:
+                msg = ch.recv(f"it to release bucket {seq - ring}")
+                if msg.get("op") == "refused":
+                    raise TransferError(f"the receiver refused the transfer: {msg.get('error')}")
+                if msg.get("op") != "consumed" or msg.get("seq") != consumed + 1:
+                    raise TransferError(f"the receiver sent {msg!r}, expected consumed {consumed + 1}")
+                consumed += 1
+
+        hasher = ThreadPoolExecutor(1, thread_name_prefix="k3-transfer-digest") if not self._base else None
+        digests: dict[int, object] = {}  # idx -> part digests, or their future
+        rows, unchanged = [], []
+        total_bytes = sent_bytes = 0
+        cur: dict | None = None
+        seq = 0
+
+        def open_bucket() -> dict:
+            wait_free(seq)
+            return {"seq": seq, "slot": seq % ring, "fill": 0, "items": [], "chunks": [], "done": []}
+
+        def publish(b: dict) -> None:
+            nonlocal seq
+            done = {str(i): (digests[i].result() if hasher is not None else digests[i]) for i in b["done"]}
+            ch.send({"op": "bucket", "seq": b["seq"], "slot": b["slot"], "items": b["items"], "chunks": b["chunks"],
+                     "digests": done})
+            seq += 1
+
+        try:
+            for idx, item in enumerate(iter_wire(self._tensors, self._quantize, self._w4a8)):
+                parts = [bytes_view(p) for p in item.parts()]
+                total_bytes += item.nbytes()
+                if hasher is None:  # a delta: hash first, keep what the receiver already holds
+                    digests[idx] = [tensor_digest(p, algo) for p in parts]
+                    d = item_digest(digests[idx])
+                    self._digests[item.name] = d
+                    rows.append((item.name, dtype_name(item.dtype), list(item.shape), item.codec, d))
+                    if item.codec == "raw" and self._base.get(item.name) == d:
+                        unchanged.append({"name": item.name, "dtype": dtype_name(item.dtype),
+                                          "shape": list(item.shape), "codec": "raw", "digest": d})
+                        continue
+                else:
+                    digests[idx] = hasher.submit(lambda ps: [tensor_digest(p, algo) for p in ps], parts)
+                    rows.append((item.name, dtype_name(item.dtype), list(item.shape), item.codec, idx))
+                sent_bytes += item.nbytes()
+                if cur is None:
+                    cur = open_bucket()
+                cur["items"].append({"idx": idx, "name": item.name, "dtype": dtype_name(item.dtype),
+                                     "shape": list(item.shape), "codec": item.codec, "parts": [p.numel() for p in parts]})
+                for pi, src in enumerate(parts):
+                    at = 0
+                    while at < src.numel():
+                        if cur["fill"] >= S:
+                            publish(cur)
+                            cur = open_bucket()
+                        n = min(src.numel() - at, S - cur["fill"])
+                        _fill(self._slots[cur["slot"]][cur["fill"]: cur["fill"] + n], src[at: at + n])
+                        cur["chunks"].append([idx, pi, at, cur["fill"], n])
+                        cur["fill"] = align_up(cur["fill"] + n)
+                        at += n
+                cur["done"].append(idx)
+            if cur is not None:
+                publish(cur)
+            if hasher is not None:
+                for i, (name, dtype, shape, codec, idx) in enumerate(rows):
+                    d = item_digest(digests[idx].result())
+                    self._digests[name] = d
+                    rows[i] = (name, dtype, shape, codec, d)
+        finally:
+            if hasher is not None:
+                hasher.shutdown(cancel_futures=True)
+        content = content_sha256(rows, algo)
+        ch.send({"op": "end", "num_tensors": len(rows), "content_sha256": content, "unchanged": unchanged})
+        wait_free(seq + ring - 1)  # every bucket copied out: the ring is no longer needed
+        self._finalizer()
+        base_version = self._base_version if unchanged else None
+        return TransferReport(TRANSPORT, self.payload["weight_version"], algo, content, len(rows),
+                              len(rows) - len(unchanged), total_bytes, sent_bytes, 0.0, seq, base_version,
+                              {"ring": ring, "bucket_bytes": S, "peak_shm_bytes": self.peak_shm_bytes})
+
+
+def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy one chunk into a ring slot (a function of its own so a test can corrupt a bucket here)."""
+    dst.copy_(src)
+
+
+def send_shm_stream(named_tensors: Mapping[str, torch.Tensor], version: int, *, ring: int = DEFAULT_RING,
+                    bucket_bytes: int = DEFAULT_STREAM_BUCKET_BYTES, quantize_experts: bool = False,
+                    w4a8: bool = True, algo: str | None = None, tracker: DeltaTracker | None = None,
+                    timeout: float = DEFAULT_TIMEOUT_S) -> StreamedSend:
+    """Stream ``named_tensors`` (native trainer state, CPU or CUDA) through a ring of ``ring``
+    shared-memory buckets of ``bucket_bytes`` (see the module docstring). Returns at once; hand
+    ``.payload`` to the receiver (``load_payload`` / ``/update_weights_from_tensor``) and call
+    ``.wait()`` or ``.acknowledge()``. The caller must not change the tensors until then.
+    ``timeout``: seconds either side waits for the other before giving up (also sent to the
+    receiver). ``tracker``: delta transfer, as ``send_shm``."""
+    return StreamedSend(named_tensors, version, ring, bucket_bytes, quantize_experts, w4a8,
+                        algo or default_algo("cpu"), tracker, timeout)
+
+
+# ------------------------------------------------------------------ receiver
+def _header(payload: dict) -> tuple[int, str, list[str], int, float]:
+    from k3core.transfer.receive import _SHM_NAME, _int, _need
+
+    version = _int(payload.get("weight_version"), "weight_version", -(2**63))
+    algo = payload.get("hash")
+    _need(algo in ALGOS, f"malformed payload: hash {algo!r}, expected one of {ALGOS}")
+    _need(algo in available_algos(), f"payload digests use {algo!r}, which needs the 'xxhash' package here")
+    ring = payload.get("ring")
+    _need(isinstance(ring, list) and ring and all(isinstance(n, str) and _SHM_NAME.match(n) for n in ring),
+          f"malformed payload: 'ring' must list k3xfer-* segment names, got {ring!r}")
+    slot_bytes = _int(payload.get("bucket_bytes"), "bucket_bytes", 1)
+    timeout = payload.get("timeout_s", DEFAULT_TIMEOUT_S)
+    _need(isinstance(timeout, (int, float)) and 0 < timeout <= 3600, f"malformed payload: timeout_s {timeout!r}")
+    return version, algo, ring, slot_bytes, float(timeout)
+
+
+class _Staged:
+    """One wire item on the receiving side: its parts copied out of the ring, then verified."""
+
+    def __init__(self, decl: dict, expected):
+        from k3core.transfer.receive import _expected_spec, _int, _need, _shape
+
+        _need(isinstance(decl, dict) and isinstance(decl.get("name"), str), f"malformed stream: item {decl!r}")
+        self.name = decl["name"]
+        self.dtype, self.shape = parse_dtype(decl.get("dtype")), _shape(decl.get("shape"), self.name)
+        self.codec = decl.get("codec", "raw")
+        numel = math.prod(self.shape)
+        if self.codec == "raw":
+            sizes = [numel * self.dtype.itemsize]
+        elif self.codec == "mxfp4":
+            from k3core.ops import mxfp4
+
+            _need(len(self.shape) >= 1 and self.shape[-1] % mxfp4.BLOCK == 0 and self.dtype.is_floating_point,
+                  f"{self.name}: MXFP4 entry needs a float dtype and a last dim divisible by {mxfp4.BLOCK}")
+            sizes = [numel // 2, numel // mxfp4.BLOCK]
+        else:
+            raise TransferError(f"{self.name}: unknown codec {self.codec!r}")
+        parts = decl.get("parts")
+        _need(isinstance(parts, list) and [_int(p, f"{self.name} part size") for p in parts] == sizes,
+              f"{self.name}: part sizes {parts!r}, but {self.codec} {dtype_name(self.dtype)} {list(self.shape)} "
+              f"needs {sizes}")
+        if expected is not None:
+            _need(self.name in expected, f"{self.name}: not a tensor of the receiver: refused")
+            shape, dtype = _expected_spec(expected[self.name])
+            _need(self.shape == tuple(shape), f"{self.name}: shape {list(self.shape)}, the receiver expects "
+                                              f"{list(shape)}: refused")
+            _need(self.dtype == dtype, f"{self.name}: dtype {dtype_name(self.dtype)}, the receiver expects "
+                                       f"{dtype_name(dtype)}: refused")
+        if self.codec == "raw":  # staged straight into the tensor the engine gets
+            self.tensor = torch.empty(self.shape, dtype=self.dtype)
+            self.parts = [bytes_view(self.tensor)]
+        else:
+            self.tensor = None
+            self.parts = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        self.got = [0] * len(sizes)
+        self.digest: str | None = None
+
+    def verify(self, digests, algo: str) -> None:
+        from k3core.transfer.receive import _need
+
+        _need(self.got == [p.numel() for p in self.parts],
+              f"{self.name}: digests sent after {self.got} of {[p.numel() for p in self.parts]} bytes")
+        _need(isinstance(digests, list) and len(digests) == len(self.parts), f"malformed stream: {self.name} digests")
+        for what, p, want in zip(("", " (scale)"), self.parts, digests):
+            got = tensor_digest(p, algo)
+            _need(got == want, f"{self.name}{what}: {algo} digest {got} does not match the sender's {want} "
+                               "(corrupt bucket): refused")
+        if self.codec == "mxfp4":
+            from k3core.ops import mxfp4
+
+            packed = self.parts[0].view(*self.shape[:-1], self.shape[-1] // 2)
+            scale = self.parts[1].view(*self.shape[:-1], self.shape[-1] // mxfp4.BLOCK)
+            self.tensor = mxfp4.dequantize(packed, scale, self.dtype)
+            self.parts = []
+        self.digest = item_digest(digests)
+
+
+@torch.no_grad()
+def receive_stream(payload: dict, *, current_version: int | None = None,
+                   expected: Mapping[str, torch.Tensor | tuple] | None = None,
+                   base: Mapping[str, torch.Tensor] | None = None,
+                   apply: Callable[[dict[str, torch.Tensor], int], None] | None = None,
+                   timeout: float | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """Receive a ``send_shm_stream`` payload: connect to the sender, copy every bucket out of the
+    ring into staged host tensors, verify everything; return (state dict, weight version).
+
+    Arguments as ``receive``; the returned tensors are the receiver's own (no views of the ring), and
+    unchanged tensors of a delta are ``base``'s. ``apply(state, version)`` runs after every check and
+    before the sender is told ``done`` (``load_payload`` passes ``engine.load_weights``), so the
+    sender's ``wait()`` reports its outcome too. ``timeout``: seconds to wait for the sender (default:
+    the payload's ``timeout_s``). Raises ``TransferError``; the sender is told why.
+    """
+    from k3core.transfer.receive import _check_expected, _check_unchanged, _int, _map_shm, _need
+
+    _need(isinstance(payload, dict) and payload.get("format") == FORMAT and payload.get("transport") == TRANSPORT,
+          f"malformed payload: expected a {FORMAT} {TRANSPORT} object")
+    control, token = payload.get("control"), payload.get("token")
+    _need(isinstance(control, str) and control.startswith("k3xfer-") and isinstance(token, str),
+          "malformed payload: 'control' must name the sender's k3xfer-* control socket and 'token' be a string")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(DEFAULT_TIMEOUT_S)
+        sock.connect(_abstract(control))
+    except OSError as e:
+        sock.close()
+        raise TransferError(f"cannot reach the sender's control socket {control} ({e}): the sender is gone or "
+                            "the stream already ran") from None
+    ch = _Channel(sock, DEFAULT_TIMEOUT_S, "sender")
+    try:
+        ch.send({"op": "hello", "token": token})
+        version, algo, ring, slot_bytes, payload_timeout = _header(payload)
+        ch.sock.settimeout(timeout or payload_timeout)
+        if current_version is not None and version <= current_version:
+            raise TransferError(f"weight version {version} is not newer than the receiver's {current_version}: refused")
+        base_version = payload.get("base_version")
+        if base_version is not None:
+            base_version = _int(base_version, "base_version", -(2**63))
+            _need(base is not None, f"delta payload (base version {base_version}): pass base= (the receiver's "
+                                    "current tensors)")
+            _need(current_version is None or base_version == current_version,
+                  f"delta computed against version {base_version}, but the receiver holds {current_version}: refused")
+        slots = [_map_shm({"shm": name}, slot_bytes, False) for name in ring]
+        items: dict[int, _Staged] = {}
+        seq = 0
+        while True:
+            msg = ch.recv(f"bucket {seq}")
+            op = msg.get("op")
+            if op == "abort":
+                raise TransferError(f"the sender aborted the transfer: {msg.get('error')}")
+            if op == "end":
+                break
+            _need(op == "bucket" and msg.get("seq") == seq and msg.get("slot") == seq % len(ring),
+                  f"malformed stream: expected bucket {seq} in slot {seq % len(ring)}, got {str(msg)[:200]}")
+            for decl in msg.get("items") or []:
+                idx = decl.get("idx") if isinstance(decl, dict) else None
+                _need(isinstance(idx, int) and idx not in items, f"malformed stream: item {str(decl)[:200]}")
+                _need(all(s.name != decl.get("name") for s in items.values()), f"malformed payload: {decl.get('name')} sent twice")
+                items[idx] = _Staged(decl, expected)
+            buf = slots[seq % len(ring)]
+            for c in msg.get("chunks") or []:
+                _need(isinstance(c, list) and len(c) == 5 and all(isinstance(x, int) and x >= 0 for x in c),
+                      f"malformed stream: chunk {c!r}")
+                idx, part, at, off, n = c
+                s = items.get(idx)
+                _need(s is not None and part < len(s.parts) and at == s.got[part] and at + n <= s.parts[part].numel()
+                      and off + n <= slot_bytes, f"malformed stream: chunk {c!r} out of order or out of bounds")
+                s.parts[part][at: at + n].copy_(buf[off: off + n])
+                s.got[part] += n
+            ch.send({"op": "consumed", "seq": seq})  # the slot is free: the sender refills it while we hash
+            done = msg.get("digests") or {}
+            _need(isinstance(done, dict), "malformed stream: 'digests' must be an object")
+            for key, ds in done.items():
+                s = items.get(int(key)) if key.isdigit() else None
+                _need(s is not None and s.digest is None, f"malformed stream: digests for item {key}")
+                s.verify(ds, algo)
+            seq += 1
+        del slots
+        out: dict[str, torch.Tensor] = {}
+        rows = []
+        for s in items.values():
+            _need(s.digest is not None, f"{s.name}: the stream ended before its digests arrived: refused")
+            out[s.name] = s.tensor
+            rows.append((s.name, dtype_name(s.dtype), list(s.shape), s.codec, s.digest))
+        unchanged = msg.get("unchanged") or []
+        _need(isinstance(unchanged, list), "malformed stream: 'unchanged' must be a list")
+        _need(not unchanged or base_version is not None, "malformed stream: unchanged tensors without a base version")
+        for u in unchanged:
+            _check_unchanged(u, base, algo, out, rows, base_version)
+        _need(len(rows) == msg.get("num_tensors"), f"stream carried {len(rows)} tensors, the sender says "
+                                                   f"{msg.get('num_tensors')}")
+        _need(content_sha256(rows, algo) == msg.get("content_sha256"), "content digest does not match the entries: refused")
+        if expected is not None:
+            _check_expected(out, expected)
+        if apply is not None:
+            try:
+                apply(out, version)
+            except ValueError as e:  # load_weights refuses before copying anything
+                raise e if isinstance(e, TransferError) else TransferError(str(e)) from e
+        ch.send({"op": "done"})
+        return out, version
+    except BaseException as e:
+        try:
+            ch.send({"op": "refused", "error": f"{type(e).__name__}: {e}"})
+        except TransferError:
+            pass
+        raise
+    finally:
+        ch.close()
