@@ -98,6 +98,8 @@ class _Channel:
             except TimeoutError:
                 raise TransferError(f"no word from the {self.peer} for {self.sock.gettimeout():g} s while waiting "
                                     f"for {waiting_for}: is it stuck? (timeout_s)") from None
+            except ConnectionResetError:  # the peer exited with our messages unread
+                data = b""
             except OSError as e:
                 raise TransferError(f"control connection to the {self.peer} failed while waiting for "
                                     f"{waiting_for}: {e}") from None
@@ -114,11 +116,15 @@ class _Channel:
             raise TransferError(f"the {self.peer} sent a malformed control message: {line[:200]!r}")
         return msg
 
-    def last_words(self, wait: float = 0.2) -> dict | None:
-        """The next message if one arrives within ``wait`` seconds (after an error), else None."""
+    def last_words(self, op: str, wait: float = 0.5) -> dict | None:
+        """After an error: the peer's first ``op`` message still unread, if one comes within ``wait``
+        seconds of silence before the connection closes; else None. Reads everything up to it."""
         try:
             self.sock.settimeout(wait)
-            return self.recv("its last words")
+            while True:
+                msg = self.recv("its last words")
+                if msg.get("op") == op:
+                    return msg
         except (TransferError, OSError):
             return None
 
@@ -264,7 +270,7 @@ class StreamedSend:
         except BaseException as e:
             self._error = e if isinstance(e, TransferError) else TransferError(f"streamed send failed: {type(e).__name__}: {e}")
             if ch is not None:
-                words = ch.last_words()  # a receiver that refused and hung up before this side read why
+                words = ch.last_words("refused")  # a receiver that refused before this side read why
                 if words is not None and words.get("op") == "refused":
                     self._error = TransferError(f"the receiver refused the transfer: {words.get('error')}")
                 try:
@@ -565,6 +571,7 @@ def receive_stream(payload: dict, *, current_version: int | None = None,
     except BaseException as e:
         try:
             ch.send({"op": "refused", "error": f"{type(e).__name__}: {e}"})
+            ch.last_words("none")  # linger until the sender hangs up, so it reads why before it writes again
         except TransferError:
             pass
         raise
