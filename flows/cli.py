@@ -52,21 +52,31 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         if f.name in ("preset", "source", "env", "artifacts", "run_id"):
             continue
         flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, dest=f.name, type=lambda x: x.lower() in ("1", "true", "yes"), default=None,
-                           help=f"(default {f.default})")
+        if f.type in ("bool", bool):  # --qat alone means true; --qat false|true|0|1|no|yes also parse
+            p.add_argument(flag, dest=f.name, type=_bool, nargs="?", const=True, default=None,
+                           help=f"(default {str(f.default).lower()})")
         else:
             typ = {"int": int, "float": float}.get(str(f.type), str)
             p.add_argument(flag, dest=f.name, type=typ, default=None, help=f"(default {f.default})")
 
 
+def _bool(text: str) -> bool:
+    v = text.lower()
+    if v not in ("1", "true", "yes", "0", "false", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return v in ("1", "true", "yes")
+
+
 def check_settings(s) -> None:
     """Bad input found before any work starts (ValueError, exit status 2): an unknown preset or
-    environment, an environment module that does not import, negative counts."""
+    environment, an environment module that does not import, negative counts, ``--qat`` on a preset
+    whose expert widths MXFP4 blocks cannot tile."""
     from k3core.config import K3Config
     from k3core.rl.envs import load_env
 
-    K3Config.preset(s.preset)
+    config = K3Config.preset(s.preset)
+    if s.qat:  # MXFP4 blocks of 32 must tile the expert widths
+        config.replace(qat_routed_experts=True)
     load_env(s.env)
     for name in ("iterations", "prompts_per_iteration", "samples_per_prompt", "max_new_tokens", "warmup_steps",
                  "eval_prompts", "eval_every"):

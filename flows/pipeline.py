@@ -61,6 +61,9 @@ class RLSettings:
     eval_every: int = 5
     # per-iteration KL(trainer || W4A8 engine) vs KL(trainer || float engine) on this many rollouts (0: off)
     mismatch_sequences: int = 16
+    # MXFP4 fake-quant (straight-through) of routed-expert weights in the RL trainer (K3Config.qat_routed_experts);
+    # saved with each trainer state, never in config.json or the exported weights
+    qat: bool = False
     # the engine of the rollout and evaluation stages: "local" (embedded) or a rollout server URL (k3rl serve, SGLang)
     rollout_url: str = "local"
 
@@ -134,7 +137,7 @@ def rl_iteration(settings: RLSettings, iteration: int, state: dict, weights: dic
     tr = timed("train", lambda: stage(train_step, name=f"train_step-{name}", artifact_root=root,
                                        outputs=[_uri(root, f"{it}/trainer")], inputs=[sc["uri"], state["uri"]])(
         state, sc, iteration, s.lr, s.clip_eps_low, s.clip_eps_high, s.tis_cap, s.routing_replay, s.temperature,
-        root, f"{it}/trainer"))
+        root, f"{it}/trainer", s.qat))
     ck_rel = f"{_run_prefix(s)}/checkpoints/iter-{iteration + 1:04d}"
     ck = timed("save", lambda: stage(save_checkpoint, name=f"save_checkpoint-{name}", artifact_root=root,
                                       outputs=[_uri(root, ck_rel)], inputs=[tr["uri"]])(
@@ -143,7 +146,7 @@ def rl_iteration(settings: RLSettings, iteration: int, state: dict, weights: dic
     xf = timed("transfer", lambda: stage(transfer_weights, name=f"transfer_weights-{name}", artifact_root=root,
                                           outputs=[], inputs=[ck["uri"]], cache_policy=None, persist_result=False)(
         s.run_id, ck, s.quantized_rollouts))
-    metrics = {"iteration": iteration, "weight_version": weights["version"], **sc["stats"],
+    metrics = {"iteration": iteration, "weight_version": weights["version"], "qat": tr["qat"], **sc["stats"],
                **{k: v for k, v in tr["metrics"].items() if isinstance(v, (int, float))},
                "rollout_tokens": ro["tokens"], "transfer_seconds": xf["seconds"],
                **({k: v for k, v in ev.items() if k.startswith("heldout")} if ev else {}),
@@ -152,7 +155,7 @@ def rl_iteration(settings: RLSettings, iteration: int, state: dict, weights: dic
     lineage = [
         ("rollouts", ro["uri"], ro["sha256"], f"rollout-{name}", [weights["uri"]]),
         ("scored", sc["uri"], sc["sha256"], f"score_rewards-{name}", [ro["uri"]]),
-        ("trainer state", tr["uri"], tr["sha256"], f"train_step-{name}", [state["uri"], sc["uri"]]),
+        ("trainer state (QAT: MXFP4 routed experts)" if tr["qat"] else "trainer state", tr["uri"], tr["sha256"], f"train_step-{name}", [state["uri"], sc["uri"]]),
         ("checkpoint", ck["uri"], ck["sha256"], f"save_checkpoint-{name}", [tr["uri"]]),
         (f"engine weights v{ck['version']}", f"engine://{s.run_id}@v{xf['version']}", xf["sha256"],
          f"transfer_weights-{name}", [ck["uri"]]),

@@ -192,11 +192,30 @@ def make_optimizer(model: K3ForCausalLM, lr: float, weight_decay: float = 0.0,
     raise ValueError(f"unknown optimizer {kind!r}: choose one of {OPTIMIZERS}")
 
 
+QAT_KEY = "qat_routed_experts"
+
+
+def set_qat(model: K3ForCausalLM, on: bool) -> K3ForCausalLM:
+    """Switch MXFP4 QAT of the routed experts (``K3Config.qat_routed_experts``: fake-quantised forward,
+    straight-through gradient) on a built model: its config (validated: expert widths must be
+    multiples of 32) and every routed-expert stack. Names, shapes and weights do not change."""
+    from k3core.model.moe import RoutedExperts
+
+    model.config = model.config.replace(qat_routed_experts=bool(on))
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            m.qat = bool(on)
+    return model
+
+
 def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: torch.optim.Optimizer,
                        extra: dict, storage_writer_factory=None) -> None:
     """DCP save of model, optimizer, RNG states and ``extra`` (iteration, data cursor, ...) into
-    ``out_dir`` (the caller publishes the directory atomically), plus ``config.json``."""
+    ``out_dir`` (the caller publishes the directory atomically), plus ``config.json``. Whether the
+    model trains with QAT goes into ``extra`` (``qat_routed_experts``), since config.json describes
+    the model in public names only and has no place for a training switch."""
     out_dir = Path(out_dir)
+    extra = {**extra, QAT_KEY: bool(model.config.qat_routed_experts)}
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd,
              "rng": {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate())},
@@ -208,7 +227,8 @@ def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: tor
 
 
 def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.float32):
-    """(model, optimizer, extra) from a trainer-state directory written by ``save_trainer_state``."""
+    """(model, optimizer, extra) from a trainer-state directory written by ``save_trainer_state``;
+    the model trains with QAT when the state was saved with it (``extra['qat_routed_experts']``)."""
     from k3core.checkpoint.hf import meta_model
 
     path = Path(path)
@@ -224,7 +244,9 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     torch.set_rng_state(state["rng"]["torch"])
     py = json.loads(state["rng"]["python"])
     random.setstate((py[0], tuple(py[1]), py[2]))
-    return model, opt, json.loads(state["extra"])
+    extra = json.loads(state["extra"])
+    set_qat(model, extra.get(QAT_KEY, False))
+    return model, opt, extra
 
 
 # ------------------------------------------------------------------ training
