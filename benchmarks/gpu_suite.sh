@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything k3rl measures on a GPU, in one go (the device machine: one H200, torch 2.11, triton 3.6).
 # Usage (from the repository root, wheels of fla-core/flash-linear-attention in .whl/):
-#   bash benchmarks/gpu_suite.sh PART OUTDIR      PART = tests | kernels | systems
+#   bash benchmarks/gpu_suite.sh PART OUTDIR      PART = tests | kda | rollout | kernels | systems
 # Each step's output goes to OUTDIR/<step>.log; a failing step does not stop the others.
 set -u
 part=${1:-tests}; out=${2:-out}; mkdir -p "$out"
@@ -11,6 +11,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:-}:$(pwd)"
 # timed out every KDA step of the first suite run. Triton stores autotune winners as
 # <kernel>.autotune.json in its cache; we ship them back in OUTDIR/triton_autotune.tgz and restore
 # them from .gpu_cache/triton_autotune.tgz (carry .gpu_cache) so a later session skips the search.
+# Triton writes autotune winners to disk only with TRITON_CACHE_AUTOTUNING=1 (the 2026-12-01 tgz was
+# empty without it).
+export TRITON_CACHE_AUTOTUNING=1
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/k3rl_triton_cache}
 mkdir -p "$TRITON_CACHE_DIR"
 [ -f .gpu_cache/triton_autotune.tgz ] && tar -xzf .gpu_cache/triton_autotune.tgz -C "$TRITON_CACHE_DIR"
@@ -22,13 +25,22 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 case $part in
   tests)
     # fast ones first: the KDA/model tests pay fla's autotune (minutes without the cache above)
-    step gpu_tests_kernels 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/k3core/ops/test_situ.py tests/k3core/ops/test_mxfp4.py tests/k3core/optim tests/k3core/checkpoint/test_odirect.py
-    step gpu_tests_kda 420 python3 -m pytest -v -m gpu -p no:cacheprovider tests/k3core/ops/test_kda.py tests/k3core/model
+    step gpu_tests_kernels 150 python3 -m pytest -v -rfE --timeout 90 -m gpu -p no:cacheprovider tests/k3core/ops/test_situ.py tests/k3core/ops/test_mxfp4.py tests/k3core/ops/test_w4a8.py
+    step gpu_tests_optim 100 python3 -m pytest -v -rfE --timeout 90 -m gpu -p no:cacheprovider tests/k3core/optim
+    step gpu_tests_transfer 150 python3 -m pytest -v -rfE --timeout 45 -m gpu -p no:cacheprovider tests/k3core/test_transfer_gpu.py
+    ;;
+  kda)
+    step gpu_tests_kda 420 python3 -m pytest -v -m gpu -p no:cacheprovider tests/k3core/ops/test_kda.py tests/k3core/model tests/k3core/rollout/test_engine_batching.py
+    ;;
+  rollout)
+    step rollout_decode 220 python3 benchmarks/rollout_decode.py --device cuda --preset medium --batches 1,64
+    step w4a8_mismatch 100 python3 benchmarks/w4a8_mismatch.py --device cuda
+    step weight_transfer 80 python3 benchmarks/weight_transfer.py --device cuda --repeats 3
     ;;
   kernels)
     step kda 150 python3 benchmarks/kda_cpu.py --device cuda
-    step situ 150 python3 benchmarks/situ.py --device cuda
-    step mxfp4 120 python3 benchmarks/mxfp4.py --device cuda
+    step situ 150 python3 benchmarks/situ.py --device cuda --sweep
+    step mxfp4 120 python3 benchmarks/mxfp4.py --device cuda --sweep --rows 16384 --cols 16384
     step moe_dispatch 90 python3 benchmarks/moe_dispatch.py --device cuda --tokens 16384
     ;;
   systems)

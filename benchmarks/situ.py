@@ -83,17 +83,19 @@ def sweep_triton(x, grad, iters):
 
     x2d, g2d = x.detach().view(-1, x.shape[-1]), grad.view(-1, grad.shape[-1])
     R, H = g2d.shape
-    print("\ntriton tile sweep (kernel only): fwd 6 B/elem, bwd 10 B/elem")
-    print(f"{'elems':>6} {'warps':>5} {'fwd ms':>8} {'fwd GB/s':>9} {'bwd ms':>8} {'bwd GB/s':>9}")
-    for elems in (1024, 2048, 4096, 8192):
-        for warps in (4, 8, 16):
-            cfg = st.launch_config(H, elems, warps)
-            f = time_ms(lambda: st.situ_glu_fwd(x2d, 4.0, 25.0, cfg), x.device, iters)[0]
-            b = time_ms(lambda: st.situ_glu_bwd(x2d, g2d, 4.0, 25.0, cfg), x.device, iters)[0]
-            print(
-                f"{elems:>6} {warps:>5} {f:>8.3f} {6 * R * H / f / 1e6:>9.0f} "
-                f"{b:>8.3f} {10 * R * H / b / 1e6:>9.0f}"
-            )
+    print("\ntriton tile sweep (kernel only): fwd 6 B/elem, bwd 10 B/elem; "
+          "math: fast = the 16-bit arithmetic (default for bf16), exact = the fp32-grade one (baseline)")
+    print(f"{'math':>5} {'elems':>6} {'warps':>5} {'fwd ms':>8} {'fwd GB/s':>9} {'bwd ms':>8} {'bwd GB/s':>9}")
+    for fast in (True, False):
+        for elems in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                cfg = st.launch_config(H, elems, warps)
+                f = time_ms(lambda: st.situ_glu_fwd(x2d, 4.0, 25.0, cfg, fast=fast), x.device, iters)[0]
+                b = time_ms(lambda: st.situ_glu_bwd(x2d, g2d, 4.0, 25.0, cfg, fast=fast), x.device, iters)[0]
+                print(
+                    f"{'fast' if fast else 'exact':>5} {elems:>6} {warps:>5} {f:>8.3f} {6 * R * H / f / 1e6:>9.0f} "
+                    f"{b:>8.3f} {10 * R * H / b / 1e6:>9.0f}"
+                )
 
 
 def main():

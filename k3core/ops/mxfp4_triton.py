@@ -13,6 +13,15 @@ Both kernels stay memory-bound only if their per-element integer work stays smal
 issues ~16.7 T int32 ops/s against ~4.8 TB/s of HBM: ~9 ops per element of quantize/dequantize
 traffic at full bandwidth), which is why the element math is written this way.
 Offsets are int64: tensors past 2^31 elements exist (a full expert stack).
+
+bf16 (the weights' dtype) has its own pair of kernels, `_quantize_bf16_kernel` and
+`_dequantize_bf16_kernel`, with no layout shuffles: they see memory as int32 words, a tile of
+[GROUPS, 4, 4] words per 32-element block (4 output words of 8 codes, each from 4 input words of
+2 bf16), so a thread loads 16 contiguous bytes, the low/high nibble of a byte comes from the low/high
+bf16 of one word, and 4 bytes join into a word with shifts and a thread-local sum. The first
+kernels (`tl.reshape` + `tl.split` / `tl.join` to pair neighbours) made Triton move each tile
+through shared memory and ran at 20% (quantize) and 36% (dequantize) of copy bandwidth on an H200;
+they remain for fp16/fp32 inputs and outputs.
 """
 
 from __future__ import annotations
@@ -27,6 +36,10 @@ from k3core.ops import mxfp4
 # for a memory-bound elementwise kernel on H100/H200; `benchmarks/mxfp4.py --device cuda` times it.
 QUANT_GROUPS, QUANT_WARPS = 128, 8
 DEQUANT_GROUPS, DEQUANT_WARPS = 128, 8
+# The bf16 kernels: 64 blocks = 2048 elements = 4 KiB of bf16 per program at 4 warps (16 B per
+# thread per load); `benchmarks/mxfp4.py --device cuda --sweep` times others.
+BF16_QUANT_GROUPS, BF16_QUANT_WARPS = 64, 4
+BF16_DEQUANT_GROUPS, BF16_DEQUANT_WARPS = 64, 4
 
 
 @triton.jit
@@ -98,6 +111,98 @@ def _mxfp4_quantize_kernel(
 
 
 @triton.jit
+def _codes(mag, neg, s, NEG_ZERO_FIELD: tl.constexpr):
+    """4-bit codes of |x| bits `mag` (sign `neg`) in blocks of scale exponent `s` (broadcastable):
+    the binary search of `_mxfp4_quantize_kernel`, shared by the bf16 kernel."""
+    hi = mag > _point3(s, 127, 0x600000, 1)  # 1.75: code >= 4
+    mid = mag > tl.where(hi, _point3(s, 128, 0x600000, 1), _point3(s, 126, 0x400000, 1))  # 3.5 | 0.75
+    low_pt = tl.where(
+        hi,
+        tl.where(mid, _point3(s, 129, 0x200000, 0), _point3(s, 128, 0x200000, 0)),  # 5 | 2.5
+        tl.where(mid, _point3(s, 127, 0x200000, 0), _point3(s, 125, 0x000000, 0)),  # 1.25 | 0.25
+    )
+    code = hi.to(tl.int32) * 4 + mid.to(tl.int32) * 2 + (mag > low_pt).to(tl.int32)
+    keeps_sign = neg & (mag > _ldexp_bits(NEG_ZERO_FIELD, 0, s))
+    return code | (keeps_sign.to(tl.int32) << 3)
+
+
+@triton.jit
+def _point3(s, FIELD: tl.constexpr, FRAC: tl.constexpr, TIE_UP: tl.constexpr):
+    """`_point` for an `s` that is already broadcastable against the elements."""
+    return _ldexp_bits(FIELD, FRAC, s) - TIE_UP
+
+
+@triton.jit
+def _quantize_bf16_kernel(
+    words_ptr,  # the bf16 input as int32 words: [n_groups * 16]
+    packed_ptr,  # the packed output as int32 words: [n_groups * 4]
+    scale_ptr,
+    nonfinite_ptr,
+    n_groups,
+    ROUND_BIAS: tl.constexpr,
+    NEG_ZERO_FIELD: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    gmask = g < n_groups
+    i = tl.arange(0, 4)  # output word within the block
+    j = tl.arange(0, 4)  # input word within the output word = byte within the output word
+    offs = g[:, None, None] * 16 + i[None, :, None] * 4 + j[None, None, :]
+    w = tl.load(words_ptr + offs, mask=gmask[:, None, None], other=0)
+    lo_bits = w << 16  # element 2k (little-endian low half) as fp32 bits
+    hi_bits = w & -65536  # element 2k+1 (0xFFFF0000 as int32)
+    lo_mag, hi_mag = lo_bits & 0x7FFFFFFF, hi_bits & 0x7FFFFFFF
+    amax = tl.max(tl.max(tl.maximum(lo_mag, hi_mag), axis=2), axis=1)  # [GROUPS]
+    field = (amax + ROUND_BIAS) >> 23
+    scale = tl.maximum(field - 2, 0)
+    nonfinite = amax >= 0x7F800000
+    scale = tl.where(nonfinite, 255, scale)  # E8M0 NaN for a block with inf/NaN
+    if tl.max(nonfinite.to(tl.int32), axis=0) > 0:
+        tl.atomic_max(nonfinite_ptr, 1)
+    s = (scale - 127)[:, None, None]
+    byte = _codes(lo_mag, lo_bits < 0, s, NEG_ZERO_FIELD) | (_codes(hi_mag, hi_bits < 0, s, NEG_ZERO_FIELD) << 4)
+    word = tl.sum(byte << (8 * j)[None, None, :], axis=2)  # 4 bytes, little-endian; disjoint bits
+    tl.store(packed_ptr + g[:, None] * 4 + i[None, :], word, mask=gmask[:, None])
+    tl.store(scale_ptr + g, scale.to(tl.uint8), mask=gmask)
+
+
+@triton.jit
+def _bf16_bits_fast(code, k):
+    """bf16 bits (int32, low 16) of `_decode_bits_fast(code, k)`: its top half."""
+    m = code & 7
+    t = tl.minimum(m - (m == 1).to(tl.int32) + k, 510)
+    return tl.where(m == 0, 0, t << 6) | ((code & 8) << 12)
+
+
+@triton.jit
+def _dequantize_bf16_kernel(
+    packed_ptr,  # int32 words: [n_groups * 4]
+    scale_ptr,
+    out_ptr,  # the bf16 output as int32 words: [n_groups * 16]
+    n_groups,
+    GROUPS: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    gmask = g < n_groups
+    i = tl.arange(0, 4)
+    j = tl.arange(0, 4)
+    word = tl.load(packed_ptr + g[:, None] * 4 + i[None, :], mask=gmask[:, None], other=0)
+    byte = (word[:, :, None] >> (8 * j)[None, None, :]) & 0xFF  # [GROUPS, 4, 4]
+    sbyte = tl.load(scale_ptr + g, mask=gmask, other=127).to(tl.int32)
+    special = ((sbyte < 3) | (sbyte == 255)).to(tl.int32)
+    if tl.max(special, axis=0) > 0:
+        s = (sbyte - 127)[:, None, None]
+        lo = (_decode_bits_general(byte & 15, s) >> 16) & 0xFFFF
+        hi = _decode_bits_general(byte >> 4, s) & -65536
+    else:
+        k = (2 * sbyte - 2)[:, None, None]
+        lo = _bf16_bits_fast(byte & 15, k)
+        hi = _bf16_bits_fast(byte >> 4, k) << 16
+    offs = g[:, None, None] * 16 + i[None, :, None] * 4 + j[None, None, :]
+    tl.store(out_ptr + offs, lo | hi, mask=gmask[:, None, None])
+
+
+@triton.jit
 def _decode_bits_general(code, s):
     """fp32 bits of the value of 4-bit `code` times 2^s (any s in [-127, 128]; 128 = NaN byte)."""
     m = code & 7
@@ -166,12 +271,14 @@ def quantize_triton(
     scale_rule: str = "compressed-tensors",
     name: str | None = None,
     check_finite: bool = True,
+    generic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton path of `mxfp4.quantize`; same contract. A non-contiguous w is copied first.
 
     The finite check reads back one flag (a host sync). `check_finite=False` skips that read
     (blocks with inf/NaN then silently carry scale byte 255); the benchmark uses it to time the
-    kernel alone."""
+    kernel alone. `generic=True` runs the first (any-dtype) kernel on bf16 too: the benchmark's
+    baseline for the bf16 kernel."""
     mxfp4._check_scale_rule(scale_rule)
     mxfp4._check_quantize_input(w)
     n = w.shape[-1]
@@ -183,19 +290,31 @@ def quantize_triton(
         return packed, scale
     x = w.contiguous()
     nonfinite = torch.zeros(1, dtype=torch.int32, device=w.device)
-    grid = (triton.cdiv(n_groups, QUANT_GROUPS),)
-    _mxfp4_quantize_kernel[grid](
-        x,
-        packed,
-        scale,
-        nonfinite,
-        n_groups,
-        ROUND_BIAS=mxfp4._ROUND_BIAS[scale_rule],
-        NEG_ZERO_FIELD=mxfp4._NEG_ZERO_FIELD[w.dtype],
-        IS_BF16=w.dtype == torch.bfloat16,
-        GROUPS=QUANT_GROUPS,
-        num_warps=QUANT_WARPS,
-    )
+    if w.dtype == torch.bfloat16 and not generic:
+        _quantize_bf16_kernel[(triton.cdiv(n_groups, BF16_QUANT_GROUPS),)](
+            x.view(torch.int32),
+            packed.view(torch.int32),
+            scale,
+            nonfinite,
+            n_groups,
+            ROUND_BIAS=mxfp4._ROUND_BIAS[scale_rule],
+            NEG_ZERO_FIELD=mxfp4._NEG_ZERO_FIELD[w.dtype],
+            GROUPS=BF16_QUANT_GROUPS,
+            num_warps=BF16_QUANT_WARPS,
+        )
+    else:
+        _mxfp4_quantize_kernel[(triton.cdiv(n_groups, QUANT_GROUPS),)](
+            x,
+            packed,
+            scale,
+            nonfinite,
+            n_groups,
+            ROUND_BIAS=mxfp4._ROUND_BIAS[scale_rule],
+            NEG_ZERO_FIELD=mxfp4._NEG_ZERO_FIELD[w.dtype],
+            IS_BF16=w.dtype == torch.bfloat16,
+            GROUPS=QUANT_GROUPS,
+            num_warps=QUANT_WARPS,
+        )
     if check_finite and int(nonfinite.item()):
         mxfp4._raise_non_finite(w, name)
     return packed, scale
@@ -205,14 +324,24 @@ _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def dequantize_triton(
-    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, generic: bool = False
 ) -> torch.Tensor:
-    """Triton path of `mxfp4.dequantize`; same contract."""
+    """Triton path of `mxfp4.dequantize`; same contract (`generic`: as in `quantize_triton`)."""
     mxfp4._check_dequantize_input(packed, scale, dtype)
     lead, n = packed.shape[:-1], packed.shape[-1] * 2
     out = torch.empty(*lead, n, dtype=dtype, device=packed.device)
     n_groups = scale.numel()
     if n_groups == 0:
+        return out
+    if dtype == torch.bfloat16 and not generic:
+        _dequantize_bf16_kernel[(triton.cdiv(n_groups, BF16_DEQUANT_GROUPS),)](
+            packed.contiguous().view(torch.int32),
+            scale.contiguous(),
+            out.view(torch.int32),
+            n_groups,
+            GROUPS=BF16_DEQUANT_GROUPS,
+            num_warps=BF16_DEQUANT_WARPS,
+        )
         return out
     grid = (triton.cdiv(n_groups, DEQUANT_GROUPS),)
     _mxfp4_dequantize_kernel[grid](

@@ -11,6 +11,8 @@ where rtol = 2^-8 (one bf16 rounding) for bf16 outputs and 1e-6 for fp32, `scale
 magnitude of the terms the fp32 computation adds (so cancellation in d_gate near a' = 0, and
 1 - sigmoid near saturation, are judged against what fp32 can resolve, about 1e-7 * scale), and
 the last term covers sigmoid underflowing to 0 where the exact value is below ~1e-38.
+The Triton forward for 16-bit outputs uses the SFU's tanh.approx (relative error < 2^-10.9, see
+`situ_triton.py`), so its output bound is one bf16 rounding plus 2^-10: `FAST_OUT_RTOL`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from k3core.ops.situ import (
 
 BETA, LB = 4.0, 25.0
 BF16_RTOL, FP32_RTOL = 2.0**-8, 1e-6
+FAST_OUT_RTOL = BF16_RTOL + 2.0**-10
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -70,14 +73,19 @@ def run_op(fn, x, grad):
     return out.detach(), dx
 
 
-def check_against_closed_form(fn, x, grad, rtol):
+def check_against_closed_form(fn, x, grad, rtol, out_rtol=None):
     out, dx = run_op(fn, x, grad)
     assert out.dtype == x.dtype and dx.dtype == x.dtype
     assert out.shape == (*x.shape[:-1], x.shape[-1] // 2) and dx.shape == x.shape
     ref_out, ref_dx, out_scale, dx_scale = closed_form(x, grad)
     grad_abs = torch.cat([grad, grad], -1).abs()
-    assert_close_scaled(out, ref_out, out_scale, rtol, what="out")
+    assert_close_scaled(out, ref_out, out_scale, out_rtol or rtol, what="out")
     assert_close_scaled(dx, ref_dx, dx_scale, rtol, grad_abs, what="d_x")
+
+
+def out_rtol_for(backend, dtype, rtol):
+    """The forward's bound: `FAST_OUT_RTOL` for the Triton kernels' 16-bit fast path."""
+    return FAST_OUT_RTOL if backend == "triton" and dtype != torch.float32 else rtol
 
 
 def saturating_input(dtype, device="cpu", rows=4):
@@ -130,7 +138,7 @@ def test_bf16_at_scale_vs_fp32_reference():
     ref_out, ref_dx = run_op(situ_glu_reference, x.float(), grad.float())  # fp32 all through
     _, _, out_scale, dx_scale = closed_form(x, grad)
     grad_abs = torch.cat([grad, grad], -1).abs()
-    assert_close_scaled(out, ref_out, out_scale, BF16_RTOL, what="out vs fp32 reference")
+    assert_close_scaled(out, ref_out, out_scale, FAST_OUT_RTOL, what="out vs fp32 reference")
     assert_close_scaled(dx, ref_dx, dx_scale, BF16_RTOL, grad_abs, what="d_x vs fp32 reference")
     # and the bf16 reference (rounds once more, in the cast of its fp32 result) agrees to 1 ulp
     ref_out_bf16, _ = run_op(situ_glu_reference, x, grad)
@@ -299,7 +307,7 @@ def test_cuda_matches_closed_form(backend, dtype, rtol, shape):
     torch.manual_seed(6)
     x = (torch.randn(shape, device="cuda") * 8).to(dtype)
     grad = torch.randn(*shape[:-1], shape[-1] // 2, device="cuda").to(dtype)
-    check_against_closed_form(lambda t: situ_glu(t, backend=backend), x, grad, rtol)
+    check_against_closed_form(lambda t: situ_glu(t, backend=backend), x, grad, rtol, out_rtol_for(backend, dtype, rtol))
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
@@ -309,7 +317,7 @@ def test_cuda_matches_closed_form(backend, dtype, rtol, shape):
 def test_cuda_saturating_and_strided_grad(backend, dtype, rtol):
     x = saturating_input(dtype, "cuda")
     grad = torch.linspace(-3, 3, x.shape[-1] // 2, device="cuda").expand(x.shape[0], -1).to(dtype)
-    check_against_closed_form(lambda t: situ_glu(t, backend=backend), x, grad, rtol)
+    check_against_closed_form(lambda t: situ_glu(t, backend=backend), x, grad, rtol, out_rtol_for(backend, dtype, rtol))
     xb = (torch.randn(2048, 2 * 384, device="cuda") * 8).to(dtype)
     leaf = xb.clone().requires_grad_()
     situ_glu(leaf, backend=backend).sum().backward()  # all-stride-0 gradient
@@ -327,7 +335,7 @@ def test_cuda_bf16_vs_fp32_reference():
     ref_out, ref_dx = run_op(situ_glu_reference, x.float(), grad.float())
     _, _, out_scale, dx_scale = closed_form(x, grad)
     grad_abs = torch.cat([grad, grad], -1).abs()
-    assert_close_scaled(out, ref_out, out_scale, BF16_RTOL, what="out vs fp32 reference")
+    assert_close_scaled(out, ref_out, out_scale, FAST_OUT_RTOL, what="out vs fp32 reference")
     assert_close_scaled(dx, ref_dx, dx_scale, BF16_RTOL, grad_abs, what="d_x vs fp32 reference")
 
 
