@@ -15,6 +15,11 @@ Rows (GB/s = bytes that moved / wall seconds; "vs memcpy" and "vs disk" are rati
                     load into its engine) -> ack -> unlink; wall time from the first byte to the ack
   shm pooled        the same with a ``ShmPool``: segments reused across transfers (fresh shared
                     memory pages cost more to fault in than the copy itself)
+  shm streamed      ``send_shm_stream``: a ring of ``--ring`` buckets of ``--stream-bucket-mib``, the
+                    receiver copying bucket i-1 into its staged copy while the sender fills bucket i,
+                    then ``load_weights``; wall time from the first byte to the receiver's "done"
+  peak /dev/shm     (shm rows) most bytes this process's k3xfer segments held in /dev/shm, sampled
+                    every ~2 ms during the timed transfers
   cuda_ipc          (``--device cuda``) the same with CUDA IPC buckets and ``sum64`` digests on the GPU
   disk              ``write_disk`` (public layout, fsync'ed, published) + ``read_disk`` (digests checked)
                     + ``load_weights``; the read hits the page cache the write just filled
@@ -25,6 +30,7 @@ Usage:
     python benchmarks/weight_transfer.py                  # small preset + ~1 GiB synthetic, 3 repeats
     python benchmarks/weight_transfer.py --quick          # small preset only, 1 repeat
     python benchmarks/weight_transfer.py --device cuda    # GPU: memcpy on device, in-process, CUDA IPC, disk
+    python benchmarks/weight_transfer.py --ring 2 --stream-bucket-mib 32   # another streamed ring
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -103,7 +110,7 @@ def serve_receiver() -> None:
     setup = json.loads(sys.stdin.readline())
     torch.set_num_threads(setup["threads"])
     config = K3Config.from_hf_dict(setup["config"])
-    engines = {}
+    engines, stagings = {}, {}
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -114,7 +121,8 @@ def serve_receiver() -> None:
             engines[key] = blank_engine(config, getattr(torch, setup["dtype"]), setup["device"], req["quantized"])
         t0 = time.perf_counter()
         try:
-            version = load_payload(engines[key], req["payload"])
+            staging = stagings.setdefault(key, {}) if req.get("keep_staging") else None
+            version = load_payload(engines[key], req["payload"], staging=staging)
             out = {"ok": True, "version": version}
         except TransferError as e:
             out = {"ok": False, "error": str(e)}
@@ -164,6 +172,45 @@ def time_memcpy(nbytes: int, device: str, repeats: int) -> list[float]:
     return times
 
 
+class ShmPeak:
+    """Most bytes of /dev/shm (tmpfs pages actually allocated, not file sizes) held by this process's
+    transfer segments created while the ``with`` block runs (a pool's segments from earlier rows do
+    not count)."""
+
+    def __init__(self, every_s: float = 0.002):
+        from k3core.transfer import SHM_PREFIX, live_segments
+        from k3core.transfer.shm import SHM_DIR
+
+        self.prefix, self.live, self.dir, self.every_s = f"{SHM_PREFIX}{os.getpid()}-", live_segments, SHM_DIR, every_s
+        self.peak, self._stop = 0, threading.Event()
+
+    def _held(self) -> int:
+        total = 0
+        for n in self.live(self.prefix):
+            if n not in self._before:
+                try:
+                    total += os.stat(os.path.join(self.dir, n)).st_blocks * 512
+                except FileNotFoundError:
+                    pass
+        return total
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._held())
+            time.sleep(self.every_s)
+
+    def __enter__(self) -> "ShmPeak":
+        self._before = set(self.live(self.prefix))
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._held())
+
+
 class Versions:
     def __init__(self):
         self.v = 0
@@ -174,7 +221,7 @@ class Versions:
 
 
 def run_state(label: str, config: K3Config, dtype: torch.dtype, device: str, repeats: int, bucket_bytes: int,
-              quantized_rows: bool, tmp: Path) -> list[dict]:
+              quantized_rows: bool, tmp: Path, ring: int, stream_bucket_bytes: int) -> list[dict]:
     from k3core import transfer as T
 
     rows: list[dict] = []
@@ -183,11 +230,12 @@ def run_state(label: str, config: K3Config, dtype: torch.dtype, device: str, rep
     nbytes = T.wire_nbytes(state)
     versions = Versions()
 
-    def add(name: str, times: list[float], moved: int, note: str = "") -> None:
-        rows.append({"state": label, "path": name, "bytes": moved, "times": times, "note": note})
+    def add(name: str, times: list[float], moved: int, note: str = "", shm_peak: int | None = None) -> None:
+        rows.append({"state": label, "path": name, "bytes": moved, "times": times, "note": note, "shm_peak": shm_peak})
         med = statistics.median(times)
+        peak = f"  peak /dev/shm {shm_peak / 2**20:7.1f} MiB" if shm_peak is not None else ""
         print(f"  {label:>10} {name:<32} {moved / 2**20:9.1f} MiB  median {med * 1e3:9.1f} ms  "
-              f"{moved / med / 1e9:7.3f} GB/s", flush=True)
+              f"{moved / med / 1e9:7.3f} GB/s{peak}", flush=True)
 
     add("memcpy", time_memcpy(nbytes, device, repeats), nbytes)
 
@@ -211,27 +259,36 @@ def run_state(label: str, config: K3Config, dtype: torch.dtype, device: str, rep
     # another process: shared memory on CPU, CUDA IPC on GPU
     recv = Receiver(config, dtype, device)
     pool = T.ShmPool(bucket_bytes)
+    ring_pool = T.ShmPool(stream_bucket_bytes)
     try:
         transports = [("shm", T.send_shm, T.default_algo("cpu"), {}),
                       ("shm pooled", T.send_shm, T.default_algo("cpu"), {"pool": pool})]
         if device == "cuda":
             transports.append(("cuda_ipc", T.send_cuda_ipc, "sum64", {}))
+        transports += [("shm streamed", T.send_shm_stream, T.default_algo("cpu"), {"ring": ring}),
+                       ("shm streamed, pooled ring + kept staging", T.send_shm_stream, T.default_algo("cpu"),
+                        {"ring": ring, "pool": ring_pool})]
         for name, send, algo, kw in transports:
             times, recv_s = [], []
-            for i in range(repeats + 1):  # the first builds the receiver's engine / fills the pool: not timed
-                perturb(trainer)
-                sync(device)
-                t0 = time.perf_counter()
-                sent = send(state, versions.next(), bucket_bytes=bucket_bytes, algo=algo, **kw)
-                r = recv.ask({"payload": sent.payload, "quantized": False})
-                if not r["ok"]:
-                    raise RuntimeError(f"{name} transfer refused: {r['error']}")
-                sent.acknowledge()
-                if i:
-                    times.append(time.perf_counter() - t0)
-                    recv_s.append(r["seconds"])
-            add(f"{name} ({algo}, {sent.report.buckets} buckets)", times, sent.report.bytes_sent,
-                f"receiver (verify + load) {statistics.median(recv_s) * 1e3:.0f} ms")
+            bb = stream_bucket_bytes if send is T.send_shm_stream else bucket_bytes
+            with ShmPeak() as peak:
+                for i in range(repeats + 1):  # the first builds the receiver's engine / fills the pool: not timed
+                    perturb(trainer)
+                    sync(device)
+                    t0 = time.perf_counter()
+                    sent = send(state, versions.next(), bucket_bytes=bb, algo=algo, **kw)
+                    r = recv.ask({"payload": sent.payload, "quantized": False, "keep_staging": send is T.send_shm_stream and "pool" in kw})
+                    if not r["ok"]:
+                        raise RuntimeError(f"{name} transfer refused: {r['error']}")
+                    sent.acknowledge()
+                    if i:
+                        times.append(time.perf_counter() - t0)
+                        recv_s.append(r["seconds"])
+            rep = sent.wait() if send is T.send_shm_stream else sent.report
+            shape = f"ring {ring} x {bb >> 20} MiB, " if send is T.send_shm_stream else ""
+            add(f"{name} ({algo}, {shape}{rep.buckets} buckets)", times, rep.bytes_sent,
+                f"receiver ({'stream + ' if shape else ''}verify + load) {statistics.median(recv_s) * 1e3:.0f} ms",
+                shm_peak=peak.peak if send is not T.send_cuda_ipc else None)
         if quantized_rows:
             times = []
             for i in range(repeats + 1):
@@ -248,6 +305,7 @@ def run_state(label: str, config: K3Config, dtype: torch.dtype, device: str, rep
     finally:
         recv.close()
         pool.close()
+        ring_pool.close()
 
     if quantized_rows:
         qeng = blank_engine(config, dtype, device, quantized=True)
@@ -287,8 +345,8 @@ def run_state(label: str, config: K3Config, dtype: torch.dtype, device: str, rep
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| state | path | MiB moved | median ms | best ms | GB/s (median) | vs memcpy | vs disk | note |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| state | path | MiB moved | median ms | best ms | GB/s (median) | vs memcpy | vs disk | peak /dev/shm MiB | note |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     by_state: dict[str, list[dict]] = {}
     for r in rows:
         by_state.setdefault(r["state"], []).append(r)
@@ -298,8 +356,9 @@ def table(rows: list[dict]) -> str:
         disk = next(v for k, v in gbps.items() if k.startswith("disk"))
         for r in rs:
             g = gbps[r["path"]]
+            peak = f"{r['shm_peak'] / 2**20:.1f}" if r.get("shm_peak") is not None else ""
             out.append(f"| {state} | {r['path']} | {r['bytes'] / 2**20:.1f} | {statistics.median(r['times']) * 1e3:.1f} | "
-                       f"{min(r['times']) * 1e3:.1f} | {g:.3f} | {g / mem:.2f}x | {g / disk:.1f}x | {r['note']} |")
+                       f"{min(r['times']) * 1e3:.1f} | {g:.3f} | {g / mem:.2f}x | {g / disk:.1f}x | {peak} | {r['note']} |")
     return "\n".join(out)
 
 
@@ -310,6 +369,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--large-gib", type=float, default=1.0, help="size of the synthetic state (0: skip it)")
     ap.add_argument("--bucket-mib", type=int, default=256)
+    ap.add_argument("--ring", type=int, default=3, help="streamed path: buckets in the shared-memory ring")
+    ap.add_argument("--stream-bucket-mib", type=int, default=16, help="streamed path: bytes per ring bucket")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--dir", default=None, help="where the disk path writes (default: a temp dir under /tmp)")
     ap.add_argument("--serve-receiver", action="store_true", help=argparse.SUPPRESS)
@@ -330,13 +391,13 @@ def main() -> None:
     dev = torch.cuda.get_device_name() if args.device == "cuda" else f"{os.cpu_count()}-core CPU"
     print(f"# weight transfer, {dev}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"digests available {available_algos()} (CPU default {default_algo('cpu')}), repeats {repeats}, "
-          f"bucket {args.bucket_mib} MiB", flush=True)
+          f"bucket {args.bucket_mib} MiB, streamed ring {args.ring} x {args.stream_bucket_mib} MiB", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="k3-weight-transfer-") as tmp:
         for label, config, quantized_rows in states:
             print(f"## {label}: {config.num_experts} experts", flush=True)
             rows += run_state(label, config, torch.bfloat16, args.device, repeats, args.bucket_mib << 20,
-                              quantized_rows, Path(tmp))
+                              quantized_rows, Path(tmp), args.ring, args.stream_bucket_mib << 20)
     print()
     print(table(rows))
     print()
@@ -347,7 +408,7 @@ def main() -> None:
             if k.startswith("inprocess ("):
                 print(f"{state}: {k} {v / mem:.0%} of memcpy (target >= 50%: {'met' if v >= 0.5 * mem else 'MISSED'})")
         for k, v in rs.items():
-            if k.startswith(("inprocess (", "shm (", "shm pooled (", "cuda_ipc (")):
+            if k.startswith(("inprocess (", "shm", "cuda_ipc (")) and "MXFP4" not in k:
                 print(f"{state}: {k} {v / disk:.1f}x disk (target >= 10x: {'met' if v >= 10 * disk else 'MISSED'})")
 
 if __name__ == "__main__":

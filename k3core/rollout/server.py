@@ -17,9 +17,12 @@
                                    weights are read into host memory first (one full copy beside the
                                    engine's), then swapped between requests
   POST /update_weights_from_tensor a transfer payload of ``k3core.transfer`` (``send_shm`` /
-                                   ``send_cuda_ipc``; not SGLang's serialized tensors): the bytes stay in
-                                   shared memory, ``load_payload`` verifies digests, names, shapes, dtypes
-                                   and that the version is newer -> same answer as from disk
+                                   ``send_cuda_ipc`` / ``send_shm_stream``; not SGLang's serialized
+                                   tensors): ``load_payload`` verifies digests, names, shapes, dtypes and
+                                   that the version is newer -> same answer as from disk. ``shm`` bytes
+                                   stay in the sender's shared memory; a streamed payload is pulled
+                                   through the sender's ring of buckets into a staged host copy while
+                                   the request is open, loaded only once all of it is verified
   GET  /health                     200 while the decode thread runs, 503 otherwise
   GET  /get_model_info             {model_path, weight_version, is_generation, architectures, ..., load}
 

@@ -70,6 +70,13 @@ def forget_mappings() -> None:
         _POOLED.clear()
 
 
+def _keep_mappings(names: set) -> None:
+    """Drop the cached mappings of pooled segments not in ``names`` (the sender no longer uses them)."""
+    with _POOLED_LOCK:
+        for name in set(_POOLED) - names:
+            del _POOLED[name]
+
+
 def _map_shm(bucket: dict, nbytes: int, pooled: bool) -> torch.Tensor:
     from k3core.transfer.shm import SHM_DIR
 
@@ -217,11 +224,8 @@ def receive(payload: dict, *, current_version: int | None = None,
             raise TransferError(f"delta computed against version {base_version}, but the receiver holds {current_version}: refused")
 
     pooled = payload.get("pooled") is True and transport == "shm"
-    if pooled:  # segments this sender no longer uses: stop pinning them
-        named = {b.get("shm") for b in buckets if isinstance(b, dict)}
-        with _POOLED_LOCK:
-            for name in set(_POOLED) - named:
-                del _POOLED[name]
+    if pooled:
+        _keep_mappings({b.get("shm") for b in buckets if isinstance(b, dict)})
     out: dict[str, torch.Tensor] = {}
     rows = []
     for bi, bucket in enumerate(buckets):
@@ -269,10 +273,11 @@ def receive(payload: dict, *, current_version: int | None = None,
     return out, version
 
 
-def load_payload(engine, payload: dict) -> int:
+def load_payload(engine, payload: dict, staging: dict | None = None) -> int:
     """``receive`` against ``engine`` (its version, its tensors as ``expected`` and delta ``base``),
     then ``engine.load_weights``. Returns the new version; raises ``TransferError`` with the engine
-    untouched."""
+    untouched. ``staging``: for a streamed payload, a dict kept by the caller across transfers in
+    which the staged tensors are allocated once and reused (``receive_stream``)."""
     from k3core.transfer.inprocess import engine_tensors
 
     own = engine_tensors(engine)
@@ -281,7 +286,7 @@ def load_payload(engine, payload: dict) -> int:
 
         # staged copies, loaded before the sender hears "done": its wait() reports the load too
         _, version = receive_stream(payload, current_version=engine.weight_version, expected=own, base=own,
-                                    apply=engine.load_weights)
+                                    apply=engine.load_weights, staging=staging)
         return version
     state, version = receive(payload, current_version=engine.weight_version, expected=own, base=own)
     engine.load_weights(state, version)

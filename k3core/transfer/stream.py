@@ -66,6 +66,7 @@ import torch
 
 from k3core.transfer.delta import DeltaTracker
 from k3core.transfer.digest import ALGOS, available_algos, bytes_view, check_algo, default_algo, tensor_digest
+from k3core.transfer.shm import SHM_PREFIX, ShmPool, _check_shm_dir, _create_segment, _ShmBuckets
 from k3core.transfer.wire import (FORMAT, TransferError, TransferReport, align_up, content_sha256, dtype_name,
                                   item_digest, iter_wire, parse_dtype)
 
@@ -73,8 +74,9 @@ __all__ = ["StreamedSend", "send_shm_stream", "receive_stream", "DEFAULT_RING", 
 
 TRANSPORT = "shm_stream"
 DEFAULT_RING = 3
-DEFAULT_STREAM_BUCKET_BYTES = 64 << 20
+DEFAULT_STREAM_BUCKET_BYTES = 16 << 20  # x DEFAULT_RING = 48 MiB: fits a container's default 64 MiB /dev/shm
 DEFAULT_TIMEOUT_S = 60.0
+_REFUSED = "the receiver refused the transfer"
 
 
 # ------------------------------------------------------------------ control channel
@@ -144,8 +146,8 @@ class StreamedSend:
     garbage collection)."""
 
     def __init__(self, named_tensors: Mapping[str, torch.Tensor], version: int, ring: int, bucket_bytes: int,
-                 quantize_experts: bool, w4a8: bool, algo: str, tracker: DeltaTracker | None, timeout: float):
-        from k3core.transfer.shm import SHM_PREFIX, _check_shm_dir, _create_segment, _unlink
+                 quantize_experts: bool, w4a8: bool, algo: str, tracker: DeltaTracker | None, timeout: float,
+                 pool: ShmPool | None):
 
         if ring < 1 or bucket_bytes < 1 or timeout <= 0:
             raise ValueError(f"ring, bucket_bytes and timeout must be positive, got {ring}, {bucket_bytes}, {timeout}")
@@ -159,11 +161,11 @@ class StreamedSend:
         self._handles: list = []
         self._slots: list[torch.Tensor] = []
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._finalizer = weakref.finalize(self, StreamedSend._release, self._listener, self._handles, self._slots,
-                                           _unlink)
+        self._finalizer = weakref.finalize(self, StreamedSend._release, self._listener, pool, self._handles,
+                                           self._slots)
         try:
             for k in range(ring):
-                seg, buf = _create_segment(f"{tag}-{k}", self.slot_bytes)
+                seg, buf = pool.take(self.slot_bytes) if pool is not None else _create_segment(f"{tag}-{k}", self.slot_bytes)
                 self._handles.append(seg)
                 self._slots.append(buf)
             self._listener.bind(_abstract(f"{tag}-control"))
@@ -175,7 +177,9 @@ class StreamedSend:
         self.payload = {"format": FORMAT, "transport": TRANSPORT, "weight_version": int(version),
                         "base_version": self._base_version if self._base else None, "hash": algo,
                         "ring": [h.name for h in self._handles], "bucket_bytes": self.slot_bytes,
-                        "control": f"{tag}-control", "token": secrets.token_hex(16), "timeout_s": float(timeout)}
+                        "control": f"{tag}-control", "token": secrets.token_hex(16), "timeout_s": float(timeout),
+                        "pooled": pool is not None}
+        self.peak_shm_bytes = sum(b.numel() for b in self._slots)  # a pool's segments may be larger
         self.report: TransferReport | None = None
         self._digests: dict[str, str] = {}
         self._error: BaseException | None = None
@@ -183,19 +187,14 @@ class StreamedSend:
         self._thread.start()
 
     @staticmethod
-    def _release(listener: socket.socket, handles: list, slots: list, unlink) -> None:
+    def _release(listener: socket.socket, pool: ShmPool | None, handles: list, slots: list) -> None:
         listener.close()
-        slots.clear()
-        unlink(handles)
+        _ShmBuckets.release(pool, handles, slots)  # back to the pool, or unlinked
 
     @property
     def segment_names(self) -> list[str]:
         """The ring's shared-memory segment names (empty once the stream ended)."""
         return [h.name for h in self._handles]
-
-    @property
-    def peak_shm_bytes(self) -> int:
-        return len(self.payload["ring"]) * self.slot_bytes
 
     def wait(self, timeout: float | None = None) -> TransferReport:
         """Block until the receiver verified (and loaded) everything; return the report. Raises
@@ -263,20 +262,19 @@ class StreamedSend:
             self.report = self._stream(ch)
             msg = ch.recv("its verdict")
             if msg.get("op") == "refused":
-                raise TransferError(f"the receiver refused the transfer: {msg.get('error')}")
+                raise TransferError(f"{_REFUSED}: {msg.get('error')}")
             if msg.get("op") != "done":
                 raise TransferError(f"the receiver sent {msg.get('op')!r} instead of its verdict")
             self.report.seconds = time.perf_counter() - t0
         except BaseException as e:
             self._error = e if isinstance(e, TransferError) else TransferError(f"streamed send failed: {type(e).__name__}: {e}")
-            if ch is not None:
-                words = ch.last_words("refused")  # a receiver that refused before this side read why
-                if words is not None and words.get("op") == "refused":
-                    self._error = TransferError(f"the receiver refused the transfer: {words.get('error')}")
+            if ch is not None and not str(self._error).startswith(_REFUSED):
                 try:
                     ch.send({"op": "abort", "error": str(self._error)})
-                except TransferError:
-                    pass
+                except TransferError:  # the receiver hung up: did it say why before this side read it?
+                    words = ch.last_words("refused")
+                    if words is not None:
+                        self._error = TransferError(f"{_REFUSED}: {words.get('error')}")
         finally:
             if ch is not None:
                 ch.close()
@@ -292,7 +290,7 @@ class StreamedSend:
             while consumed < seq - ring:
                 msg = ch.recv(f"it to release bucket {seq - ring}")
                 if msg.get("op") == "refused":
-                    raise TransferError(f"the receiver refused the transfer: {msg.get('error')}")
+                    raise TransferError(f"{_REFUSED}: {msg.get('error')}")
                 if msg.get("op") != "consumed" or msg.get("seq") != consumed + 1:
                     raise TransferError(f"the receiver sent {msg!r}, expected consumed {consumed + 1}")
                 consumed += 1
@@ -376,15 +374,17 @@ def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
 def send_shm_stream(named_tensors: Mapping[str, torch.Tensor], version: int, *, ring: int = DEFAULT_RING,
                     bucket_bytes: int = DEFAULT_STREAM_BUCKET_BYTES, quantize_experts: bool = False,
                     w4a8: bool = True, algo: str | None = None, tracker: DeltaTracker | None = None,
-                    timeout: float = DEFAULT_TIMEOUT_S) -> StreamedSend:
+                    timeout: float = DEFAULT_TIMEOUT_S, pool: ShmPool | None = None) -> StreamedSend:
     """Stream ``named_tensors`` (native trainer state, CPU or CUDA) through a ring of ``ring``
     shared-memory buckets of ``bucket_bytes`` (see the module docstring). Returns at once; hand
     ``.payload`` to the receiver (``load_payload`` / ``/update_weights_from_tensor``) and call
     ``.wait()`` or ``.acknowledge()``. The caller must not change the tensors until then.
     ``timeout``: seconds either side waits for the other before giving up (also sent to the
-    receiver). ``tracker``: delta transfer, as ``send_shm``."""
+    receiver). ``tracker``: delta transfer, as ``send_shm``. ``pool``: take the ring from a ``ShmPool``
+    (``ShmPool(segment_bytes=bucket_bytes)``) and give it back after the stream instead of creating
+    and unlinking it every time; the receiver then keeps its mappings too."""
     return StreamedSend(named_tensors, version, ring, bucket_bytes, quantize_experts, w4a8,
-                        algo or default_algo("cpu"), tracker, timeout)
+                        algo or default_algo("cpu"), tracker, timeout, pool)
 
 
 # ------------------------------------------------------------------ receiver
@@ -407,7 +407,7 @@ def _header(payload: dict) -> tuple[int, str, list[str], int, float]:
 class _Staged:
     """One wire item on the receiving side: its parts copied out of the ring, then verified."""
 
-    def __init__(self, decl: dict, expected):
+    def __init__(self, decl: dict, expected, staging: dict | None):
         from k3core.transfer.receive import _expected_spec, _int, _need, _shape
 
         _need(isinstance(decl, dict) and isinstance(decl.get("name"), str), f"malformed stream: item {decl!r}")
@@ -437,7 +437,12 @@ class _Staged:
             _need(self.dtype == dtype, f"{self.name}: dtype {dtype_name(self.dtype)}, the receiver expects "
                                        f"{dtype_name(dtype)}: refused")
         if self.codec == "raw":  # staged straight into the tensor the engine gets
-            self.tensor = torch.empty(self.shape, dtype=self.dtype)
+            kept = staging.get(self.name) if staging is not None else None
+            if kept is None or tuple(kept.shape) != self.shape or kept.dtype != self.dtype:
+                kept = torch.empty(self.shape, dtype=self.dtype)
+                if staging is not None:
+                    staging[self.name] = kept
+            self.tensor = kept
             self.parts = [bytes_view(self.tensor)]
         else:
             self.tensor = None
@@ -470,7 +475,7 @@ def receive_stream(payload: dict, *, current_version: int | None = None,
                    expected: Mapping[str, torch.Tensor | tuple] | None = None,
                    base: Mapping[str, torch.Tensor] | None = None,
                    apply: Callable[[dict[str, torch.Tensor], int], None] | None = None,
-                   timeout: float | None = None) -> tuple[dict[str, torch.Tensor], int]:
+                   timeout: float | None = None, staging: dict | None = None) -> tuple[dict[str, torch.Tensor], int]:
     """Receive a ``send_shm_stream`` payload: connect to the sender, copy every bucket out of the
     ring into staged host tensors, verify everything; return (state dict, weight version).
 
@@ -478,9 +483,13 @@ def receive_stream(payload: dict, *, current_version: int | None = None,
     unchanged tensors of a delta are ``base``'s. ``apply(state, version)`` runs after every check and
     before the sender is told ``done`` (``load_payload`` passes ``engine.load_weights``), so the
     sender's ``wait()`` reports its outcome too. ``timeout``: seconds to wait for the sender (default:
-    the payload's ``timeout_s``). Raises ``TransferError``; the sender is told why.
+    the payload's ``timeout_s``). ``staging``: a dict the caller keeps across transfers; raw tensors
+    are staged in its tensors (allocated on first use, reused while name, shape and dtype match), so
+    steady-state transfers write into pages that already exist (fresh pages cost more to fault in
+    than the copy), at the price of one standing copy; the returned tensors are then overwritten by
+    the next transfer that uses the same dict. Raises ``TransferError``; the sender is told why.
     """
-    from k3core.transfer.receive import _check_expected, _check_unchanged, _int, _map_shm, _need
+    from k3core.transfer.receive import _check_expected, _check_unchanged, _int, _keep_mappings, _map_shm, _need
 
     _need(isinstance(payload, dict) and payload.get("format") == FORMAT and payload.get("transport") == TRANSPORT,
           f"malformed payload: expected a {FORMAT} {TRANSPORT} object")
@@ -509,7 +518,10 @@ def receive_stream(payload: dict, *, current_version: int | None = None,
                                     "current tensors)")
             _need(current_version is None or base_version == current_version,
                   f"delta computed against version {base_version}, but the receiver holds {current_version}: refused")
-        slots = [_map_shm({"shm": name}, slot_bytes, False) for name in ring]
+        pooled = payload.get("pooled") is True
+        if pooled:
+            _keep_mappings(set(ring))
+        slots = [_map_shm({"shm": name}, slot_bytes, pooled) for name in ring]
         items: dict[int, _Staged] = {}
         seq = 0
         while True:
@@ -525,7 +537,7 @@ def receive_stream(payload: dict, *, current_version: int | None = None,
                 idx = decl.get("idx") if isinstance(decl, dict) else None
                 _need(isinstance(idx, int) and idx not in items, f"malformed stream: item {str(decl)[:200]}")
                 _need(all(s.name != decl.get("name") for s in items.values()), f"malformed payload: {decl.get('name')} sent twice")
-                items[idx] = _Staged(decl, expected)
+                items[idx] = _Staged(decl, expected, staging)
             buf = slots[seq % len(ring)]
             for c in msg.get("chunks") or []:
                 _need(isinstance(c, list) and len(c) == 5 and all(isinstance(x, int) and x >= 0 for x in c),

@@ -114,6 +114,28 @@ def test_stream_round_trip_splits_large_tensors_and_names_the_same_content(algo)
     assert not _my_segments()
 
 
+def test_stream_pooled_ring_and_kept_staging_are_reused():
+    trainer = _model(10)
+    staging: dict = {}
+    with T.ShmPool(segment_bytes=BUCKET) as pool:
+        names, ptrs = None, None
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(0.01 * version)
+            sd = trainer.state_dict()
+            sent = T.send_shm_stream(sd, version, ring=RING, bucket_bytes=BUCKET, pool=pool)
+            got, v = T.receive_stream(sent.payload, staging=staging)
+            sent.wait(60)
+            assert v == version and all(torch.equal(got[k], t) for k, t in sd.items())
+            assert names is None or (pool.segment_names == names and len(names) == RING)  # the same ring, refilled
+            assert ptrs is None or {k: t.data_ptr() for k, t in got.items()} == ptrs  # the same staged tensors
+            names, ptrs = pool.segment_names, {k: t.data_ptr() for k, t in got.items()}
+        assert set(_my_segments()) == set(names)
+    T.forget_mappings()
+    assert not _my_segments()
+
+
 def test_stream_refuses_a_stale_version_and_tells_the_sender():
     sd = _model(2).state_dict()
     sent = T.send_shm_stream(sd, 3, ring=RING, bucket_bytes=BUCKET)
@@ -146,6 +168,7 @@ def test_stream_peak_shared_memory_is_the_ring_not_the_model(worker, monkeypatch
         return real_create(name, nbytes)
 
     monkeypatch.setattr(shm_module, "_create_segment", counting_create)
+    monkeypatch.setattr(stream_module, "_create_segment", counting_create)
 
     def peak_while(run) -> int:
         """Most bytes this process's segments held in /dev/shm, sampled while ``run()`` runs."""
