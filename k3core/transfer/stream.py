@@ -40,13 +40,17 @@ it), every item's name, dtype and shape against ``expected`` when it is declared
 order, every part's digest over the receiver's own staged copy, the unchanged tensors' digests, the
 name set and the content digest; the first failure refuses the transfer before anything is applied.
 
-Memory. Shared memory: ``ring * bucket_bytes`` (sender-owned; the receiver maps the same pages).
-Receiver: the staged copy of every sent tensor in host memory (one model copy for a full transfer,
-the changed tensors for a delta), which ``load_payload`` hands to the engine's checked atomic
-``load_weights`` only once all of it is verified; MXFP4-codec items are staged as their codes and
-dequantised one at a time. Sender: nothing beyond the ring but one expert's MXFP4 codes at a time.
-Against ``send_shm``: that one holds one full wire copy in /dev/shm (and the receiver returns views
-of it, no staging); this one holds a fixed ring in /dev/shm plus the receiver's staged copy.
+Memory. Shared memory: ``ring * bucket_bytes`` (sender-owned; the receiver maps the same pages),
+whatever the model size. Receiver, at peak: the engine's own weights, plus the staged copy of every
+sent tensor in host memory (one model copy for a full transfer, the changed tensors for a delta),
+which ``load_payload`` hands to the engine's checked atomic ``load_weights`` only once all of it is
+verified; MXFP4-codec items are staged as their codes and dequantised one at a time. Sender: nothing
+beyond the ring but one expert's MXFP4 codes at a time. Against ``send_shm``: that one holds one
+full wire copy in /dev/shm (the receiver loads from views of it, no staging); this one holds a fixed
+ring in /dev/shm and moves the model-sized copy into the receiver's heap. Steady state, like
+``ShmPool`` for ``send_shm``: ``pool=`` reuses the ring across transfers, and a ``staging`` dict kept
+by the receiver reuses the staged tensors (one standing host copy), since fresh pages cost more to
+fault in than the copy.
 """
 
 from __future__ import annotations
