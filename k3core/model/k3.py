@@ -26,7 +26,7 @@ from torch import nn
 
 from k3core.config import K3Config
 from k3core.model.attnres import ResNorm, ResProj, attn_res_mix, w_gamma
-from k3core.model.cache import K3Cache
+from k3core.model.cache import K3Cache, StaticDecodeState, StaticLayerCache
 from k3core.model.kda import KimiDeltaAttention
 from k3core.model.mla import GatedMLA
 from k3core.model.mlp import SiTUMLP
@@ -92,7 +92,8 @@ class K3DecoderLayer(nn.Module):
             p = p + self.self_attn(self.input_layernorm(h), attention_mask, cache)
         m = self._mix(p, blocks, self.mlp_res_proj, self.mlp_res_norm, self._mlp_site, use_cache)
         if self.is_moe:
-            out, ids = self.block_sparse_moe(self.post_attention_layernorm(m), forced_ids)
+            out, ids = self.block_sparse_moe(self.post_attention_layernorm(m), forced_ids,
+                                             sync_free=isinstance(cache, StaticLayerCache))
         else:
             out, ids = self.mlp(self.post_attention_layernorm(m)), None
         return p + out, blocks, ids
@@ -173,12 +174,20 @@ class K3ForCausalLM(nn.Module):
     @torch.no_grad()
     def refresh_inference_caches(self) -> None:
         """Recompute every weight-derived inference cache (AttnRes ``w * gamma``). Must run after
-        every weight change while ``use_inference_caches`` is on, or decoding uses stale scores."""
-        for layer in self.model.layers:
-            layer._attn_site.cache = w_gamma(layer.self_attention_res_proj, layer.self_attention_res_norm).detach().clone()
-            layer._mlp_site.cache = w_gamma(layer.mlp_res_proj, layer.mlp_res_norm).detach().clone()
+        every weight change while ``use_inference_caches`` is on, or decoding uses stale scores.
+        An existing cache is overwritten in place (same storage), so a captured CUDA graph that
+        reads it sees the new values."""
         m = self.model
-        m._out_site.cache = w_gamma(m.output_attn_res_proj, m.output_attn_res_norm).detach().clone()
+        sites = [(l._attn_site, l.self_attention_res_proj, l.self_attention_res_norm) for l in m.layers]
+        sites += [(l._mlp_site, l.mlp_res_proj, l.mlp_res_norm) for l in m.layers]
+        sites.append((m._out_site, m.output_attn_res_proj, m.output_attn_res_norm))
+        for site, proj, norm in sites:
+            wg = w_gamma(proj, norm).detach()
+            c = site.cache
+            if c is not None and c.shape == wg.shape and c.dtype == wg.dtype and c.device == wg.device:
+                c.copy_(wg)
+            else:
+                site.cache = wg.clone()
 
     # ------------------------------------------------------------------ forward
     def _check_ids(self, input_ids: torch.Tensor) -> None:
@@ -191,6 +200,43 @@ class K3ForCausalLM(nn.Module):
                 bad = ((input_ids < 0) | (input_ids >= V)).nonzero()[0].tolist()
                 raise ValueError(f"token id {int(input_ids[bad[0], bad[1]])} at position {tuple(bad)} is outside the "
                                  f"vocabulary [0, {V}): tokenize with this model's tokenizer (vocab_size={V})")
+
+    def _trunk(self, input_ids, attention_mask, layer_caches, forced_routing) -> tuple[torch.Tensor, list]:
+        """Embedding, layers, output mix and head -> (logits ``[B, T, V]``, routed ids per MoE layer)."""
+        use_cache = self.use_inference_caches
+        p = self.model.embed_tokens(input_ids)
+        blocks: list[torch.Tensor] = []
+        routing = []
+        for i, layer in enumerate(self.model.layers):
+            forced = None
+            if forced_routing is not None and layer.is_moe:
+                forced = forced_routing[:, :, len(routing)]
+            cache = layer_caches[i] if layer_caches is not None else None
+            p, blocks, ids = layer(p, blocks, attention_mask, cache, forced, use_cache)
+            if ids is not None:
+                routing.append(ids)
+        m = self.model
+        if use_cache:
+            wg = m._out_site.cache
+            if wg is None:
+                raise RuntimeError("AttnRes w*gamma cache is empty: call refresh_inference_caches()")
+        else:
+            wg = w_gamma(m.output_attn_res_proj, m.output_attn_res_norm)
+        h = m.norm(attn_res_mix(p, blocks, wg, self.config.rms_norm_eps))
+        return self.lm_head(h), routing
+
+    @torch.no_grad()
+    def decode_step(self, state: StaticDecodeState, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode token for each of the first ``b`` slots of ``state``: reads ``state.tokens[:b]``,
+        updates the slots' KDA state, conv tails and MLA latents in place and advances ``state.lens``.
+        -> (logits ``[b, V]``, routed expert ids ``[b, n_moe_layers, k]``). Fixed shapes, fixed
+        storage and no host sync (no id check either: the ids were sampled from this model), so a
+        CUDA graph can capture it; slots beyond the caller's sequences decode as harmless padding."""
+        logits, routing = self._trunk(state.tokens[:b].view(b, 1), None, state.views(b), None)
+        state.lens[:b].add_(1)
+        k = self.config.num_experts_per_token
+        ids = torch.stack(routing, dim=1)[:, :, 0] if routing else state.tokens.new_zeros(b, 0, k)
+        return logits[:, 0], ids
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                 targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
@@ -209,26 +255,8 @@ class K3ForCausalLM(nn.Module):
         n_moe, k = len(self.moe_layer_ids), self.config.num_experts_per_token
         if forced_routing is not None and tuple(forced_routing.shape) != (B, T, n_moe, k):
             raise ValueError(f"forced_routing has shape {tuple(forced_routing.shape)}, expected {(B, T, n_moe, k)}")
-        use_cache = self.use_inference_caches
-        p = self.model.embed_tokens(input_ids)
-        blocks: list[torch.Tensor] = []
-        routing = []
-        for i, layer in enumerate(self.model.layers):
-            forced = None
-            if forced_routing is not None and layer.is_moe:
-                forced = forced_routing[:, :, len(routing)]
-            p, blocks, ids = layer(p, blocks, attention_mask, cache.layers[i] if cache is not None else None, forced, use_cache)
-            if ids is not None:
-                routing.append(ids)
-        m = self.model
-        if use_cache:
-            wg = m._out_site.cache
-            if wg is None:
-                raise RuntimeError("AttnRes w*gamma cache is empty: call refresh_inference_caches()")
-        else:
-            wg = w_gamma(m.output_attn_res_proj, m.output_attn_res_norm)
-        h = m.norm(attn_res_mix(p, blocks, wg, self.config.rms_norm_eps))
-        logits = self.lm_head(h)
+        logits, routing = self._trunk(input_ids, attention_mask, cache.layers if cache is not None else None,
+                                      forced_routing)
         out = K3Output(cache=cache)
         if cache is not None:
             cache.seen_tokens += T

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3core.model.cache import KDALayerCache
+from k3core.model.cache import KDALayerCache, StaticKDACache
 from k3core.model.norm import at_least_fp32, rms_norm
 from k3core.ops.kda import kda, kda_gate, kda_step
 
@@ -73,9 +73,11 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm.weight = nn.Parameter(torch.ones(K, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: KDALayerCache | None = None) -> torch.Tensor:
+                cache: KDALayerCache | StaticKDACache | None = None) -> torch.Tensor:
         """x ``[B, T, D]``; attention_mask ``[B, T]`` (True = real token) makes pads neutral;
-        cache (updated in place) carries conv tails and the recurrent state across calls."""
+        cache (updated in place) carries conv tails and the recurrent state across calls. A
+        ``StaticKDACache`` (one token per slot) has its buffers overwritten (``copy_``), so their
+        storage never moves (what a captured CUDA graph needs)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         mask = None if attention_mask is None else attention_mask.to(torch.bool).unsqueeze(-1)
@@ -93,13 +95,18 @@ class KimiDeltaAttention(nn.Module):
             beta = beta.masked_fill(~mask, 0.0)
         q, k, v = (t.view(B, T, H, K) for t in (q, k, v))
         state = cache.state if cache is not None else None
+        if isinstance(cache, StaticKDACache) and T != 1:
+            raise ValueError(f"static decode takes one token per slot, got {T}")
         if cache is not None and T == 1 and state is not None:
             o, new_state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
             o = o.unsqueeze(1)
         else:
             o, new_state = kda(q, k, v, g, beta, initial_state=state, output_final_state=cache is not None,
                                lower_bound=self.lower_bound)  # g >= lower_bound: fla's safe-gate path
-        if cache is not None:
+        if isinstance(cache, StaticKDACache):
+            for buf, new in zip((cache.conv_q, cache.conv_k, cache.conv_v, cache.state), (cq, ck, cv, new_state)):
+                buf.copy_(new)
+        elif cache is not None:
             cache.conv_q, cache.conv_k, cache.conv_v, cache.state = cq, ck, cv, new_state
         o = rms_norm(o.to(x.dtype), self.o_norm.weight, self.eps).reshape(B, T, H * K)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))

@@ -14,7 +14,9 @@ g_proj ``[H*v, D]``, o_proj ``[D, H*v]``.
 
 Decoding caches only the normed latent and the key tail per token (``kv_lora + tail`` numbers) and
 attends in latent space (the "absorbed" form): ``q_nope W_k`` is scored against the latents and the
-latent context is expanded once through ``W_v``; keys and values are never re-expanded.
+latent context is expanded once through ``W_v``; keys and values are never re-expanded. With a
+``StaticMLACache`` (fixed-shape decode, one token) the new latent is written at each slot's
+``lens`` position and attention runs over all ``max_len`` positions, masked to the first ``lens + 1``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3core.model.cache import MLALayerCache
+from k3core.model.cache import MLALayerCache, StaticMLACache
 from k3core.model.norm import RMSNorm, at_least_fp32
 
 
@@ -60,19 +62,22 @@ class GatedMLA(nn.Module):
         return torch.cat([self.kv_a_layernorm(c), k_tail], dim=-1)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: MLALayerCache | None = None) -> torch.Tensor:
+                cache: MLALayerCache | StaticMLACache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, self.nope + self.tail)
         kv = self._latent(x)
-        valid = (torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None
-                 else attention_mask.to(torch.bool))
-        if cache is not None and cache.kv is not None:
-            o = self._attend_absorbed(q, kv, valid, cache)
+        if isinstance(cache, StaticMLACache):
+            o = self._attend_static(q, kv, cache)
         else:
-            if cache is not None:
-                cache.kv, cache.valid = kv, valid
-            o = self._attend_expanded(q, kv, valid if attention_mask is not None else None)
+            valid = (torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None
+                     else attention_mask.to(torch.bool))
+            if cache is not None and cache.kv is not None:
+                o = self._attend_absorbed(q, kv, valid, cache)
+            else:
+                if cache is not None:
+                    cache.kv, cache.valid = kv, valid
+                o = self._attend_expanded(q, kv, valid if attention_mask is not None else None)
         o = o.reshape(B, T, H * self.vdim)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
 
@@ -101,11 +106,30 @@ class GatedMLA(nn.Module):
         cache.kv = torch.cat([cache.kv, kv_new], dim=1)
         cache.valid = torch.cat([cache.valid, valid_new], dim=1)
         c, k_tail = cache.kv.split([self.kv_lora_rank, self.tail], dim=-1)  # [B, S, r], [B, S, e]
+        return self._latent_attention(q, c, k_tail, _attend_mask(T, cache.valid, offset))
+
+    def _latent_attention(self, q, c, k_tail, mask):
+        """q ``[B, T, H, nope+tail]`` against latents c ``[B, S, r]`` and tails ``[B, S, e]``, mask
+        ``[B, 1, T, S]`` (True = attend) -> ``[B, T, H, v]``."""
         W_k, W_v = self.absorbed_weights()
         q_nope, q_tail = q.split([self.nope, self.tail], dim=-1)
         q_lat = torch.einsum("bthn,hnr->bhtr", q_nope, W_k)
         scores = torch.einsum("bhtr,bsr->bhts", q_lat, c) + torch.einsum("bthe,bse->bhts", q_tail, k_tail)
-        scores = (at_least_fp32(scores) * self.scale).masked_fill(~_attend_mask(T, cache.valid, offset), float("-inf"))
+        scores = (at_least_fp32(scores) * self.scale).masked_fill(~mask, float("-inf"))
         p = torch.softmax(scores, dim=-1).to(c.dtype)
         ctx = torch.einsum("bhts,bsr->bhtr", p, c)
         return torch.einsum("bhtr,hvr->bthv", ctx, W_v)
+
+    def _attend_static(self, q, kv_new, cache: StaticMLACache):
+        """One token per slot against the fixed-shape latent buffer, no host sync: write the new
+        latent at position ``lens`` (clamped, so padding slots never write out of bounds), attend to
+        positions ``<= lens``. The caller advances ``lens`` once per step. -> ``[b, 1, H, v]``."""
+        b, T, H, _ = q.shape
+        if T != 1:
+            raise ValueError(f"static decode takes one token per slot, got {T}")
+        L, W = cache.kv.shape[1], cache.kv.shape[2]
+        pos = cache.lens.clamp(max=L - 1)
+        cache.kv.scatter_(1, pos.view(b, 1, 1).expand(b, 1, W), kv_new)
+        mask = torch.arange(L, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)  # [b, L]
+        c, k_tail = cache.kv.split([self.kv_lora_rank, self.tail], dim=-1)
+        return self._latent_attention(q, c, k_tail, mask[:, None, None, :])

@@ -16,7 +16,10 @@ gradient passes straight through to the bf16/fp32 master weights; names and shap
 
 Dispatch computes only the chosen (token, expert) pairs: sort the pairs by expert, run each active
 expert on its contiguous slice (``torch._grouped_mm`` on CUDA where it applies), scatter the weighted
-outputs back. ``dense_reference_moe`` runs every expert on every token: it exists for tests only.
+outputs back. Counts per expert are a device ``scatter_add`` (``bincount`` on CUDA reads the max back
+to size its output: a host sync). ``sync_free`` (the static decode step, captured in CUDA graphs)
+never reads a device value on the host: ``_grouped_mm`` on CUDA, else the padded batched GEMM with
+the capacity every expert could need (all tokens), fixed by shapes alone. ``dense_reference_moe`` runs every expert on every token: it exists for tests only.
 """
 
 from __future__ import annotations
@@ -94,13 +97,17 @@ class RoutedExperts(nn.Module):
             w13, w2 = self.w13[e], self.w2[e]
         return situ_glu(x @ w13.t(), self.beta, self.linear_beta) @ w2.t()
 
-    def grouped_forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by expert, ``counts[e]`` rows each -> ``[n, Dl]`` in the same order."""
+    def grouped_forward(self, x_sorted: torch.Tensor, counts: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
+        """Rows sorted by expert, ``counts[e]`` rows each -> ``[n, Dl]`` in the same order.
+        ``max_rows``: a bound on any ``counts[e]`` known from shapes; given, nothing reads ``counts``
+        on the host (no sync: the padded path runs at that capacity unless ``_grouped_mm`` applies)."""
         w13, w2 = self.effective_weights()
         if _grouped_mm_ok(x_sorted, w13):
             offs = torch.cumsum(counts, 0).to(torch.int32)
             h = torch._grouped_mm(x_sorted, w13.transpose(-2, -1), offs=offs)
             return torch._grouped_mm(situ_glu(h, self.beta, self.linear_beta), w2.transpose(-2, -1), offs=offs)
+        if max_rows is not None:
+            return self._padded_forward(x_sorted, counts, max_rows, (w13, w2))
         if CPU_PADDED_EXPERTS and not x_sorted.is_cuda and x_sorted.shape[0]:
             cap = int(counts.max())
             if cap * self.num_experts <= 2 * x_sorted.shape[0]:
@@ -120,7 +127,7 @@ class RoutedExperts(nn.Module):
         most doubles the work (a balanced router)."""
         n = x_sorted.shape[0]
         starts = torch.cumsum(counts, 0) - counts
-        expert = torch.repeat_interleave(torch.arange(self.num_experts, device=x_sorted.device), counts)
+        expert = torch.repeat_interleave(torch.arange(self.num_experts, device=x_sorted.device), counts, output_size=n)
         pos = torch.arange(n, device=x_sorted.device) - starts[expert]
         flat = expert * cap + pos
         xp = x_sorted.new_zeros(self.num_experts * cap, x_sorted.shape[1]).index_copy(0, flat, x_sorted)
@@ -171,27 +178,35 @@ class LatentMoE(nn.Module):
             w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
         return ids, w * self.scaling
 
-    def forward(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x ``[..., D]`` -> (y ``[..., D]``, expert ids ``[..., k]``)."""
+    def forward(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None,
+                sync_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[..., D]`` -> (y ``[..., D]``, expert ids ``[..., k]``). ``sync_free``: no host sync
+        in dispatch (see the module docstring; ``forced_ids`` are range-checked on the host)."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         ids, w = self.route(x2, None if forced_ids is None else forced_ids.reshape(-1, self.top_k))
         xl = self.routed_expert_down_proj(x2)
-        yl = sparse_dispatch(self.experts, xl, ids, w)
+        yl = sparse_dispatch(self.experts, xl, ids, w, sync_free)
         y = self.routed_expert_up_proj(self.routed_expert_norm(yl))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x2)
         return y.view(shape), ids.view(*shape[:-1], self.top_k)
 
 
-def sparse_dispatch(experts: RoutedExperts, xl: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Only the chosen pairs: xl ``[N, Dl]``, ids/w ``[N, k]`` -> weighted sum ``[N, Dl]``."""
+def sparse_dispatch(experts: RoutedExperts, xl: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                    sync_free: bool = False) -> torch.Tensor:
+    """Only the chosen pairs: xl ``[N, Dl]``, ids/w ``[N, k]`` -> weighted sum ``[N, Dl]``.
+    ``sync_free``: a token picks an expert at most once, so no expert gets more than N rows."""
     N, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // k
-    counts = torch.bincount(flat, minlength=experts.num_experts)
-    out = experts.grouped_forward(xl.index_select(0, token), counts)
+    counts = torch.zeros(experts.num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    x_sorted = xl.index_select(0, token)
+    if sync_free and isinstance(experts, RoutedExperts):
+        out = experts.grouped_forward(x_sorted, counts, max_rows=N)
+    else:  # W4A8 experts tile on the host (their engine decodes eagerly)
+        out = experts.grouped_forward(x_sorted, counts)
     weighted = out * w.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
     return torch.zeros_like(xl).index_add_(0, token, weighted.to(xl.dtype))
 

@@ -18,6 +18,18 @@ Each ``step()``:
 3. feeds the survivors' tokens through one decode forward (constant KDA state per sequence, MLA
    attention in latent space against the cache).
 
+Decode modes (``decode=``). "dynamic": the running ``K3Cache`` is reshaped as above (concat, drop,
+trim) and each step is an ordinary forward. "static": after prefill each sequence's state is copied
+into its slot of a fixed-shape ``StaticDecodeState`` (running sequence j sits in slot j; when
+sequences leave, the last ones move into the holes), the batch is padded up to a bucket (1, 2, 4,
+... up to ``max_batch``) and each step is ``K3ForCausalLM.decode_step``: fixed shapes, fixed
+storage, no host sync. The state grows (slots to the next bucket, length to the next power of two
+that holds every running sequence's prompt + ``max_new_tokens``) when admission needs it. "graph":
+"static" with each bucket's step captured once as a CUDA graph and replayed
+(``k3core.rollout.decode_graphs``); sampling stays outside the graph. "auto" (default): "graph" on
+CUDA for float experts, "dynamic" otherwise (the W4A8 experts tile on the host, so they cannot be
+captured). Prefill is the same eager forward in every mode.
+
 Sampling. ``logprobs`` are ``log softmax(logits / temperature)`` of the sampled token, before top-k /
 top-p truncation: the distribution the trainer re-computes (temperature 0: greedy, log-probs at
 temperature 1). Top-k keeps logits >= the k-th largest; top-p then keeps the smallest prefix of the
@@ -33,8 +45,10 @@ request seed ``derive_seed(s, i)``.
 Weights and versions. ``load_weights`` checks names, shapes and dtypes of the whole state first and
 refuses (``ValueError``, nothing copied, the old version keeps serving) on any mismatch. Otherwise it
 pauses admission, lets the running sequences finish on the current weights (queued requests wait),
-then copies under the model lock, recomputes every weight-derived cache (AttnRes ``w * gamma``; the
-absorbed MLA matrices are views of ``kv_b_proj`` and need nothing) and publishes the new version,
+then copies under the model lock into the existing tensors, recomputes every weight-derived cache in
+place (AttnRes ``w * gamma``; the absorbed MLA matrices are views of ``kv_b_proj`` and need nothing),
+so captured decode graphs read the new weights (they are dropped and re-captured should any storage
+have moved), and publishes the new version,
 and admission resumes. So every sequence is produced by exactly one version, the one recorded in its
 ``Completion.weight_version`` (samples of one request admitted on both sides of an update carry their
 own versions).
@@ -58,7 +72,9 @@ from typing import Callable
 import torch
 
 from k3core.model import K3Cache, K3ForCausalLM
+from k3core.model.cache import StaticDecodeState
 from k3core.model.norm import at_least_fp32
+from k3core.rollout.decode_graphs import DecodeGraphs, bucket
 
 log = logging.getLogger(__name__)
 
@@ -222,12 +238,18 @@ class RolloutEngine:
 
     ``model``: a ``K3ForCausalLM`` (float or W4A8 experts), taken over: eval mode, inference caches on.
     ``max_batch``: most sequences decoded together; ``max_queue``: most waiting sequences ``submit``
-    accepts; ``record_logits``: keep every sampled-from logits row in ``Completion.meta`` (tests)."""
+    accepts; ``record_logits``: keep every sampled-from logits row in ``Completion.meta`` (tests);
+    ``decode``: "auto", "dynamic", "static" or "graph" (see the module docstring; ``cuda_graphs=False``
+    is "dynamic")."""
+
+    DECODE_MODES = ("auto", "dynamic", "static", "graph")
 
     def __init__(self, model: K3ForCausalLM, weight_version: int = 0, max_batch: int = 256, max_queue: int = 4096,
-                 record_logits: bool = False):
+                 record_logits: bool = False, decode: str = "auto"):
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch}, {max_queue}")
+        if decode not in self.DECODE_MODES:
+            raise ValueError(f"decode must be one of {self.DECODE_MODES}, got {decode!r}")
         self.model = model.eval()
         self.model.use_inference_caches = True
         self.model.refresh_inference_caches()
@@ -237,12 +259,15 @@ class RolloutEngine:
         pad = getattr(self.config, "pad_token_id", None)
         self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.config.vocab_size else 0
         self.device = next(model.parameters()).device
+        self.decode_mode = self._resolve_decode(decode)
         self.steps = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "admitted": 0, "max_running": 0}
         self._queue: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._cache: K3Cache | None = None
         self._logits: torch.Tensor | None = None  # [len(running), V] fp32: next-token logits
+        self._static: StaticDecodeState | None = None  # static/graph modes: running[j] in slot j
+        self._graphs: DecodeGraphs | None = None
         self._paused = 0  # weight updates waiting: no admission
         self._cv = threading.Condition()  # queue, pause flag, driver wake-ups (held briefly)
         self._model_lock = threading.RLock()  # model weights and the running batch (held per step)
@@ -292,11 +317,25 @@ class RolloutEngine:
                         own[k].copy_(t)
                     if refresh:
                         self.model.refresh_inference_caches()
+                    if self._graphs is not None and self._graphs.weights_moved():
+                        self._graphs = None  # re-captured on the next step, reading the new storage
                     self.weight_version = weight_version
             finally:
                 with self._cv:
                     self._paused -= 1
                     self._cv.notify_all()
+
+    def _resolve_decode(self, decode: str) -> str:
+        from k3core.rollout.quantized import expert_format
+
+        capturable = expert_format(self.model) in ("bf16", "none")
+        if decode == "auto":
+            return "graph" if self.device.type == "cuda" and capturable else "dynamic"
+        if decode == "graph" and self.device.type != "cuda":
+            raise ValueError(f"decode='graph' needs a CUDA model (this one is on {self.device}); use 'static' or 'dynamic'")
+        if decode == "graph" and not capturable:
+            raise ValueError("decode='graph' cannot capture W4A8 experts (they tile on the host); use 'static' or 'dynamic'")
+        return decode
 
     def _drain(self) -> None:
         """Wait (admission paused) until no sequence is running; step ourselves without a driver."""
@@ -417,12 +456,60 @@ class RolloutEngine:
             s.prompt_routing = routing[r, P - len(s.req.prompt):].clone()
             s.version, s.admitted_step = self.weight_version, self.steps
         n_old = len(self._running) - len(take)
-        self._cache = cache if n_old == 0 else K3Cache.concat([self._cache, cache])
+        if self.decode_mode == "dynamic":
+            self._cache = cache if n_old == 0 else K3Cache.concat([self._cache, cache])
+        else:
+            self._fit_static(n_old)
+            self._static.load(cache, list(range(n_old, len(self._running))))
         self._logits = logits if n_old == 0 else torch.cat([self._logits, logits])
         self.stats["prefill_tokens"] += int(mask.sum())
         self.stats["admitted"] += len(take)
         self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
         return True
+
+    def _fit_static(self, n_held: int) -> None:
+        """Make the static state hold every running sequence (slots and length), keeping the first
+        ``n_held`` slots; a new state means new graphs."""
+        need_slots = bucket(len(self._running), self.max_batch)
+        need_len = max(len(s.req.prompt) + s.req.params.max_new_tokens for s in self._running)
+        st = self._static
+        if st is not None and st.slots >= need_slots and st.max_len >= need_len:
+            return
+        max_len = max(64, 1 << (need_len - 1).bit_length(), st.max_len if st else 0)
+        slots = max(need_slots, st.slots if st else 0)
+        if st is None:
+            self._static = StaticDecodeState(self.config, slots, max_len, self.model.lm_head.weight.dtype, self.device)
+        else:
+            self._static = st.resized(slots, max_len, n_held)
+        self._graphs = DecodeGraphs(self.model, self._static) if self.decode_mode == "graph" else None
+
+    def _compact(self, keep: list[int]) -> list[int]:
+        """Static modes: the survivors ``keep`` (running indices, ascending) take slots 0..n-1; the
+        ones beyond move into the holes. Returns the old running index of each new slot."""
+        n = len(keep)
+        kept = set(keep)
+        order = list(range(n))
+        holes = [j for j in range(n) if j not in kept]
+        movers = [j for j in keep if j >= n]
+        for h, m in zip(holes, movers):
+            order[h] = m
+        self._static.move(movers, holes)
+        self._static.release(n)
+        return order
+
+    def _decode_static(self, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tok ``[n]`` (slots 0..n-1) -> (next logits ``[n, V]`` fp32 or wider, routed ids ``[n, n_moe, k]``)."""
+        n = tok.shape[0]
+        b = bucket(n, self._static.slots)
+        self._static.tokens[:n].copy_(tok)
+        if self._graphs is not None:
+            logits, routing = self._graphs.replay(b)
+        else:
+            logits, routing = self.model.decode_step(self._static, b)
+        out = at_least_fp32(logits[:n])
+        if out.data_ptr() == logits.data_ptr():  # graph outputs are overwritten by the next replay
+            out = out.clone()
+        return out, routing[:n]
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits ``[B, V]`` (fp32; fp64 for an fp64 model) of the running sequences -> (tokens ``[B]``,
@@ -480,18 +567,24 @@ class RolloutEngine:
         self.steps += 1
         self.stats["decode_tokens"] += len(toks)
         if not keep:
-            self._running, self._cache, self._logits = [], None, None
+            self._clear_batch()
             return
         if len(keep) < len(self._running):
+            if self._static is not None:
+                keep = self._compact(keep)
             idx = torch.tensor(keep, device=self.device)
-            self._cache = self._cache.index_select(idx).trim()
+            if self._static is None:
+                self._cache = self._cache.index_select(idx).trim()
             self._running = [self._running[j] for j in keep]
             tok = tok.index_select(0, idx)
         B = len(self._running)
-        out = self.model(tok.view(B, 1), torch.ones(B, 1, dtype=torch.bool, device=self.device),
-                         cache=self._cache, return_routing=True)
-        self._logits = at_least_fp32(out.logits[:, -1])
-        r = out.routing[:, 0].to(torch.int16).cpu()
+        if self._static is not None:
+            self._logits, routing = self._decode_static(tok)
+        else:
+            out = self.model(tok.view(B, 1), torch.ones(B, 1, dtype=torch.bool, device=self.device),
+                             cache=self._cache, return_routing=True)
+            self._logits, routing = at_least_fp32(out.logits[:, -1]), out.routing[:, 0]
+        r = routing.to(torch.int16).cpu()
         for j, s in enumerate(self._running):
             s.routes.append(r[j])
 
@@ -515,7 +608,12 @@ class RolloutEngine:
         for s in self._running:
             if not s.req.future.done():
                 s.req.future.set_exception(e)
+        self._clear_batch()
+
+    def _clear_batch(self) -> None:
         self._running, self._cache, self._logits = [], None, None
+        if self._static is not None:
+            self._static.release(0)
 
     # ------------------------------------------------------------------ background driver
     @property
@@ -573,6 +671,11 @@ class RolloutEngine:
     def cache_stats(self) -> dict:
         """Decode-state bytes of the running batch: KDA (constant per sequence) and MLA (per token)."""
         with self._model_lock:
+            if self._static is not None:
+                B = len(self._running)
+                st = self._static.stats(B)
+                return {"batch": B, **st, "kda_bytes_per_seq": st["kda_bytes"] / B if B else 0.0,
+                        "mla_bytes_per_seq": st["mla_bytes"] / B if B else 0.0}
             c = self._cache
             B = c.batch_size if c is not None else 0
             return {"batch": B, "kda_bytes": c.kda_nbytes() if c else 0, "mla_bytes": c.mla_nbytes() if c else 0,
