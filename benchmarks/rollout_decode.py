@@ -2,11 +2,18 @@
 continuous batching) is much faster than recomputing the whole sequence for every new token, and its
 decode state per sequence stays small: constant for the KDA layers, one latent per token for MLA.
 
-Same run, same weights and prompts (greedy, so both paths must produce the same tokens, checked):
+Same run, same weights and prompts (greedy):
   - decode tokens/s at each batch size: the engine (``RolloutEngine``: prefill once, then one cached
-    decode step per token) vs the no-cache baseline (a full forward over prompt + generated tokens for
-    every new token, the same model otherwise). Decode-only: the first step (prefill + first token)
-    is excluded from both;
+    decode step per token) in each decode mode (``--modes``: "dynamic", the reshaped ``K3Cache`` and
+    an ordinary forward per step; "static", fixed shapes run eagerly; "graph", the static step replayed
+    as a CUDA graph) vs the no-cache baseline (a full forward over prompt + generated tokens for every
+    new token, the same model otherwise). Decode-only: the first step (prefill + first token, and the
+    graph capture) is excluded from all;
+  - agreement, at the first decode step (random-init logits are near ties, so in bf16 one flipped
+    greedy token makes whole sequences differ from there on; the first step is the comparison that
+    means something): the fraction of rows whose first decoded token equals the no-cache baseline's,
+    and the max |logit difference| there, of the last mode against the baseline and of every mode
+    against the first; whole-sequence equality beside it;
   - decode-state bytes per sequence vs length (KDA / MLA, measured on a real cache), beside what the
     same depth would hold as all-MLA latents and as a plain multi-head KV cache;
   - with ``--device cuda``: the engine's tokens/s at the largest batch against the memory roofline of
@@ -16,6 +23,11 @@ Same run, same weights and prompts (greedy, so both paths must produce the same 
 
     python benchmarks/rollout_decode.py [--preset small] [--batches 1,16,64] [--quick]
     python benchmarks/rollout_decode.py --device cuda --preset medium --batches 1,64 [--experts w4a8]
+    python benchmarks/rollout_decode.py --device cuda --preset medium --batches 64 --profile
+
+``--profile``: torch.profiler over a few engine steps (decode + sampling) of each mode at the largest
+batch: the top ops by self device time (self CPU time on CPU), and per step the kernels run on the
+device, the kernel/graph launches issued by the host and the aten ops dispatched.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ import torch
 from k3core.config import K3Config
 from k3core.model import K3Cache, K3ForCausalLM
 from k3core.rollout.engine import RolloutEngine, SamplingParams
+
+LAUNCH_APIS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
 
 
 def sync(device: str) -> None:
@@ -49,12 +63,15 @@ def build_model(preset: str, device: str, dtype: torch.dtype, experts: str) -> K
     return model
 
 
-def engine_decode(model, prompts: torch.Tensor, new_tokens: int, device: str) -> tuple[float, list[list[int]], dict]:
-    """Decode-only seconds for tokens 2..new_tokens with the engine, the outputs, and cache stats at the end."""
-    eng = RolloutEngine(model, max_batch=max(1, prompts.shape[0]))
+def engine_decode(model, prompts: torch.Tensor, new_tokens: int, device: str,
+                  mode: str) -> tuple[float, list[list[int]], dict, torch.Tensor]:
+    """Decode-only seconds for tokens 2..new_tokens with the engine in decode ``mode``, the outputs,
+    cache stats at the end and the first decode step's logits ``[B, V]`` (fp32, CPU)."""
+    eng = RolloutEngine(model, max_batch=max(1, prompts.shape[0]), decode=mode)
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0)
     futures = [eng.submit(p.tolist(), sp) for p in prompts]
-    eng.step()  # prefill + first token
+    eng.step()  # prefill + first token + the first decode forward (and its graph capture)
+    first = eng._logits.float().cpu()  # that forward's output: rows in submission order (none left yet)
     sync(device)
     t0 = time.perf_counter()
     stats = eng.cache_stats()
@@ -63,26 +80,67 @@ def engine_decode(model, prompts: torch.Tensor, new_tokens: int, device: str) ->
         eng.step()
     sync(device)
     dt = time.perf_counter() - t0
-    return dt, [f.result()[0].output_ids for f in futures], stats
+    return dt, [f.result()[0].output_ids for f in futures], stats, first
 
 
 @torch.no_grad()
-def nocache_decode(model, prompts: torch.Tensor, new_tokens: int, device: str) -> tuple[float, list[list[int]]]:
-    """The baseline: every new token recomputes the full forward over prompt + tokens so far."""
+def nocache_decode(model, prompts: torch.Tensor, new_tokens: int, device: str) -> tuple[float, list[list[int]], torch.Tensor]:
+    """The baseline: every new token recomputes the full forward over prompt + tokens so far.
+    Also returns the logits of step 1 (the first decode step) ``[B, V]`` (fp32, CPU)."""
     ids = prompts.to(device)
     out = []
     t0 = None
+    first = None
     for step in range(new_tokens):
         if step == 1:
             sync(device)
             t0 = time.perf_counter()
         logits = model(ids).logits[:, -1].float()
+        if step == 1:
+            first = logits.cpu()
         tok = logits.argmax(-1, keepdim=True)
         out.append(tok)
         ids = torch.cat([ids, tok], 1)
     sync(device)
     dt = time.perf_counter() - t0 if t0 is not None else 0.0
-    return dt, torch.cat(out, 1).tolist()
+    return dt, torch.cat(out, 1).tolist(), first
+
+
+def first_step_agreement(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float]:
+    """(fraction of rows with the same argmax, max |a - b|) of two first-decode-step logits."""
+    if a is None or b is None:
+        return float("nan"), float("nan")
+    return float((a.argmax(-1) == b.argmax(-1)).double().mean()), float((a - b).abs().max())
+
+
+def profile_steps(model, prompts: torch.Tensor, mode: str, device: str, steps: int) -> None:
+    """torch.profiler over ``steps`` engine steps (decode + sampling) after prefill and capture."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = RolloutEngine(model, max_batch=prompts.shape[0], decode=mode)
+    sp = SamplingParams(max_new_tokens=steps + 3, temperature=0)
+    for p in prompts:
+        eng.submit(p.tolist(), sp)
+    eng.step()
+    eng.step()
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync(device)
+    while eng.step():
+        pass
+    ev = prof.events()
+    kernels = sum(e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset")) for e in ev)
+    launches = sum(e.name in LAUNCH_APIS for e in ev)
+    aten = sum(e.device_type == DeviceType.CPU and e.name.startswith("aten::") for e in ev)
+    print(f"\nprofile: decode mode {mode}, batch {prompts.shape[0]}, {steps} engine steps (decode + sampling)")
+    print(f"  per step: {kernels / steps:.0f} device kernels, {launches / steps:.0f} host launches "
+          f"(kernels + graphs), {aten / steps:.0f} aten ops (nested included)")
+    key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15))
 
 
 @torch.no_grad()
@@ -152,6 +210,11 @@ def main() -> None:
     ap.add_argument("--lengths", default="128,512,2048", help="sequence lengths for the memory table")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--roofline", action="store_true", help="print the roofline comparison (always on with CUDA)")
+    ap.add_argument("--modes", default=None,
+                    help="engine decode modes, comma-separated (default dynamic,static,graph on CUDA, without graph for "
+                         "w4a8 experts; dynamic on CPU)")
+    ap.add_argument("--profile", action="store_true", help="profile a few decode steps of each mode at the largest batch")
+    ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="batches 1,16, 8 new tokens, short prompts and lengths")
     a = ap.parse_args()
     if a.quick:
@@ -160,30 +223,49 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device == "cuda" else torch.float32)
     batches = [int(b) for b in a.batches.split(",")]
+    cuda_modes = "dynamic,static" if a.experts == "w4a8" else "dynamic,static,graph"  # W4A8 tiles on the host
+    modes = (a.modes or (cuda_modes if a.device == "cuda" else "dynamic")).split(",")
     model = build_model(a.preset, a.device, dtype, a.experts).eval()
     cfg = model.config
     print(f"preset {a.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters), {a.device}, "
           f"{str(dtype).removeprefix('torch.')}, experts {a.experts}, threads {torch.get_num_threads()}, "
-          f"prompt {a.prompt_len} tokens, {a.new_tokens} new tokens (greedy)")
+          f"prompt {a.prompt_len} tokens, {a.new_tokens} new tokens (greedy), decode modes {', '.join(modes)}")
     g = torch.Generator().manual_seed(0)
     rows = []
+    last = modes[-1]
     for B in batches:
         prompts = torch.randint(0, min(cfg.vocab_size, 256), (B, a.prompt_len), generator=g)
-        t_eng, out_eng, stats = engine_decode(model, prompts, a.new_tokens, a.device)
+        row = {"batch": B, "tok_s": {}, "first": {}, "out": {}}
         tokens = B * (a.new_tokens - 1)
-        row = {"batch": B, "cached_tok_s": tokens / t_eng, "stats": stats}
+        for mode in modes:
+            t_eng, row["out"][mode], row["stats"], row["first"][mode] = engine_decode(model, prompts, a.new_tokens,
+                                                                                      a.device, mode)
+            row["tok_s"][mode] = tokens / t_eng
+        row["cached_tok_s"] = row["tok_s"][last]
         if B <= a.baseline_max_batch:
             model.use_inference_caches = True  # same forward as the engine, without K3Cache
-            t_nc, out_nc = nocache_decode(model, prompts, a.new_tokens, a.device)
+            t_nc, out_nc, first_nc = nocache_decode(model, prompts, a.new_tokens, a.device)
             row["nocache_tok_s"] = tokens / t_nc
-            row["same_tokens"] = sum(x == y for x, y in zip(out_eng, out_nc)) / B
+            row["first_equal"], row["first_diff"] = first_step_agreement(row["first"][last], first_nc)
+            row["same_tokens"] = sum(x == y for x, y in zip(row["out"][last], out_nc)) / B
         rows.append(row)
-    print("\ndecode tokens/s (excluding prefill + first token)")
-    print(f"{'batch':>6} {'cached':>12} {'no-cache':>12} {'speedup':>8} {'same tokens':>12}")
+    print(f"\ndecode tokens/s (excluding prefill + first token); agreement of {last} with no-cache at the first decode step")
+    head = "".join(f"{m:>10}" for m in modes)
+    print(f"{'batch':>6}{head} {'no-cache':>10} {'speedup':>8} {'1st tok =':>10} {'1st max|dl|':>12} {'same seq':>9}")
+    nan = float("nan")
     for r in rows:
         nc = r.get("nocache_tok_s")
-        print(f"{r['batch']:>6} {r['cached_tok_s']:>12.1f} {nc if nc else float('nan'):>12.1f} "
-              f"{r['cached_tok_s'] / nc if nc else float('nan'):>7.1f}x {r.get('same_tokens', float('nan')):>12.2f}")
+        cols = "".join(f"{r['tok_s'][m]:>10.1f}" for m in modes)
+        print(f"{r['batch']:>6}{cols} {nc if nc else nan:>10.1f} {r['cached_tok_s'] / nc if nc else nan:>7.1f}x "
+              f"{r.get('first_equal', nan):>10.2f} {r.get('first_diff', nan):>12.3g} {r.get('same_tokens', nan):>9.2f}")
+    if len(modes) > 1:
+        print(f"\nfirst decode step, each mode against {modes[0]}: fraction of equal tokens, max |logit diff|, "
+              "whole sequences equal")
+        for r in rows:
+            for m in modes[1:]:
+                eq, diff = first_step_agreement(r["first"][m], r["first"][modes[0]])
+                same = sum(x == y for x, y in zip(r["out"][m], r["out"][modes[0]])) / r["batch"]
+                print(f"  batch {r['batch']:>4} {m:>8}: {eq:.2f} {diff:.3g} {same:.2f}")
     lengths = [int(x) for x in a.lengths.split(",")]
     mem = memory_per_sequence(model, lengths, a.device)
     print(f"\ndecode state per sequence ({mem[0]['mla_layers']} MLA of {cfg.num_hidden_layers} layers; "
@@ -203,7 +285,12 @@ def main() -> None:
               f"a decode step reads "
               f"{w / 1e9:.2f} GB of weights and moves {s / 1e9:.3f} GB of decode state")
         print(f"  measured {r['cached_tok_s']:.0f} tok/s; roofline {roof_w:.0f} tok/s (weights only), "
-              f"{roof_ws:.0f} tok/s (weights + state): {100 * r['cached_tok_s'] / roof_ws:.1f}% of the roofline")
+              f"{roof_ws:.0f} tok/s (weights + state): {100 * r['cached_tok_s'] / roof_ws:.1f}% of the roofline "
+              f"(decode mode {last})")
+    if a.profile:
+        prompts = torch.randint(0, min(cfg.vocab_size, 256), (batches[-1], a.prompt_len), generator=g)
+        for mode in modes:
+            profile_steps(model, prompts, mode, a.device, a.profile_steps)
 
 
 if __name__ == "__main__":

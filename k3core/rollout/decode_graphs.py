@@ -69,7 +69,8 @@ class DecodeGraphs:
         for t, s in zip(self.state.buffers(), saved):
             t[:b].copy_(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a server thread touching CUDA during a capture must not invalidate it
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits, routing = self.model.decode_step(self.state, b)
         self.graphs[b] = (graph, logits, routing)
 

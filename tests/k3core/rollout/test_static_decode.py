@@ -9,7 +9,6 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from k3core.config import K3Config
 from k3core.model import K3Cache
 from k3core.model.cache import StaticDecodeState
 from k3core.rollout.engine import RolloutEngine, SamplingParams
