@@ -31,6 +31,10 @@ from k3core.model.cache import StaticDecodeState
 WARMUP_STEPS = 2
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing failed; the decode state is untouched, so the step can run eagerly instead."""
+
+
 def bucket(n: int, limit: int) -> int:
     """Padded batch for ``n`` sequences: the next power of two, at most ``limit`` (>= n)."""
     if not 1 <= n <= limit:
@@ -69,9 +73,12 @@ class DecodeGraphs:
         for t, s in zip(self.state.buffers(), saved):
             t[:b].copy_(s)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a server thread touching CUDA during a capture must not invalidate it
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits, routing = self.model.decode_step(self.state, b)
+        try:
+            # thread_local: a server thread touching CUDA during a capture must not invalidate it
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                logits, routing = self.model.decode_step(self.state, b)
+        except Exception as e:  # nothing ran during the capture: the state is as before the step
+            raise GraphCaptureError(f"capturing the decode step of bucket {b} failed: {type(e).__name__}: {e}") from e
         self.graphs[b] = (graph, logits, routing)
 
     def replay(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,8 +27,8 @@ storage, no host sync. The state grows (slots to the next bucket, length to the 
 that holds every running sequence's prompt + ``max_new_tokens``) when admission needs it. "graph":
 "static" with each bucket's step captured once as a CUDA graph and replayed
 (``k3core.rollout.decode_graphs``); sampling stays outside the graph. "auto" (default): "graph" on
-CUDA for float experts, "dynamic" otherwise (the W4A8 experts tile on the host, so they cannot be
-captured). Prefill is the same eager forward in every mode.
+CUDA for float experts (falling back to "static", with a warning, should a capture fail), "dynamic"
+otherwise (the W4A8 experts tile on the host, so they cannot be captured). Prefill is the same eager forward in every mode.
 
 Sampling. ``logprobs`` are ``log softmax(logits / temperature)`` of the sampled token, before top-k /
 top-p truncation: the distribution the trainer re-computes (temperature 0: greedy, log-probs at
@@ -74,7 +74,7 @@ import torch
 from k3core.model import K3Cache, K3ForCausalLM
 from k3core.model.cache import StaticDecodeState
 from k3core.model.norm import at_least_fp32
-from k3core.rollout.decode_graphs import DecodeGraphs, bucket
+from k3core.rollout.decode_graphs import DecodeGraphs, GraphCaptureError, bucket
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +260,7 @@ class RolloutEngine:
         self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.config.vocab_size else 0
         self.device = next(model.parameters()).device
         self.decode_mode = self._resolve_decode(decode)
+        self._decode_requested = decode
         self.steps = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "admitted": 0, "max_running": 0}
         self._queue: deque[_Seq] = deque()
@@ -502,9 +503,16 @@ class RolloutEngine:
         n = tok.shape[0]
         b = bucket(n, self._static.slots)
         self._static.tokens[:n].copy_(tok)
+        logits = None
         if self._graphs is not None:
-            logits, routing = self._graphs.replay(b)
-        else:
+            try:
+                logits, routing = self._graphs.replay(b)
+            except GraphCaptureError:
+                if self._decode_requested == "graph":
+                    raise
+                log.warning("CUDA graph capture failed; decoding eagerly (decode='static') from now on", exc_info=True)
+                self._graphs, self.decode_mode = None, "static"
+        if logits is None:
             logits, routing = self.model.decode_step(self._static, b)
         out = at_least_fp32(logits[:n])
         if out.data_ptr() == logits.data_ptr():  # graph outputs are overwritten by the next replay
