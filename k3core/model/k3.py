@@ -7,6 +7,7 @@ One forward (``K3ForCausalLM.forward``) serves training, scoring and decoding:
 - ``return_routing`` -> routed expert ids per token and MoE layer ``[B, T, n_moe_layers, k]``;
   ``forced_routing`` (same shape) replays them (routing replay, "R3");
 - ``cache`` (``K3Cache``) -> prefill then decode with constant KDA state and the MLA latent cache.
+``decode_step`` (``StaticDecodeState``) is the fixed-shape one-token decode that a CUDA graph captures.
 
 The residual stream follows Block Attention Residuals (see ``attnres.py``): ``p`` is the current
 block's partial sum and ``blocks`` the completed snapshots, the embedding output first.
