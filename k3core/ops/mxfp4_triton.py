@@ -15,10 +15,11 @@ traffic at full bandwidth), which is why the element math is written this way.
 Offsets are int64: tensors past 2^31 elements exist (a full expert stack).
 
 bf16 (the weights' dtype) has its own pair of kernels, `_quantize_bf16_kernel` and
-`_dequantize_bf16_kernel`, with no layout shuffles: they see memory as int32 words, a tile of
-[GROUPS, 4, 4] words per 32-element block (4 output words of 8 codes, each from 4 input words of
-2 bf16), so a thread loads 16 contiguous bytes, the low/high nibble of a byte comes from the low/high
-bf16 of one word, and 4 bytes join into a word with shifts and a thread-local sum. The first
+`_dequantize_bf16_kernel`, with no element shuffles: they see memory as int32 words, one row per
+packed word (8 codes) and 4 columns of bf16 pairs, so a thread loads (quantize) or stores
+(dequantize) 16 contiguous bytes, the low/high nibble of a byte comes from the low/high bf16 of one
+word, and 4 bytes join into a word with shifts and a thread-local sum. Only per-row values (the
+block max, the scale) change layout. The first
 kernels (`tl.reshape` + `tl.split` / `tl.join` to pair neighbours) made Triton move each tile
 through shared memory and ran at 20% (quantize) and 36% (dequantize) of copy bandwidth on an H200;
 they remain for fp16/fp32 inputs and outputs.
@@ -143,27 +144,27 @@ def _quantize_bf16_kernel(
     NEG_ZERO_FIELD: tl.constexpr,
     GROUPS: tl.constexpr,
 ):
-    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    gmask = g < n_groups
-    i = tl.arange(0, 4)  # output word within the block
+    W: tl.constexpr = GROUPS * 4  # output words of this program, 4 per block
+    ow = tl.program_id(0).to(tl.int64) * W + tl.arange(0, W)
+    wmask = ow < n_groups * 4
     j = tl.arange(0, 4)  # input word within the output word = byte within the output word
-    offs = g[:, None, None] * 16 + i[None, :, None] * 4 + j[None, None, :]
-    w = tl.load(words_ptr + offs, mask=gmask[:, None, None], other=0)
+    w = tl.load(words_ptr + ow[:, None] * 4 + j[None, :], mask=wmask[:, None], other=0)  # [W, 4]
     lo_bits = w << 16  # element 2k (little-endian low half) as fp32 bits
     hi_bits = w & -65536  # element 2k+1 (0xFFFF0000 as int32)
     lo_mag, hi_mag = lo_bits & 0x7FFFFFFF, hi_bits & 0x7FFFFFFF
-    amax = tl.max(tl.max(tl.maximum(lo_mag, hi_mag), axis=2), axis=1)  # [GROUPS]
+    amax = tl.max(tl.reshape(tl.max(tl.maximum(lo_mag, hi_mag), axis=1), (GROUPS, 4)), axis=1)  # [GROUPS]
     field = (amax + ROUND_BIAS) >> 23
     scale = tl.maximum(field - 2, 0)
     nonfinite = amax >= 0x7F800000
     scale = tl.where(nonfinite, 255, scale)  # E8M0 NaN for a block with inf/NaN
     if tl.max(nonfinite.to(tl.int32), axis=0) > 0:
         tl.atomic_max(nonfinite_ptr, 1)
-    s = (scale - 127)[:, None, None]
+    s = tl.reshape(tl.broadcast_to((scale - 127)[:, None], (GROUPS, 4)), (W,))[:, None]  # per word
     byte = _codes(lo_mag, lo_bits < 0, s, NEG_ZERO_FIELD) | (_codes(hi_mag, hi_bits < 0, s, NEG_ZERO_FIELD) << 4)
-    word = tl.sum(byte << (8 * j)[None, None, :], axis=2)  # 4 bytes, little-endian; disjoint bits
-    tl.store(packed_ptr + g[:, None] * 4 + i[None, :], word, mask=gmask[:, None])
-    tl.store(scale_ptr + g, scale.to(tl.uint8), mask=gmask)
+    word = tl.sum(byte << (8 * j)[None, :], axis=1)  # 4 bytes, little-endian; disjoint bits
+    tl.store(packed_ptr + ow, word, mask=wmask)
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    tl.store(scale_ptr + g, scale.to(tl.uint8), mask=g < n_groups)
 
 
 @triton.jit
@@ -182,24 +183,23 @@ def _dequantize_bf16_kernel(
     n_groups,
     GROUPS: tl.constexpr,
 ):
-    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    gmask = g < n_groups
-    i = tl.arange(0, 4)
+    W: tl.constexpr = GROUPS * 4  # packed words of this program (8 codes each)
+    ow = tl.program_id(0).to(tl.int64) * W + tl.arange(0, W)
+    wmask = ow < n_groups * 4
     j = tl.arange(0, 4)
-    word = tl.load(packed_ptr + g[:, None] * 4 + i[None, :], mask=gmask[:, None], other=0)
-    byte = (word[:, :, None] >> (8 * j)[None, None, :]) & 0xFF  # [GROUPS, 4, 4]
-    sbyte = tl.load(scale_ptr + g, mask=gmask, other=127).to(tl.int32)
+    word = tl.load(packed_ptr + ow, mask=wmask, other=0)
+    byte = (word[:, None] >> (8 * j)[None, :]) & 0xFF  # [W, 4]: byte j -> output word j
+    sbyte = tl.load(scale_ptr + ow // 4, mask=wmask, other=127).to(tl.int32)  # 4 words share a byte
     special = ((sbyte < 3) | (sbyte == 255)).to(tl.int32)
     if tl.max(special, axis=0) > 0:
-        s = (sbyte - 127)[:, None, None]
+        s = (sbyte - 127)[:, None]
         lo = (_decode_bits_general(byte & 15, s) >> 16) & 0xFFFF
         hi = _decode_bits_general(byte >> 4, s) & -65536
     else:
-        k = (2 * sbyte - 2)[:, None, None]
+        k = (2 * sbyte - 2)[:, None]
         lo = _bf16_bits_fast(byte & 15, k)
         hi = _bf16_bits_fast(byte >> 4, k) << 16
-    offs = g[:, None, None] * 16 + i[None, :, None] * 4 + j[None, None, :]
-    tl.store(out_ptr + offs, lo | hi, mask=gmask[:, None, None])
+    tl.store(out_ptr + ow[:, None] * 4 + j[None, :], lo | hi, mask=wmask[:, None])
 
 
 @triton.jit
