@@ -17,7 +17,10 @@ from k3core.rollout.engine import RolloutEngine, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 SMALL = K3Config.preset("small")
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+# fp32: fla's Triton kernels take fp32 dot products in TF32, and a replayed graph may run other
+# autotuned configs than the eager call: measured on the H200, graph vs eager first-step logits
+# differ by up to 2.6e-4 (logits of order 1), so the bound is TF32-level, not fp32-level.
+TOL = {torch.float32: dict(rtol=1e-3, atol=1e-3), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
 def _model(seed, dtype):
@@ -131,8 +134,6 @@ def test_engine_graph_mode_matches_eager_modes_with_joins_leaves_and_a_weight_up
             torch.testing.assert_close(g.meta["logits"][:2], s.meta["logits"][:2], **TOL[dtype])
             if dtype == torch.float32:  # bf16 near-ties may flip a greedy token between kernels
                 assert g.output_ids == s.output_ids == d.output_ids
-                torch.testing.assert_close(g.meta["logits"], d.meta["logits"], rtol=1e-4, atol=1e-4)
-            else:
-                assert g.output_ids == s.output_ids  # same kernels, graph or not
+                torch.testing.assert_close(g.meta["logits"], d.meta["logits"], **TOL[dtype])
     assert results["graph"][0][0].output_ids != results["graph"][1][0].output_ids or \
         not torch.equal(results["graph"][0][0].meta["logits"], results["graph"][1][0].meta["logits"])
