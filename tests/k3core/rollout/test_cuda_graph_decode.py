@@ -20,7 +20,12 @@ SMALL = K3Config.preset("small")
 # fp32: fla's Triton kernels take fp32 dot products in TF32, and a replayed graph may run other
 # autotuned configs than the eager call: measured on the H200, graph vs eager first-step logits
 # differ by up to 2.6e-4 (logits of order 1), so the bound is TF32-level, not fp32-level.
-TOL = {torch.float32: dict(rtol=1e-3, atol=1e-3), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+TOL = {torch.float32: dict(rtol=1e-3, atol=1e-3)}
+# Equality is tested in fp32 only. In bf16 on random weights the router's top-k is a near-tie for
+# many tokens, so rounding noise flips experts and the logits move by O(1): measured on the H200,
+# two *eager* static states stepped identically differed by up to 2.24 on logits of magnitude ~3,
+# more than graph vs eager (0.49). bf16 is covered by the no-sync test and the benchmark.
+EQUALITY_DTYPES = [torch.float32]
 
 
 def _model(seed, dtype):
@@ -69,7 +74,7 @@ def test_static_decode_step_does_not_sync(dtype):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", EQUALITY_DTYPES)
 def test_graph_replay_equals_eager_static_decode_across_a_weight_swap(dtype):
     """Two identical static states, one stepped eagerly and one by graph replay, fed the same tokens
     for 40 steps (3 sequences padded to a bucket of 4); after step 20 new weights are copied into the
@@ -104,7 +109,7 @@ def test_graph_replay_equals_eager_static_decode_across_a_weight_swap(dtype):
     assert list(graphs.graphs) == [4]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", EQUALITY_DTYPES)
 def test_engine_graph_mode_matches_eager_modes_with_joins_leaves_and_a_weight_update(dtype):
     """The engine in graph mode against static and dynamic eager modes: greedy, max_batch 4, seven
     requests of different lengths and budgets (joins, leaves, buckets 1..4, latent length growth),

@@ -113,7 +113,9 @@ def test_cache_concat_drop_and_trim_are_exact():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_continuous_batching_on_cuda_tracks_full_forward():
     """CUDA, fp32 (fla prefill, torch decode step, grouped experts): the same join-mid-decode schedule;
-    sampled-from logits against the uncached forward, within fp32 kernel-order differences."""
+    sampled-from logits against the uncached forward. fla's Triton kernels take fp32 dot products in
+    TF32 (chunked prefill and uncached forward vs the recurrent decode step): measured on the H200,
+    up to 8.9e-3 on logits of order 1, hence a TF32-level bound."""
     model = _model(3, torch.float32).cuda()
     ref = copy.deepcopy(model)
     eng = RolloutEngine(model, max_batch=3, record_logits=True)
@@ -126,4 +128,4 @@ def test_continuous_batching_on_cuda_tracks_full_forward():
         with torch.no_grad():
             out = ref(torch.tensor([c.prompt_ids + c.output_ids[:-1]], device="cuda"))
         want = out.logits[0, len(c.prompt_ids) - 1:].float().cpu()
-        torch.testing.assert_close(c.meta["logits"], want, rtol=2e-3, atol=2e-3)
+        torch.testing.assert_close(c.meta["logits"], want, rtol=2e-2, atol=2e-2)
