@@ -150,13 +150,13 @@ def sweep_tiles(w, packed, scale, repeats: int, traffic: float, copy_gbs: float)
     """Time the Triton kernels (no finite check) at other (blocks per program, warps) settings."""
     from k3core.ops import mxfp4_triton as kt
 
-    saved = (kt.BF16_QUANT_GROUPS, kt.BF16_QUANT_WARPS, kt.BF16_DEQUANT_GROUPS, kt.BF16_DEQUANT_WARPS)
-    print("\nTriton bf16 kernels, tile sweep (traffic GB/s, % of copy):")
+    saved = (kt.BF16_QUANT_GROUPS, kt.BF16_QUANT_WARPS, kt.DEQUANT_GROUPS, kt.DEQUANT_WARPS)
+    print("\nTriton tile sweep, bf16 quantize and dequantize kernels (traffic GB/s, % of copy):")
     try:
         for groups in (16, 32, 64, 128, 256):
             for warps in (2, 4, 8):
-                kt.BF16_QUANT_GROUPS = kt.BF16_DEQUANT_GROUPS = groups
-                kt.BF16_QUANT_WARPS = kt.BF16_DEQUANT_WARPS = warps
+                kt.BF16_QUANT_GROUPS = kt.DEQUANT_GROUPS = groups
+                kt.BF16_QUANT_WARPS = kt.DEQUANT_WARPS = warps
                 out_q = kt.quantize_triton(w, check_finite=False)
                 assert torch.equal(out_q[0], packed) and torch.equal(out_q[1], scale)
                 q_ms, _ = time_ms(lambda: kt.quantize_triton(w, check_finite=False), "cuda", repeats)
@@ -165,7 +165,7 @@ def sweep_tiles(w, packed, scale, repeats: int, traffic: float, copy_gbs: float)
                 print(f"  groups {groups:3d} warps {warps}: quantize {q:7.0f} ({100 * q / copy_gbs:3.0f}%)"
                       f"  dequantize {d:7.0f} ({100 * d / copy_gbs:3.0f}%)")
     finally:
-        kt.BF16_QUANT_GROUPS, kt.BF16_QUANT_WARPS, kt.BF16_DEQUANT_GROUPS, kt.BF16_DEQUANT_WARPS = saved
+        kt.BF16_QUANT_GROUPS, kt.BF16_QUANT_WARPS, kt.DEQUANT_GROUPS, kt.DEQUANT_WARPS = saved
 
 
 def main() -> None:
@@ -240,11 +240,6 @@ def main() -> None:
         bench("quantize: k3core torch path", lambda: mxfp4.quantize_torch(w), same_q, traffic_q)
     bench("quantize: naive torch", lambda: naive_quantize(w), same_q, traffic_q)
     bench("dequantize: k3core (dispatch)", lambda: mxfp4.dequantize(packed, scale), same_d, traffic_d)
-    if device == "cuda" and mxfp4.triton_available():
-        from k3core.ops.mxfp4_triton import dequantize_triton
-
-        bench("dequantize: generic Triton kernel", lambda: dequantize_triton(packed, scale, generic=True),
-              same_d, traffic_d)
     if device == "cuda":
         bench("dequantize: k3core torch path", lambda: mxfp4.dequantize_torch(packed, scale), same_d, traffic_d)
     bench("dequantize: naive torch", lambda: naive_dequantize(packed, scale), same_d, traffic_d)

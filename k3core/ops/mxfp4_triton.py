@@ -14,15 +14,14 @@ issues ~16.7 T int32 ops/s against ~4.8 TB/s of HBM: ~9 ops per element of quant
 traffic at full bandwidth), which is why the element math is written this way.
 Offsets are int64: tensors past 2^31 elements exist (a full expert stack).
 
-bf16 (the weights' dtype) has its own pair of kernels, `_quantize_bf16_kernel` and
-`_dequantize_bf16_kernel`, with no element shuffles: they see memory as int32 words, one row per
-packed word (8 codes) and 4 columns of bf16 pairs, so a thread loads (quantize) or stores
-(dequantize) 16 contiguous bytes, the low/high nibble of a byte comes from the low/high bf16 of one
-word, and 4 bytes join into a word with shifts and a thread-local sum. Only per-row values (the
-block max, the scale) change layout. The first
-kernels (`tl.reshape` + `tl.split` / `tl.join` to pair neighbours) made Triton move each tile
-through shared memory and ran at 20% (quantize) and 36% (dequantize) of copy bandwidth on an H200;
-they remain for fp16/fp32 inputs and outputs.
+bf16 input (the weights' dtype) has its own quantize kernel, `_quantize_bf16_kernel`, with no
+element shuffles: it sees memory as int32 words, one row per packed output word (8 codes) and 4
+columns of bf16 pairs, so a thread loads 16 contiguous bytes, the low/high nibble of a byte comes
+from the low/high bf16 of one word, and 4 bytes join into a word with shifts and a thread-local sum;
+only per-row values (the block max, the scale) change layout. Measured on an H200 (16384^2 bf16):
+33-38% of copy bandwidth against 25-27% for the first kernel (`tl.reshape` + `tl.split`), which
+stays for fp16/fp32. The same layout for dequantize ran at 50-54%, slower than the first
+dequantize kernel (`tl.join`, 58-60%), so dequantize keeps that one for every dtype.
 """
 
 from __future__ import annotations
@@ -37,10 +36,10 @@ from k3core.ops import mxfp4
 # for a memory-bound elementwise kernel on H100/H200; `benchmarks/mxfp4.py --device cuda` times it.
 QUANT_GROUPS, QUANT_WARPS = 128, 8
 DEQUANT_GROUPS, DEQUANT_WARPS = 128, 8
-# The bf16 kernels: 64 blocks = 2048 elements = 4 KiB of bf16 per program at 4 warps (16 B per
-# thread per load); `benchmarks/mxfp4.py --device cuda --sweep` times others.
-BF16_QUANT_GROUPS, BF16_QUANT_WARPS = 64, 4
-BF16_DEQUANT_GROUPS, BF16_DEQUANT_WARPS = 64, 4
+# The bf16 quantize kernel: 128 blocks (4 KiB of bf16 in) per program at 4 warps, from
+# `benchmarks/mxfp4.py --device cuda --sweep` on an H200 (2026-12-01; 33-38% of copy bandwidth at
+# most settings, 22-24% at 16 blocks or 8 warps with few blocks).
+BF16_QUANT_GROUPS, BF16_QUANT_WARPS = 128, 4
 
 
 @triton.jit
@@ -168,41 +167,6 @@ def _quantize_bf16_kernel(
 
 
 @triton.jit
-def _bf16_bits_fast(code, k):
-    """bf16 bits (int32, low 16) of `_decode_bits_fast(code, k)`: its top half."""
-    m = code & 7
-    t = tl.minimum(m - (m == 1).to(tl.int32) + k, 510)
-    return tl.where(m == 0, 0, t << 6) | ((code & 8) << 12)
-
-
-@triton.jit
-def _dequantize_bf16_kernel(
-    packed_ptr,  # int32 words: [n_groups * 4]
-    scale_ptr,
-    out_ptr,  # the bf16 output as int32 words: [n_groups * 16]
-    n_groups,
-    GROUPS: tl.constexpr,
-):
-    W: tl.constexpr = GROUPS * 4  # packed words of this program (8 codes each)
-    ow = tl.program_id(0).to(tl.int64) * W + tl.arange(0, W)
-    wmask = ow < n_groups * 4
-    j = tl.arange(0, 4)
-    word = tl.load(packed_ptr + ow, mask=wmask, other=0)
-    byte = (word[:, None] >> (8 * j)[None, :]) & 0xFF  # [W, 4]: byte j -> output word j
-    sbyte = tl.load(scale_ptr + ow // 4, mask=wmask, other=127).to(tl.int32)  # 4 words share a byte
-    special = ((sbyte < 3) | (sbyte == 255)).to(tl.int32)
-    if tl.max(special, axis=0) > 0:
-        s = (sbyte - 127)[:, None]
-        lo = (_decode_bits_general(byte & 15, s) >> 16) & 0xFFFF
-        hi = _decode_bits_general(byte >> 4, s) & -65536
-    else:
-        k = (2 * sbyte - 2)[:, None]
-        lo = _bf16_bits_fast(byte & 15, k)
-        hi = _bf16_bits_fast(byte >> 4, k) << 16
-    tl.store(out_ptr + ow[:, None] * 4 + j[None, :], lo | hi, mask=wmask[:, None])
-
-
-@triton.jit
 def _decode_bits_general(code, s):
     """fp32 bits of the value of 4-bit `code` times 2^s (any s in [-127, 128]; 128 = NaN byte)."""
     m = code & 7
@@ -324,24 +288,14 @@ _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def dequantize_triton(
-    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16, generic: bool = False
+    packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """Triton path of `mxfp4.dequantize`; same contract (`generic`: as in `quantize_triton`)."""
+    """Triton path of `mxfp4.dequantize`; same contract."""
     mxfp4._check_dequantize_input(packed, scale, dtype)
     lead, n = packed.shape[:-1], packed.shape[-1] * 2
     out = torch.empty(*lead, n, dtype=dtype, device=packed.device)
     n_groups = scale.numel()
     if n_groups == 0:
-        return out
-    if dtype == torch.bfloat16 and not generic:
-        _dequantize_bf16_kernel[(triton.cdiv(n_groups, BF16_DEQUANT_GROUPS),)](
-            packed.contiguous().view(torch.int32),
-            scale.contiguous(),
-            out.view(torch.int32),
-            n_groups,
-            GROUPS=BF16_DEQUANT_GROUPS,
-            num_warps=BF16_DEQUANT_WARPS,
-        )
         return out
     grid = (triton.cdiv(n_groups, DEQUANT_GROUPS),)
     _mxfp4_dequantize_kernel[grid](

@@ -323,7 +323,7 @@ def test_fake_quantize_forward_and_straight_through_gradient(dtype):
 def _triton_vs_torch(device: str):
     from k3core.ops.mxfp4_triton import dequantize_triton, quantize_triton
 
-    # generic: the first (any-dtype) kernels, which bf16 reaches only with generic=True
+    # generic: the first (any-dtype) quantize kernel, which bf16 reaches only with generic=True
     for dtype, generic in [(d, False) for d in DTYPES] + [(torch.bfloat16, True)]:
         w = mixed_weights(67, 640, dtype, seed=7).to(device)  # 67 * 20 blocks: a partial program
         for rule in RULES:
@@ -331,12 +331,11 @@ def _triton_vs_torch(device: str):
             p, s = quantize_triton(w, scale_rule=rule, generic=generic)
             assert torch.equal(p, p_ref) and torch.equal(s, s_ref), (dtype, rule, generic)
             # ordinary scale bytes only: the kernels' fast decode branch
-            assert bits_equal(dequantize_triton(p, s, dtype, generic=generic), dequantize_torch(p, s, dtype))
+            assert bits_equal(dequantize_triton(p, s, dtype), dequantize_torch(p, s, dtype))
         # Every scale byte (0 and 255 included) and random codes, to every output dtype.
         packed = torch.randint(0, 256, (256, 64), dtype=torch.uint8, device=device)
         scale = torch.arange(256, dtype=torch.uint8, device=device).reshape(256, 1).repeat(1, 4)
-        assert bits_equal(dequantize_triton(packed, scale, dtype, generic=generic),
-                          dequantize_torch(packed, scale, dtype))
+        assert bits_equal(dequantize_triton(packed, scale, dtype), dequantize_torch(packed, scale, dtype))
     big = mixed_weights(4, 128, torch.float32, seed=8).to(device)
     big[0, :32] = torch.finfo(torch.float32).max
     assert all(torch.equal(a, b) for a, b in zip(quantize_triton(big), quantize_torch(big)))
