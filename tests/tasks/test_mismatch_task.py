@@ -6,6 +6,7 @@ import random
 import torch
 from prefect.logging import disable_run_logger
 
+from k3core.rl.stages import load_policy, make_optimizer, save_trainer_state
 from tasks import engines
 from tasks.fetch import fetch_checkpoint
 from tasks.mismatch import rollout_mismatch
@@ -24,12 +25,25 @@ def test_mismatch_stage_reports_both_kls_and_their_ratio(tmp_path):
 
     assert expert_format(engine_for("m", w).model) == "w4a8"  # quantised weights: the W4A8 engine
     engines.clear()
+    # A DCP trainer state, saved under other RNG states: loading it restores those, and the stage must
+    # put the process's own back (its later stages sample with them).
+    model = load_policy(ck["path"])
+    torch.manual_seed(999)
+    random.seed(999)
+    opt = make_optimizer(model, 1e-3)
+    saved = torch.get_rng_state(), random.getstate()  # what the state records
+    save_trainer_state(tmp_path / "state", model, opt, {"iteration": 0})
     torch.manual_seed(123)
     random.seed(123)
-    before = torch.get_rng_state(), random.getstate()
-    m = rollout_mismatch(ck | {"kind": "hf"}, ro, 5, 1.0, 0)
-    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    before = torch.get_rng_state()
+    m = rollout_mismatch({"kind": "dcp", "path": str(tmp_path / "state")}, ro, 5, 1.0, 0)
+    # torch's generator exactly (nothing else in the process draws from it); Python's only against the
+    # checkpoint's state, since background threads of the process (websocket keep-alive pings of
+    # Prefect's event client) draw from the global `random` at any time.
+    assert torch.equal(torch.get_rng_state(), before) and not torch.equal(before, saved[0])
+    assert random.getstate() != saved[1]
     assert m["mismatch_sequences"] == 5
     assert 0 < m["mismatch_bf16_kl"] < m["mismatch_w4a8_kl"]
     assert m["mismatch_kl_ratio"] == m["mismatch_w4a8_kl"] / m["mismatch_bf16_kl"]
+    # the same weights as a public checkpoint: the same figures
     assert m == {**rollout_mismatch(ck | {"kind": "hf"}, ro, 5, 1.0, 0), "mismatch_seconds": m["mismatch_seconds"]}
