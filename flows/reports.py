@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import statistics
 
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
@@ -158,6 +159,10 @@ def _publish_progress(s, done: int) -> None:
         update_progress_artifact(_progress_ids[run_id], pct, description=desc)
 
 
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
 def summary(s, prep: dict, history: list[dict], final: dict, wall: float) -> dict:
     ev = [h for h in history if "heldout_reward" in h]
     per_stage: dict[str, float] = {}
@@ -176,6 +181,11 @@ def summary(s, prep: dict, history: list[dict], final: dict, wall: float) -> dic
         "heldout_greedy_reward_end": final.get("heldout_greedy_reward"),
         "train_reward_first": history[0]["reward_mean"] if history else None,
         "train_reward_last": history[-1]["reward_mean"] if history else None,
+        "qat": bool(s.qat),
+        # train/inference mismatch per iteration (KL(trainer || W4A8 engine) / KL(trainer || bf16
+        # engine)), median over the run; None when the rollouts were not quantised
+        "mismatch_kl_ratio_median": _median([h["mismatch_kl_ratio"] for h in history
+                                             if h.get("mismatch_kl_ratio") is not None]),
         "wall_seconds": wall,
         "seconds_per_stage": {k: round(v, 1) for k, v in per_stage.items()},
     }

@@ -53,13 +53,6 @@ def _ldexp_bits(field, frac, k):
 
 
 @triton.jit
-def _point(s, FIELD: tl.constexpr, FRAC: tl.constexpr, TIE_UP: tl.constexpr):
-    """[G, 1] bits of a decision point scaled by 2^s, minus 1 ulp when ties round up, so that
-    "passes" is always "|x| bits > point" (see mxfp4._MIDPOINTS)."""
-    return (_ldexp_bits(FIELD, FRAC, s) - TIE_UP)[:, None]
-
-
-@triton.jit
 def _mxfp4_quantize_kernel(
     x_ptr,
     packed_ptr,
@@ -89,20 +82,8 @@ def _mxfp4_quantize_kernel(
     scale = tl.where(nonfinite, 255, scale)  # E8M0 NaN for a block with inf/NaN
     if tl.max(nonfinite.to(tl.int32), axis=0) > 0:
         tl.atomic_max(nonfinite_ptr, 1)  # one flag for the host, instead of a pass over `scale`
-    s = scale - 127
-    # Binary search over the 7 decision points (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 times 2^s):
-    # 3 compares and 4 selects per element instead of 7 compares and 7 adds; the points are
-    # per-block values, computed once per block.
-    hi = mag > _point(s, 127, 0x600000, 1)  # 1.75: code >= 4
-    mid = mag > tl.where(hi, _point(s, 128, 0x600000, 1), _point(s, 126, 0x400000, 1))  # 3.5 | 0.75
-    low_pt = tl.where(
-        hi,
-        tl.where(mid, _point(s, 129, 0x200000, 0), _point(s, 128, 0x200000, 0)),  # 5 | 2.5
-        tl.where(mid, _point(s, 127, 0x200000, 0), _point(s, 125, 0x000000, 0)),  # 1.25 | 0.25
-    )
-    code = hi.to(tl.int32) * 4 + mid.to(tl.int32) * 2 + (mag > low_pt).to(tl.int32)
-    keeps_sign = (bits < 0) & (mag > _ldexp_bits(NEG_ZERO_FIELD, 0, s)[:, None])
-    code = code | (keeps_sign.to(tl.int32) << 3)
+    # per-block decision points, then a 3-level binary search per element (see `_codes`)
+    code = _codes(mag, bits < 0, (scale - 127)[:, None], NEG_ZERO_FIELD)
     lo, hi_nib = tl.split(tl.reshape(code, (GROUPS, 16, 2)))
     packed = (lo | (hi_nib << 4)).to(tl.uint8)
     pcols = tl.arange(0, 16)
@@ -112,14 +93,16 @@ def _mxfp4_quantize_kernel(
 
 @triton.jit
 def _codes(mag, neg, s, NEG_ZERO_FIELD: tl.constexpr):
-    """4-bit codes of |x| bits `mag` (sign `neg`) in blocks of scale exponent `s` (broadcastable):
-    the binary search of `_mxfp4_quantize_kernel`, shared by the bf16 kernel."""
-    hi = mag > _point3(s, 127, 0x600000, 1)  # 1.75: code >= 4
-    mid = mag > tl.where(hi, _point3(s, 128, 0x600000, 1), _point3(s, 126, 0x400000, 1))  # 3.5 | 0.75
+    """4-bit codes of |x| bits `mag` (sign `neg`) in blocks of scale exponent `s` (broadcastable
+    against the elements). A binary search over the 7 decision points (0.25, 0.75, 1.25, 1.75, 2.5,
+    3.5, 5 times 2^s): 3 compares and 4 selects per element instead of 7 compares and 7 adds; the
+    points are per-block values."""
+    hi = mag > _point(s, 127, 0x600000, 1)  # 1.75: code >= 4
+    mid = mag > tl.where(hi, _point(s, 128, 0x600000, 1), _point(s, 126, 0x400000, 1))  # 3.5 | 0.75
     low_pt = tl.where(
         hi,
-        tl.where(mid, _point3(s, 129, 0x200000, 0), _point3(s, 128, 0x200000, 0)),  # 5 | 2.5
-        tl.where(mid, _point3(s, 127, 0x200000, 0), _point3(s, 125, 0x000000, 0)),  # 1.25 | 0.25
+        tl.where(mid, _point(s, 129, 0x200000, 0), _point(s, 128, 0x200000, 0)),  # 5 | 2.5
+        tl.where(mid, _point(s, 127, 0x200000, 0), _point(s, 125, 0x000000, 0)),  # 1.25 | 0.25
     )
     code = hi.to(tl.int32) * 4 + mid.to(tl.int32) * 2 + (mag > low_pt).to(tl.int32)
     keeps_sign = neg & (mag > _ldexp_bits(NEG_ZERO_FIELD, 0, s))
@@ -127,8 +110,9 @@ def _codes(mag, neg, s, NEG_ZERO_FIELD: tl.constexpr):
 
 
 @triton.jit
-def _point3(s, FIELD: tl.constexpr, FRAC: tl.constexpr, TIE_UP: tl.constexpr):
-    """`_point` for an `s` that is already broadcastable against the elements."""
+def _point(s, FIELD: tl.constexpr, FRAC: tl.constexpr, TIE_UP: tl.constexpr):
+    """Bits of a decision point scaled by 2^s (``s`` broadcastable against the elements), minus 1 ulp
+    when ties round up, so that "passes" is always "|x| bits > point" (see mxfp4._MIDPOINTS)."""
     return _ldexp_bits(FIELD, FRAC, s) - TIE_UP
 
 

@@ -23,19 +23,8 @@ from k3core.rl.stages import load_trainer_state
 from tasks import engines
 
 ENV_MODULE = "even_bytes_env_for_qat_tests"
-ENV_SRC = """
-from k3core.rl.envs import ReverseEnv
-
-class EvenBytes(ReverseEnv):
-    # a reward a random tiny policy varies on (fraction of even bytes), so every step trains
-    name = "even-bytes"
-    def reward(self, prompt, completion):
-        data = completion.encode()
-        return sum(b % 2 == 0 for b in data) / len(data) if data else 0.0
-
-def make():
-    return EvenBytes()
-"""
+# the even-bytes environment of tests/even_bytes_env.py, under this test file's own module name
+ENV_SRC = (Path(__file__).resolve().parents[1] / "even_bytes_env.py").read_text()
 
 
 def _settings(root: Path, run_id: str, **kw) -> RLSettings:

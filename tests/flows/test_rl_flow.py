@@ -107,3 +107,6 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     assert all(m.get("skipped", 1.0) == 0.0 for m in metrics), "an iteration took no optimizer step"
     summary = json.loads((root_b / "summary.json").read_text())
     assert set(summary["seconds_per_stage"]) >= {"rollout", "score", "train", "save", "transfer"}
+    ratios = sorted(m["mismatch_kl_ratio"] for m in metrics if m.get("mismatch_kl_ratio") is not None)
+    assert len(ratios) == 2 and summary["qat"] is False
+    assert summary["mismatch_kl_ratio_median"] == (ratios[0] + ratios[1]) / 2

@@ -5,6 +5,7 @@ weights used here are bf16-representable, so the public layout the server reads 
 server or a checkpoint at another weight version is refused with an error naming both versions."""
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,22 +23,10 @@ from k3core.transfer import write_disk
 from tasks import engines
 from tasks.evaluate import evaluate
 
-# Rewards a random tiny policy varies on: the fraction of even bytes of the completion (exact, in [0, 1]),
-# so equal metrics mean equal samples, not "every reward is 0".
 ENV_MODULE = "even_bytes_env_for_eval_tests"
 ENV = f"{ENV_MODULE}:make"
-ENV_SRC = """
-from k3core.rl.envs import ReverseEnv
-
-class EvenBytes(ReverseEnv):
-    name = "even-bytes"
-    def reward(self, prompt, completion):
-        data = completion.encode()
-        return sum(b % 2 == 0 for b in data) / len(data) if data else 0.0
-
-def make():
-    return EvenBytes()
-"""
+# the even-bytes environment of tests/even_bytes_env.py, under this test file's own module name
+ENV_SRC = (Path(__file__).resolve().parents[1] / "even_bytes_env.py").read_text()
 
 
 @pytest.fixture(scope="module")
