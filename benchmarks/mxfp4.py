@@ -151,18 +151,22 @@ def sweep_tiles(w, packed, scale, repeats: int, traffic: float, copy_gbs: float)
     from k3core.ops import mxfp4_triton as kt
 
     saved = (kt.BF16_QUANT_GROUPS, kt.BF16_QUANT_WARPS, kt.DEQUANT_GROUPS, kt.DEQUANT_WARPS)
-    print("\nTriton tile sweep, bf16 quantize and dequantize kernels (traffic GB/s, % of copy):")
+    print("\nTriton tile sweep, bf16 quantize (words and fma kernels) and dequantize (traffic GB/s, % of copy):")
     try:
         for groups in (16, 32, 64, 128, 256):
             for warps in (2, 4, 8):
                 kt.BF16_QUANT_GROUPS = kt.DEQUANT_GROUPS = groups
                 kt.BF16_QUANT_WARPS = kt.DEQUANT_WARPS = warps
-                out_q = kt.quantize_triton(w, check_finite=False)
-                assert torch.equal(out_q[0], packed) and torch.equal(out_q[1], scale)
-                q_ms, _ = time_ms(lambda: kt.quantize_triton(w, check_finite=False), "cuda", repeats)
+                q = {}
+                for kernel in ("words", "fma"):
+                    out_q = kt.quantize_triton(w, check_finite=False, kernel=kernel)
+                    assert torch.equal(out_q[0], packed) and torch.equal(out_q[1], scale), kernel
+                    q_ms, _ = time_ms(lambda: kt.quantize_triton(w, check_finite=False, kernel=kernel), "cuda", repeats)
+                    q[kernel] = traffic / q_ms / 1e6
                 d_ms, _ = time_ms(lambda: kt.dequantize_triton(packed, scale), "cuda", repeats)
-                q, d = traffic / q_ms / 1e6, traffic / d_ms / 1e6
-                print(f"  groups {groups:3d} warps {warps}: quantize {q:7.0f} ({100 * q / copy_gbs:3.0f}%)"
+                d = traffic / d_ms / 1e6
+                print(f"  groups {groups:3d} warps {warps}: quantize words {q['words']:7.0f} "
+                      f"({100 * q['words'] / copy_gbs:3.0f}%)  fma {q['fma']:7.0f} ({100 * q['fma'] / copy_gbs:3.0f}%)"
                       f"  dequantize {d:7.0f} ({100 * d / copy_gbs:3.0f}%)")
     finally:
         kt.BF16_QUANT_GROUPS, kt.BF16_QUANT_WARPS, kt.DEQUANT_GROUPS, kt.DEQUANT_WARPS = saved
@@ -235,7 +239,10 @@ def main() -> None:
               same_q, traffic_q)
         # baseline: the first (any-dtype, reshape/split) kernel, which the bf16 kernel replaced
         bench("quantize: generic Triton kernel, no finite check",
-              lambda: quantize_triton(w, check_finite=False, generic=True), same_q, traffic_q)
+              lambda: quantize_triton(w, check_finite=False, kernel="generic"), same_q, traffic_q)
+        # candidate: fp32 fma rounding (element work on the FMA pipe; see mxfp4_triton._codes_fma)
+        bench("quantize: fma-rounding Triton kernel, no finite check",
+              lambda: quantize_triton(w, check_finite=False, kernel="fma"), same_q, traffic_q)
     if device == "cuda":
         bench("quantize: k3core torch path", lambda: mxfp4.quantize_torch(w), same_q, traffic_q)
     bench("quantize: naive torch", lambda: naive_quantize(w), same_q, traffic_q)

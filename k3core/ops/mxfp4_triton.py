@@ -22,6 +22,11 @@ only per-row values (the block max, the scale) change layout. Measured on an H20
 33-38% of copy bandwidth against 25-27% for the first kernel (`tl.reshape` + `tl.split`), which
 stays for fp16/fp32. The same layout for dequantize ran at 50-54%, slower than the first
 dequantize kernel (`tl.join`, 58-60%), so dequantize keeps that one for every dtype.
+
+`_quantize_bf16_fma_kernel` (`kernel="fma"`, not the default until timed on a GPU) is the bf16
+kernel with the codes of ordinary-scale blocks computed by fp32 multiply-adds (`_codes_fma`): half
+the integer instructions per element (`benchmarks/mxfp4_sass.py`), which is what bounds the words
+kernel (docs/results/mxfp4.md).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ DEQUANT_GROUPS, DEQUANT_WARPS = 128, 8
 # `benchmarks/mxfp4.py --device cuda --sweep` on an H200 (2026-12-01; 33-38% of copy bandwidth at
 # most settings, 22-24% at 16 blocks or 8 warps with few blocks).
 BF16_QUANT_GROUPS, BF16_QUANT_WARPS = 128, 4
+QUANTIZE_KERNELS = ("auto", "generic", "words", "fma")
 
 
 @triton.jit
@@ -110,6 +116,28 @@ def _codes(mag, neg, s, NEG_ZERO_FIELD: tl.constexpr):
 
 
 @triton.jit
+def _codes_fma(mag, neg, s, NEG_ZERO_FIELD: tl.constexpr):
+    """`_codes` by fp32 rounding, for blocks whose scale byte lies in [3, 254] (see
+    `_quantize_bf16_fma_kernel`). With y = |x| * 2^-s (exact: a power-of-two scaling of a normal
+    fp32), the code is round-half-even of 2y below 2, 2 + round(y) below 4, else 4 + round(y / 2)
+    capped at 7: each one multiply-add of 2^23, whose unit in the last place is 1, so the hardware's
+    rounding is the codec's rounding and the integer sits in the low mantissa bits. Values below
+    0.25 * 2^s give code 0 whether or not the hardware flushes them; the sign rule stays on bits."""
+    a = mag.to(tl.float32, bitcast=True)
+    k2 = ((128 - s) << 23).to(tl.float32, bitcast=True)  # 2^(1 - s)
+    k1 = ((127 - s) << 23).to(tl.float32, bitcast=True)  # 2^-s
+    kh = ((126 - s) << 23).to(tl.float32, bitcast=True)  # 2^(-1 - s)
+    two = ((128 + s) << 23).to(tl.float32, bitcast=True)  # 2 * 2^s
+    four = ((129 + s) << 23).to(tl.float32, bitcast=True)  # 4 * 2^s
+    # a * k is exact, so the add is the only rounding whether or not the compiler fuses the two
+    f = tl.where(a < two, a * k2 + 8388608.0,
+                 tl.where(a < four, a * k1 + 8388610.0, tl.minimum(a * kh + 8388612.0, 8388615.0)))
+    code = f.to(tl.int32, bitcast=True) & 7
+    keeps_sign = neg & (mag > _ldexp_bits(NEG_ZERO_FIELD, 0, s))
+    return code | (keeps_sign.to(tl.int32) << 3)
+
+
+@triton.jit
 def _point(s, FIELD: tl.constexpr, FRAC: tl.constexpr, TIE_UP: tl.constexpr):
     """Bits of a decision point scaled by 2^s (``s`` broadcastable against the elements), minus 1 ulp
     when ties round up, so that "passes" is always "|x| bits > point" (see mxfp4._MIDPOINTS)."""
@@ -148,6 +176,55 @@ def _quantize_bf16_kernel(
     tl.store(packed_ptr + ow, word, mask=wmask)
     g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     tl.store(scale_ptr + g, scale.to(tl.uint8), mask=g < n_groups)
+
+
+@triton.jit
+def _quantize_bf16_fma_kernel(
+    words_ptr,
+    packed_ptr,
+    scale_ptr,
+    nonfinite_ptr,
+    n_groups,
+    ROUND_BIAS: tl.constexpr,
+    NEG_ZERO_FIELD: tl.constexpr,
+    GROUPS: tl.constexpr,
+    ORDINARY_ONLY: tl.constexpr = False,
+):
+    """`_quantize_bf16_kernel` with `_codes_fma` for programs whose blocks all have ordinary scale
+    bytes (3..254: every weight matrix in practice) and `_codes` for the rest (blocks of tiny or
+    non-finite values), a choice made once per program. ``ORDINARY_ONLY`` compiles the first branch
+    alone, for static instruction counts (`benchmarks/mxfp4_sass.py`); such a kernel is wrong for
+    other blocks, and `quantize_triton` never launches it."""
+    W: tl.constexpr = GROUPS * 4
+    ow = tl.program_id(0).to(tl.int64) * W + tl.arange(0, W)
+    wmask = ow < n_groups * 4
+    j = tl.arange(0, 4)
+    w = tl.load(words_ptr + ow[:, None] * 4 + j[None, :], mask=wmask[:, None], other=0)  # [W, 4]
+    lo_bits = w << 16
+    hi_bits = w & -65536
+    lo_mag, hi_mag = lo_bits & 0x7FFFFFFF, hi_bits & 0x7FFFFFFF
+    amax = tl.max(tl.reshape(tl.max(tl.maximum(lo_mag, hi_mag), axis=1), (GROUPS, 4)), axis=1)  # [GROUPS]
+    field = (amax + ROUND_BIAS) >> 23
+    scale = tl.maximum(field - 2, 0)
+    nonfinite = amax >= 0x7F800000
+    scale = tl.where(nonfinite, 255, scale)
+    if tl.max(nonfinite.to(tl.int32), axis=0) > 0:
+        tl.atomic_max(nonfinite_ptr, 1)
+    s = tl.reshape(tl.broadcast_to((scale - 127)[:, None], (GROUPS, 4)), (W,))[:, None]  # per word
+    # masked-off blocks read zeros (scale byte 0): they must not force the exact path
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    gmask = g < n_groups
+    ordinary = tl.where(gmask, ((scale >= 3) & (scale <= 254)).to(tl.int32), 1)
+    fast = tl.min(ordinary, axis=0)
+    if ORDINARY_ONLY:
+        fast = 1  # a compile-time True: the exact branch is not even compiled
+    if fast > 0:
+        byte = _codes_fma(lo_mag, lo_bits < 0, s, NEG_ZERO_FIELD) | (_codes_fma(hi_mag, hi_bits < 0, s, NEG_ZERO_FIELD) << 4)
+    else:
+        byte = _codes(lo_mag, lo_bits < 0, s, NEG_ZERO_FIELD) | (_codes(hi_mag, hi_bits < 0, s, NEG_ZERO_FIELD) << 4)
+    word = tl.sum(byte << (8 * j)[None, :], axis=1)
+    tl.store(packed_ptr + ow, word, mask=wmask)
+    tl.store(scale_ptr + g, scale.to(tl.uint8), mask=gmask)
 
 
 @triton.jit
@@ -219,16 +296,23 @@ def quantize_triton(
     scale_rule: str = "compressed-tensors",
     name: str | None = None,
     check_finite: bool = True,
-    generic: bool = False,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton path of `mxfp4.quantize`; same contract. A non-contiguous w is copied first.
 
     The finite check reads back one flag (a host sync). `check_finite=False` skips that read
     (blocks with inf/NaN then silently carry scale byte 255); the benchmark uses it to time the
-    kernel alone. `generic=True` runs the first (any-dtype) kernel on bf16 too: the benchmark's
-    baseline for the bf16 kernel."""
+    kernel alone. `kernel`: "auto" ("words" for bf16, else "generic"), "generic" (the first,
+    any-dtype kernel: the benchmark's baseline), "words" (bf16: `_quantize_bf16_kernel`) or "fma"
+    (bf16: `_quantize_bf16_fma_kernel`, a candidate not yet timed on a GPU). All give the same bytes."""
     mxfp4._check_scale_rule(scale_rule)
     mxfp4._check_quantize_input(w)
+    if kernel not in QUANTIZE_KERNELS:
+        raise ValueError(f"unknown quantize kernel {kernel!r}; use one of {QUANTIZE_KERNELS}")
+    if kernel == "auto":
+        kernel = "words" if w.dtype == torch.bfloat16 else "generic"
+    if kernel != "generic" and w.dtype != torch.bfloat16:
+        raise ValueError(f"the {kernel!r} quantize kernel reads bf16, got {w.dtype}; use kernel='generic'")
     n = w.shape[-1]
     lead = w.shape[:-1]
     packed = torch.empty(*lead, n // 2, dtype=torch.uint8, device=w.device)
@@ -238,8 +322,9 @@ def quantize_triton(
         return packed, scale
     x = w.contiguous()
     nonfinite = torch.zeros(1, dtype=torch.int32, device=w.device)
-    if w.dtype == torch.bfloat16 and not generic:
-        _quantize_bf16_kernel[(triton.cdiv(n_groups, BF16_QUANT_GROUPS),)](
+    if kernel != "generic":
+        bf16_kernel = _quantize_bf16_kernel if kernel == "words" else _quantize_bf16_fma_kernel
+        bf16_kernel[(triton.cdiv(n_groups, BF16_QUANT_GROUPS),)](
             x.view(torch.int32),
             packed.view(torch.int32),
             scale,

@@ -323,13 +323,13 @@ def test_fake_quantize_forward_and_straight_through_gradient(dtype):
 def _triton_vs_torch(device: str):
     from k3core.ops.mxfp4_triton import dequantize_triton, quantize_triton
 
-    # generic: the first (any-dtype) quantize kernel, which bf16 reaches only with generic=True
-    for dtype, generic in [(d, False) for d in DTYPES] + [(torch.bfloat16, True)]:
+    # bf16 reaches the generic (any-dtype) kernel and the fma candidate only when asked
+    for dtype, kernel in [(d, "auto") for d in DTYPES] + [(torch.bfloat16, "generic"), (torch.bfloat16, "fma")]:
         w = mixed_weights(67, 640, dtype, seed=7).to(device)  # 67 * 20 blocks: a partial program
         for rule in RULES:
             p_ref, s_ref = quantize_torch(w, scale_rule=rule)
-            p, s = quantize_triton(w, scale_rule=rule, generic=generic)
-            assert torch.equal(p, p_ref) and torch.equal(s, s_ref), (dtype, rule, generic)
+            p, s = quantize_triton(w, scale_rule=rule, kernel=kernel)
+            assert torch.equal(p, p_ref) and torch.equal(s, s_ref), (dtype, rule, kernel)
             # ordinary scale bytes only: the kernels' fast decode branch
             assert bits_equal(dequantize_triton(p, s, dtype), dequantize_torch(p, s, dtype))
         # Every scale byte (0 and 255 included) and random codes, to every output dtype.
@@ -352,6 +352,48 @@ def _triton_vs_torch(device: str):
 def test_triton_interpreter_matches_torch_path():
     pytest.importorskip("triton")
     _triton_vs_torch("cpu")
+
+
+def ordinary_scale_bf16(blocks: int, seed: int) -> torch.Tensor:
+    """bf16 blocks whose scale bytes are all ordinary (3..254), so the fma kernel's fast branch
+    takes every program: per block a random power of two 2^e, a maximum in [4, 8) * 2^e (saturating
+    values above 6 included), every decision point t * 2^e (ties) and its bf16 neighbours, every
+    code value, random values in [0, 8) * 2^e, random signs, and tiny (subnormal) values whose sign
+    the codec keeps or drops."""
+    g = torch.Generator().manual_seed(seed)
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+    ties = points.to(torch.bfloat16)
+    up = (ties.view(torch.int16) + 1).view(torch.bfloat16).double()
+    down = (ties.view(torch.int16) - 1).view(torch.bfloat16).double()
+    pool = torch.cat([points, up, down, torch.tensor([0.0, 0.5, 1, 1.5, 2, 3, 4, 6, 7.96875], dtype=torch.float64)])
+    pick = pool[torch.randint(0, len(pool), (blocks, 32), generator=g)]
+    pick = torch.where(torch.rand(blocks, 32, generator=g) < 0.3, torch.rand(blocks, 32, generator=g, dtype=torch.float64) * 8, pick)
+    pick[:, 0] = 4 + 4 * torch.rand(blocks, generator=g, dtype=torch.float64)  # the block maximum
+    exps = torch.randint(-100, 100, (blocks, 1), generator=g).double()
+    w = pick * torch.exp2(exps) * torch.where(torch.rand(blocks, 32, generator=g) < 0.5, -1.0, 1.0)
+    w[:, 31] = -(2.0 ** torch.randint(-133, -127, (blocks,), generator=g).double())  # bf16 subnormals
+    return w.to(torch.bfloat16)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter run (TRITON_INTERPRET=1)"
+)
+def test_triton_interpreter_fma_kernel_on_ordinary_scales():
+    pytest.importorskip("triton")
+    from k3core.ops.mxfp4_triton import quantize_triton
+
+    w = ordinary_scale_bf16(1000, seed=11)  # 8 programs, one partial
+    for rule in RULES:
+        p_ref, s_ref = quantize_torch(w, scale_rule=rule)
+        assert int(s_ref.min()) >= 3 and int(s_ref.max()) <= 254  # the fast branch everywhere
+        p, s = quantize_triton(w, scale_rule=rule, kernel="fma")
+        assert torch.equal(s, s_ref), rule
+        bad = (codes_of(p) != codes_of(p_ref)).nonzero()
+        assert not len(bad), f"{rule}: {len(bad)} codes differ, first at {bad[0].tolist()}"
+    with pytest.raises(ValueError, match="reads bf16"):
+        quantize_triton(w.float(), kernel="fma")
+    with pytest.raises(ValueError, match="unknown quantize kernel"):
+        quantize_triton(w, kernel="fast")
 
 
 @pytest.mark.gpu

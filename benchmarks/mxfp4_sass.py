@@ -1,0 +1,118 @@
+"""Static SASS instruction counts of the MXFP4 bf16 quantize kernels, compiled for sm_90 (H100/H200)
+on any machine, GPU or not (Triton's bundled ptxas and nvdisasm). Not a timing: a count of the
+instructions a thread issues per element, the budget that decides whether a kernel can stay
+memory-bound. At 60% of an H200's ~4.2 TB/s copy bandwidth, with 2.53 bytes of quantize traffic per
+element, each of its 528 SM sub-partitions must finish ~0.95 elements per cycle; a sub-partition
+issues one warp instruction (32 threads) per cycle, and an int32 one holds its 16-lane integer pipe
+for two. So a kernel whose threads issue I integer instructions per element runs at most at
+32 / (2 I) elements per cycle: 0.58 for the words kernel's 27.7, i.e. ~37% of copy, the 33-38%
+measured.
+
+    python3 benchmarks/mxfp4_sass.py [--groups 128] [--warps 4]
+
+Rows: the "words" kernel (the default for bf16, 33-38% of copy bandwidth measured on an H200), the
+generic kernel (25-27% measured; same tile here, it was timed at 128 blocks x 8 warps), the "fma" candidate's fast branch (what runs for every block of real weights) and its whole kernel
+(both branches; only one runs per program), and a floor kernel that only loads the input words and
+stores one word per row. Columns: SASS instructions per element, of which integer/logic, floating
+point, and memory; the most frequent opcodes. Needs triton (pip install triton); compiles with the
+launch-time assumptions of the JIT (16-byte aligned pointers, n_groups divisible by 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from k3core.ops import mxfp4
+from k3core.ops import mxfp4_triton as kt
+
+FLOAT_OPS = {"FFMA", "FADD", "FMUL", "FSETP", "FMNMX", "FSEL", "FSET"}
+MEMORY_OPS = {"LDG", "STG", "LDS", "STS", "SHFL", "BAR", "ATOMG", "RED"}
+
+
+@triton.jit
+def _load_store_floor(words_ptr, packed_ptr, scale_ptr, nonfinite_ptr, n_groups,
+                      ROUND_BIAS: tl.constexpr, NEG_ZERO_FIELD: tl.constexpr, GROUPS: tl.constexpr):
+    """The quantize kernels' memory pattern with no codec work: 4 input words per output word."""
+    W: tl.constexpr = GROUPS * 4
+    ow = tl.program_id(0).to(tl.int64) * W + tl.arange(0, W)
+    wmask = ow < n_groups * 4
+    j = tl.arange(0, 4)
+    w = tl.load(words_ptr + ow[:, None] * 4 + j[None, :], mask=wmask[:, None], other=0)
+    tl.store(packed_ptr + ow, tl.sum(w, axis=1), mask=wmask)
+
+
+WORDS_SIGNATURE = {"words_ptr": "*i32", "packed_ptr": "*i32", "scale_ptr": "*u8", "nonfinite_ptr": "*i32",
+                   "n_groups": "i32", "ROUND_BIAS": "constexpr", "NEG_ZERO_FIELD": "constexpr", "GROUPS": "constexpr"}
+GENERIC_SIGNATURE = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", "nonfinite_ptr": "*i32",
+                     "n_groups": "i32", "ROUND_BIAS": "constexpr", "NEG_ZERO_FIELD": "constexpr", "GROUPS": "constexpr"}
+
+
+def sass(fn, groups: int, warps: int, signature=WORDS_SIGNATURE, **constexprs) -> str:
+    sig = dict(signature)
+    consts = {"ROUND_BIAS": mxfp4._ROUND_BIAS["compressed-tensors"],
+              "NEG_ZERO_FIELD": mxfp4._NEG_ZERO_FIELD[torch.bfloat16], "GROUPS": groups}
+    for k, v in constexprs.items():
+        sig[k] = "constexpr"
+        consts[k] = v
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True, check=True).stdout
+
+
+def opcodes(text: str) -> collections.Counter:
+    ops = collections.Counter()
+    for line in text.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=kt.BF16_QUANT_GROUPS, help="blocks of 32 per program")
+    parser.add_argument("--warps", type=int, default=kt.BF16_QUANT_WARPS)
+    args = parser.parse_args()
+    per_thread = args.groups * 32 / (args.warps * 32)  # elements each thread quantizes
+    rows = [
+        ("words kernel (default for bf16)", sass(kt._quantize_bf16_kernel, args.groups, args.warps)),
+        ("generic kernel (25% measured)", sass(kt._mxfp4_quantize_kernel, args.groups, args.warps,
+                                               GENERIC_SIGNATURE, IS_BF16=True)),
+        ("fma kernel, fast branch", sass(kt._quantize_bf16_fma_kernel, args.groups, args.warps, ORDINARY_ONLY=True)),
+        ("fma kernel, both branches", sass(kt._quantize_bf16_fma_kernel, args.groups, args.warps)),
+        ("load/store floor", sass(_load_store_floor, args.groups, args.warps)),
+    ]
+    print(f"triton {triton.__version__}, sm_90, {args.groups} blocks x {args.warps} warps per program: "
+          f"{per_thread:.0f} elements per thread")
+    print(f"{'kernel':34s} {'SASS/elem':>9s} {'int':>6s} {'float':>6s} {'memory':>6s}  top opcodes")
+    base = None
+    for label, text in rows:
+        ops = opcodes(text)
+        total = sum(ops.values())
+        fp = sum(n for op, n in ops.items() if op in FLOAT_OPS)
+        mem = sum(n for op, n in ops.items() if op in MEMORY_OPS)
+        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
+        base = base or total
+        print(f"{label:34s} {total / per_thread:9.1f} {(total - fp - mem) / per_thread:6.1f} {fp / per_thread:6.1f} "
+              f"{mem / per_thread:6.1f}  {top}  ({total / base:.2f}x words)")
+
+
+if __name__ == "__main__":
+    main()
