@@ -380,9 +380,20 @@ def ordinary_scale_bf16(blocks: int, seed: int) -> torch.Tensor:
 )
 def test_triton_interpreter_fma_kernel_on_ordinary_scales():
     pytest.importorskip("triton")
+    _fma_kernel_on_ordinary_scales("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fma_kernel_on_ordinary_scales_on_gpu():
+    pytest.importorskip("triton")
+    _fma_kernel_on_ordinary_scales("cuda")
+
+
+def _fma_kernel_on_ordinary_scales(device: str):
     from k3core.ops.mxfp4_triton import quantize_triton
 
-    w = ordinary_scale_bf16(1000, seed=11)  # 8 programs, one partial
+    w = ordinary_scale_bf16(1000, seed=11).to(device)  # 8 programs, one partial
     for rule in RULES:
         p_ref, s_ref = quantize_torch(w, scale_rule=rule)
         assert int(s_ref.min()) >= 3 and int(s_ref.max()) <= 254  # the fast branch everywhere
