@@ -151,23 +151,24 @@ def sweep_tiles(w, packed, scale, repeats: int, traffic: float, copy_gbs: float)
     from k3core.ops import mxfp4_triton as kt
 
     saved = (kt.BF16_QUANT_GROUPS, kt.BF16_QUANT_WARPS, kt.DEQUANT_GROUPS, kt.DEQUANT_WARPS)
-    print("\nTriton tile sweep, bf16 quantize (words and fma kernels) and dequantize (traffic GB/s, % of copy):")
+    kernels = ("words", "fma", "bf16x2")
+    print(f"\nTriton tile sweep, bf16 quantize ({', '.join(kernels)} kernels) and dequantize (traffic GB/s, % of copy):")
     try:
-        for groups in (16, 32, 64, 128, 256):
+        for groups in (64, 128, 256):
             for warps in (2, 4, 8):
                 kt.BF16_QUANT_GROUPS = kt.DEQUANT_GROUPS = groups
                 kt.BF16_QUANT_WARPS = kt.DEQUANT_WARPS = warps
-                q = {}
-                for kernel in ("words", "fma"):
+                cells = []
+                for kernel in kernels:
                     out_q = kt.quantize_triton(w, check_finite=False, kernel=kernel)
                     assert torch.equal(out_q[0], packed) and torch.equal(out_q[1], scale), kernel
                     q_ms, _ = time_ms(lambda: kt.quantize_triton(w, check_finite=False, kernel=kernel), "cuda", repeats)
-                    q[kernel] = traffic / q_ms / 1e6
+                    q = traffic / q_ms / 1e6
+                    cells.append(f"{kernel} {q:6.0f} ({100 * q / copy_gbs:3.0f}%)")
                 d_ms, _ = time_ms(lambda: kt.dequantize_triton(packed, scale), "cuda", repeats)
                 d = traffic / d_ms / 1e6
-                print(f"  groups {groups:3d} warps {warps}: quantize words {q['words']:7.0f} "
-                      f"({100 * q['words'] / copy_gbs:3.0f}%)  fma {q['fma']:7.0f} ({100 * q['fma'] / copy_gbs:3.0f}%)"
-                      f"  dequantize {d:7.0f} ({100 * d / copy_gbs:3.0f}%)")
+                print(f"  groups {groups:3d} warps {warps}: quantize {'  '.join(cells)}"
+                      f"  dequantize {d:6.0f} ({100 * d / copy_gbs:3.0f}%)")
     finally:
         kt.BF16_QUANT_GROUPS, kt.BF16_QUANT_WARPS, kt.DEQUANT_GROUPS, kt.DEQUANT_WARPS = saved
 
@@ -232,6 +233,9 @@ def main() -> None:
 
     bench("quantize: k3core (dispatch)", lambda: mxfp4.quantize(w), same_q, traffic_q)
     if device == "cuda" and mxfp4.triton_available():
+        import triton  # noqa: PLC0415
+
+        from k3core.ops import mxfp4_triton as kt
         from k3core.ops.mxfp4_triton import quantize_triton
 
         # The dispatch above includes the finite check's host sync; this is the kernel alone.
@@ -243,6 +247,22 @@ def main() -> None:
         # candidate: fp32 fma rounding (element work on the FMA pipe; see mxfp4_triton._codes_fma)
         bench("quantize: fma-rounding Triton kernel, no finite check",
               lambda: quantize_triton(w, check_finite=False, kernel="fma"), same_q, traffic_q)
+        # candidate: bf16x2 fma/min rounding, two elements per instruction (mxfp4_triton._bytes_bf16x2)
+        bench("quantize: bf16x2 Triton kernel, no finite check",
+              lambda: quantize_triton(w, check_finite=False, kernel="bf16x2"), same_q, traffic_q)
+        bench("quantize: bf16x2 on the words layout, no finite check",
+              lambda: quantize_triton(w, check_finite=False, kernel="bf16x2_words"), same_q, traffic_q)
+        # ceiling of the bf16 kernels' memory pattern: same loads and stores, no codec work
+        from mxfp4_sass import _load_store_floor  # noqa: PLC0415 (benchmarks/ is sys.path[0])
+
+        out_words = torch.empty(n // 8, dtype=torch.int32, device=device)
+        out_scale = torch.empty(n // 32, dtype=torch.uint8, device=device)
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        bench("quantize floor: load + store only, no codec (not a quantizer)",
+              lambda: _load_store_floor[(triton.cdiv(n // 32, kt.BF16_QUANT_GROUPS),)](
+                  w.view(torch.int32), out_words, out_scale, flag, n // 32, ROUND_BIAS=0, NEG_ZERO_FIELD=0,
+                  GROUPS=kt.BF16_QUANT_GROUPS, num_warps=kt.BF16_QUANT_WARPS),
+              lambda out: None, traffic_q)
     if device == "cuda":
         bench("quantize: k3core torch path", lambda: mxfp4.quantize_torch(w), same_q, traffic_q)
     bench("quantize: naive torch", lambda: naive_quantize(w), same_q, traffic_q)
@@ -287,7 +307,7 @@ def main() -> None:
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for label, ms, cpu_ms, gbs, traffic in rows_out:
-        base = naive[label.split(":")[0]]
+        base = naive[label.split(":")[0].split()[0]]  # "quantize floor" -> the quantize baseline
         line = f"| {label:42} | {ms:9.2f} |"
         if cpu_col:
             line += f" {cpu_ms:9.2f} |"

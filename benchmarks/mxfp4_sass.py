@@ -36,7 +36,7 @@ from triton.compiler import ASTSource
 from k3core.ops import mxfp4
 from k3core.ops import mxfp4_triton as kt
 
-FLOAT_OPS = {"FFMA", "FADD", "FMUL", "FSETP", "FMNMX", "FSEL", "FSET"}
+FLOAT_OPS = {"FFMA", "FADD", "FMUL", "FSETP", "FMNMX", "FSEL", "FSET", "HFMA2", "HMNMX2", "HADD2", "HMUL2"}
 MEMORY_OPS = {"LDG", "STG", "LDS", "STS", "SHFL", "BAR", "ATOMG", "RED"}
 
 
@@ -97,6 +97,10 @@ def main() -> None:
                                                GENERIC_SIGNATURE, IS_BF16=True)),
         ("fma kernel, fast branch", sass(kt._quantize_bf16_fma_kernel, args.groups, args.warps, ORDINARY_ONLY=True)),
         ("fma kernel, both branches", sass(kt._quantize_bf16_fma_kernel, args.groups, args.warps)),
+        ("bf16x2 kernel, fast branch", sass(kt._quantize_bf16_fma_kernel, args.groups, args.warps,
+                                            ORDINARY_ONLY=True, BF16X2=True)),
+        ("bf16x2 3-D kernel, fast branch", sass(kt._quantize_bf16x2_kernel, args.groups, args.warps, ORDINARY_ONLY=True)),
+        ("bf16x2 3-D kernel, both branches", sass(kt._quantize_bf16x2_kernel, args.groups, args.warps)),
         ("load/store floor", sass(_load_store_floor, args.groups, args.warps)),
     ]
     print(f"triton {triton.__version__}, sm_90, {args.groups} blocks x {args.warps} warps per program: "

@@ -45,7 +45,7 @@ DEQUANT_GROUPS, DEQUANT_WARPS = 128, 8
 # `benchmarks/mxfp4.py --device cuda --sweep` on an H200 (2026-12-01; 33-38% of copy bandwidth at
 # most settings, 22-24% at 16 blocks or 8 warps with few blocks).
 BF16_QUANT_GROUPS, BF16_QUANT_WARPS = 128, 4
-QUANTIZE_KERNELS = ("auto", "generic", "words", "fma")
+QUANTIZE_KERNELS = ("auto", "generic", "words", "fma", "bf16x2", "bf16x2_words")
 
 
 @triton.jit
@@ -137,6 +137,55 @@ def _codes_fma(mag, neg, s, NEG_ZERO_FIELD: tl.constexpr):
     return code | (keeps_sign.to(tl.int32) << 3)
 
 
+# One packed word of two bf16 elements -> their two codes as one byte, with bf16x2 arithmetic (two
+# elements per instruction). See `_bytes_bf16x2` for the algebra; $1 the word, $2 the word's K2 =
+# bf16x2 bits of (2^(1-s), 2^(1-s)), $3 the sign threshold pair ((t + 1) * 0x10001).
+_BF16X2_ASM = tl.constexpr("""
+{
+.reg .b32 m, sg, k1, kh, f2, f1, fh, c, c128, c130, c132, c135;
+mov.b32 c128, 0x43004300;
+mov.b32 c130, 0x43024302;
+mov.b32 c132, 0x43044304;
+mov.b32 c135, 0x43074307;
+and.b32 m, $1, 0x7FFF7FFF;
+or.b32 sg, m, 0x80008000;
+sub.s32 sg, sg, $3;
+and.b32 sg, sg, $1;
+and.b32 sg, sg, 0x80008000;
+sub.s32 k1, $2, 0x00800080;
+sub.s32 kh, k1, 0x00800080;
+fma.rn.bf16x2 f2, m, $2, c128;
+fma.rn.bf16x2 f1, m, k1, c130;
+fma.rn.bf16x2 fh, m, kh, c132;
+min.bf16x2 c, f2, f1;
+min.bf16x2 fh, fh, c135;
+min.bf16x2 c, c, fh;
+and.b32 c, c, 0x00070007;
+shr.u32 sg, sg, 12;
+or.b32 c, c, sg;
+shr.u32 sg, c, 12;
+or.b32 c, c, sg;
+and.b32 $0, c, 0xFF;
+}
+""")
+
+
+@triton.jit
+def _bytes_bf16x2(w, k2, thr_pair):
+    """The packed byte (two codes) of each int32 word `w` of two bf16 elements in blocks of ordinary
+    scale (bytes 3..252), by bf16x2 instructions. With y = |x| * 2^-s and R round-half-even to an
+    integer, the codec's magnitude code is R(min(2y, y + 2, y/2 + 4)) capped at 7 (the E2M1 grid
+    steps by 1/2 below 2, by 1 below 4, by 2 above: a concave piecewise-linear index), and since R
+    is monotone that is min(R(2y), R(y + 2), R(y/2 + 4), 7). Each R is one bf16x2 fma of |x| by a
+    power of two plus 128 + c: exact product, one rounding, and at 128 the bf16 unit in the last
+    place is 1, so the integer lands in the low mantissa bits. The sign rule (|x| > t, t the
+    dtype's underflow threshold as bf16 bits) is a 16-bit compare done by one 32-bit subtract
+    whose halves cannot borrow. Needs sm_80+ (bf16x2 fma/min); `_bytes_bf16x2_reference` in
+    mxfp4.py is this algebra in torch, checked exhaustively on CPU."""
+    return tl.inline_asm_elementwise(_BF16X2_ASM, "=r,r,r,r", [w, k2, thr_pair],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
 @triton.jit
 def _point(s, FIELD: tl.constexpr, FRAC: tl.constexpr, TIE_UP: tl.constexpr):
     """Bits of a decision point scaled by 2^s (``s`` broadcastable against the elements), minus 1 ulp
@@ -189,6 +238,7 @@ def _quantize_bf16_fma_kernel(
     NEG_ZERO_FIELD: tl.constexpr,
     GROUPS: tl.constexpr,
     ORDINARY_ONLY: tl.constexpr = False,
+    BF16X2: tl.constexpr = False,
 ):
     """`_quantize_bf16_kernel` with `_codes_fma` for programs whose blocks all have ordinary scale
     bytes (3..254: every weight matrix in practice) and `_codes` for the rest (blocks of tiny or
@@ -219,11 +269,66 @@ def _quantize_bf16_fma_kernel(
     if ORDINARY_ONLY:
         fast = 1  # a compile-time True: the exact branch is not even compiled
     if fast > 0:
-        byte = _codes_fma(lo_mag, lo_bits < 0, s, NEG_ZERO_FIELD) | (_codes_fma(hi_mag, hi_bits < 0, s, NEG_ZERO_FIELD) << 4)
+        if BF16X2:
+            k2 = (128 - s) * 0x00800080  # bf16 bits of 2^(1 - s), twice
+            thr = _ldexp_bits(NEG_ZERO_FIELD, 0, s) >> 16  # sign threshold as bf16 bits
+            byte = _bytes_bf16x2(w, k2, (thr + 1) * 0x10001)
+        else:
+            byte = _codes_fma(lo_mag, lo_bits < 0, s, NEG_ZERO_FIELD) | (_codes_fma(hi_mag, hi_bits < 0, s, NEG_ZERO_FIELD) << 4)
     else:
         byte = _codes(lo_mag, lo_bits < 0, s, NEG_ZERO_FIELD) | (_codes(hi_mag, hi_bits < 0, s, NEG_ZERO_FIELD) << 4)
     word = tl.sum(byte << (8 * j)[None, :], axis=1)
     tl.store(packed_ptr + ow, word, mask=wmask)
+    tl.store(scale_ptr + g, scale.to(tl.uint8), mask=gmask)
+
+
+@triton.jit
+def _quantize_bf16x2_kernel(
+    words_ptr,  # the bf16 input as int32 words: [n_groups * 16]
+    packed_ptr,  # the packed output as int32 words: [n_groups * 4]
+    scale_ptr,
+    nonfinite_ptr,
+    n_groups,
+    ROUND_BIAS: tl.constexpr,
+    NEG_ZERO_FIELD: tl.constexpr,
+    GROUPS: tl.constexpr,
+    ORDINARY_ONLY: tl.constexpr = False,
+):
+    """bf16 quantize on a [GROUPS, 4, 4] view of the input words (block, output word, input word):
+    the block max reduces over the two inner axes and broadcasts back by expand_dims, so no value
+    changes layout through shared memory (the words kernel's reshapes do), and codes of blocks with
+    ordinary scale bytes come from `_bytes_bf16x2`; a program holding any other block (tiny or
+    non-finite values) takes `_codes` for all of its blocks."""
+    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    gmask = g < n_groups
+    r = tl.arange(0, 4)  # output word within the block
+    j = tl.arange(0, 4)  # input word within the output word = byte within it
+    offs = g[:, None, None] * 16 + r[None, :, None] * 4 + j[None, None, :]
+    w = tl.load(words_ptr + offs, mask=gmask[:, None, None], other=0)  # [GROUPS, 4, 4]
+    lo_bits = w << 16
+    hi_bits = w & -65536
+    lo_mag, hi_mag = lo_bits & 0x7FFFFFFF, hi_bits & 0x7FFFFFFF
+    amax = tl.max(tl.max(tl.maximum(lo_mag, hi_mag), axis=2), axis=1)  # [GROUPS]
+    field = (amax + ROUND_BIAS) >> 23
+    scale = tl.maximum(field - 2, 0)
+    nonfinite = amax >= 0x7F800000
+    scale = tl.where(nonfinite, 255, scale)
+    s = (scale - 127)[:, None, None]
+    # one program-wide reduction on the fast path: a non-finite block (byte 255) is not ordinary
+    ordinary = tl.where(gmask, ((scale >= 3) & (scale <= 254)).to(tl.int32), 1)
+    fast = tl.min(ordinary, axis=0)
+    if ORDINARY_ONLY:
+        fast = 1
+    if fast > 0:
+        k2 = (128 - s) * 0x00800080  # bf16 bits of 2^(1 - s), twice
+        thr = _ldexp_bits(NEG_ZERO_FIELD, 0, s) >> 16  # sign threshold as bf16 bits
+        byte = _bytes_bf16x2(w, k2, (thr + 1) * 0x10001)
+    else:
+        if tl.max(nonfinite.to(tl.int32), axis=0) > 0:
+            tl.atomic_max(nonfinite_ptr, 1)
+        byte = _codes(lo_mag, lo_bits < 0, s, NEG_ZERO_FIELD) | (_codes(hi_mag, hi_bits < 0, s, NEG_ZERO_FIELD) << 4)
+    word = tl.sum(byte << (8 * j)[None, None, :], axis=2)  # [GROUPS, 4]; disjoint bits
+    tl.store(packed_ptr + g[:, None] * 4 + r[None, :], word, mask=gmask[:, None])
     tl.store(scale_ptr + g, scale.to(tl.uint8), mask=gmask)
 
 
@@ -323,7 +428,9 @@ def quantize_triton(
     x = w.contiguous()
     nonfinite = torch.zeros(1, dtype=torch.int32, device=w.device)
     if kernel != "generic":
-        bf16_kernel = _quantize_bf16_kernel if kernel == "words" else _quantize_bf16_fma_kernel
+        bf16_kernel = {"words": _quantize_bf16_kernel, "fma": _quantize_bf16_fma_kernel,
+                       "bf16x2_words": _quantize_bf16_fma_kernel, "bf16x2": _quantize_bf16x2_kernel}[kernel]
+        extra = {"BF16X2": True} if kernel == "bf16x2_words" else {}
         bf16_kernel[(triton.cdiv(n_groups, BF16_QUANT_GROUPS),)](
             x.view(torch.int32),
             packed.view(torch.int32),
@@ -334,6 +441,7 @@ def quantize_triton(
             NEG_ZERO_FIELD=mxfp4._NEG_ZERO_FIELD[w.dtype],
             GROUPS=BF16_QUANT_GROUPS,
             num_warps=BF16_QUANT_WARPS,
+            **extra,
         )
     else:
         _mxfp4_quantize_kernel[(triton.cdiv(n_groups, QUANT_GROUPS),)](

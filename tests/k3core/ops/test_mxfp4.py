@@ -324,7 +324,8 @@ def _triton_vs_torch(device: str):
     from k3core.ops.mxfp4_triton import dequantize_triton, quantize_triton
 
     # bf16 reaches the generic (any-dtype) kernel and the fma candidate only when asked
-    for dtype, kernel in [(d, "auto") for d in DTYPES] + [(torch.bfloat16, "generic"), (torch.bfloat16, "fma")]:
+    kernels = ["generic", "fma"] + (["bf16x2", "bf16x2_words"] if device == "cuda" else [])  # no inline PTX in the interpreter
+    for dtype, kernel in [(d, "auto") for d in DTYPES] + [(torch.bfloat16, k) for k in kernels]:
         w = mixed_weights(67, 640, dtype, seed=7).to(device)  # 67 * 20 blocks: a partial program
         for rule in RULES:
             p_ref, s_ref = quantize_torch(w, scale_rule=rule)
@@ -375,29 +376,92 @@ def ordinary_scale_bf16(blocks: int, seed: int) -> torch.Tensor:
     return w.to(torch.bfloat16)
 
 
+def every_bf16_in_ordinary_blocks(rule: str) -> torch.Tensor:
+    """bf16 [B, 32]: for every ordinary scale exponent s (scale bytes 3..252, all a finite input can
+    have), blocks led by 6 * 2^s (so the block's scale is s under both rules) holding every bf16
+    magnitude up to that maximum, ties and subnormals included, with both signs: ~8M elements."""
+    blocks = []
+    for s in range(3 - 127, 253 - 127):
+        top = torch.tensor(6.0 * 2.0**s, dtype=torch.bfloat16).view(torch.int16).item()
+        mags = torch.arange(0, top + 1, dtype=torch.int32)
+        vals = torch.cat([mags, mags | 0x8000]).to(torch.int16).view(torch.bfloat16)
+        vals = torch.cat([vals, vals[: (-len(vals)) % 31]])  # whole blocks of 31
+        lead = torch.full((len(vals) // 31, 1), 6.0 * 2.0**s, dtype=torch.bfloat16)
+        blocks.append(torch.cat([lead, vals.reshape(-1, 31)], dim=1))
+    w = torch.cat(blocks)
+    scale = quantize_torch(w[:, :1].repeat(1, 32), scale_rule=rule)[1]
+    assert int(scale.min()) == 3 and int(scale.max()) == 252
+    return w
+
+
+def bytes_bf16x2_emulated(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The bf16x2 kernel's algebra (`mxfp4_triton._bytes_bf16x2`) in torch, instruction by
+    instruction on int32 words of two bf16, the fma.rn.bf16x2 rounding done exactly in float64:
+    bf16 [B, 32] and their scale bytes [B, 1] -> packed bytes [B, 16]."""
+    words = w.contiguous().view(torch.int32).long() & 0xFFFFFFFF  # [B, 16], unsigned
+    s = scale.long() - 127  # [B, 1]
+    k2 = (128 - s) * 0x00800080
+    thr = mxfp4._ldexp_bits(mxfp4._NEG_ZERO_FIELD[torch.bfloat16], 0, s.int()).long() >> 16
+    m = words & 0x7FFF7FFF
+    sign = ((m | 0x80008000) - (thr + 1) * 0x10001) & words & 0x80008000
+
+    def half_codes(half: torch.Tensor) -> torch.Tensor:  # 16-bit |x| -> min(R(2y), R(y+2), R(y/2+4), 7)
+        x = (half.int() << 16).view(torch.float32).double()
+        out = torch.full_like(x, 7.0)
+        for shift, add in ((1, 0), (0, 2), (-1, 4)):  # R(2^shift * y + add), y = x * 2^-s
+            v = x * torch.exp2((shift - s).double()) + add  # exact: at most 8 significant bits apart
+            out = torch.minimum(out, torch.where(v < 128, torch.round(v), v))  # R = round-half-even
+        return out.long()
+
+    code = half_codes(m & 0xFFFF) | (half_codes(m >> 16) << 16)
+    c = code | (sign >> 12)
+    return ((c | (c >> 12)) & 0xFF).to(torch.uint8)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_bf16x2_algebra_matches_the_codec_on_every_bf16_value(rule):
+    # The bf16x2 kernel's code rule, emulated on CPU, against the torch codec for every bf16
+    # magnitude at every ordinary scale: what the GPU kernel must reproduce bit for bit.
+    w = every_bf16_in_ordinary_blocks(rule)
+    packed, scale = quantize_torch(w, scale_rule=rule)
+    emulated = bytes_bf16x2_emulated(w, scale)
+    bad = (codes_of(emulated) != codes_of(packed)).nonzero()
+    assert not len(bad), f"{len(bad)} codes differ, first {bad[0].tolist()}: value {w[bad[0][0], bad[0][1]].item()}"
+
+
 @pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="Triton interpreter run (TRITON_INTERPRET=1)"
 )
 def test_triton_interpreter_fma_kernel_on_ordinary_scales():
     pytest.importorskip("triton")
-    _fma_kernel_on_ordinary_scales("cpu")
+    _fma_kernel_on_ordinary_scales("cpu", "fma")  # the interpreter cannot run bf16x2's inline PTX
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_fma_kernel_on_ordinary_scales_on_gpu():
+@pytest.mark.parametrize("kernel", ("fma", "bf16x2", "bf16x2_words"))
+def test_fast_kernels_on_ordinary_scales_on_gpu(kernel):
     pytest.importorskip("triton")
-    _fma_kernel_on_ordinary_scales("cuda")
+    _fma_kernel_on_ordinary_scales("cuda", kernel)
+    from k3core.ops.mxfp4_triton import quantize_triton
+
+    for rule in RULES:  # every bf16 value at every ordinary scale
+        w = every_bf16_in_ordinary_blocks(rule)
+        p_ref, s_ref = quantize_torch(w, scale_rule=rule)
+        p, s = quantize_triton(w.cuda(), scale_rule=rule, kernel=kernel)
+        assert torch.equal(s.cpu(), s_ref), rule
+        bad = (codes_of(p.cpu()) != codes_of(p_ref)).nonzero()
+        assert not len(bad), f"{rule}: {len(bad)} codes differ, first {bad[0].tolist()}"
 
 
-def _fma_kernel_on_ordinary_scales(device: str):
+def _fma_kernel_on_ordinary_scales(device: str, kernel: str):
     from k3core.ops.mxfp4_triton import quantize_triton
 
     w = ordinary_scale_bf16(1000, seed=11).to(device)  # 8 programs, one partial
     for rule in RULES:
         p_ref, s_ref = quantize_torch(w, scale_rule=rule)
         assert int(s_ref.min()) >= 3 and int(s_ref.max()) <= 254  # the fast branch everywhere
-        p, s = quantize_triton(w, scale_rule=rule, kernel="fma")
+        p, s = quantize_triton(w, scale_rule=rule, kernel=kernel)
         assert torch.equal(s, s_ref), rule
         bad = (codes_of(p) != codes_of(p_ref)).nonzero()
         assert not len(bad), f"{rule}: {len(bad)} codes differ, first at {bad[0].tolist()}"
