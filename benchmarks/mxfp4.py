@@ -151,7 +151,7 @@ def sweep_tiles(w, packed, scale, repeats: int, traffic: float, copy_gbs: float)
     from k3core.ops import mxfp4_triton as kt
 
     saved = (kt.BF16_QUANT_GROUPS, kt.BF16_QUANT_WARPS, kt.DEQUANT_GROUPS, kt.DEQUANT_WARPS)
-    kernels = ("words", "fma", "bf16x2")
+    kernels = ("words", "bf16x2")
     print(f"\nTriton tile sweep, bf16 quantize ({', '.join(kernels)} kernels) and dequantize (traffic GB/s, % of copy):")
     try:
         for groups in (64, 128, 256):
@@ -244,14 +244,9 @@ def main() -> None:
         # baseline: the first (any-dtype, reshape/split) kernel, which the bf16 kernel replaced
         bench("quantize: generic Triton kernel, no finite check",
               lambda: quantize_triton(w, check_finite=False, kernel="generic"), same_q, traffic_q)
-        # candidate: fp32 fma rounding (element work on the FMA pipe; see mxfp4_triton._codes_fma)
-        bench("quantize: fma-rounding Triton kernel, no finite check",
-              lambda: quantize_triton(w, check_finite=False, kernel="fma"), same_q, traffic_q)
-        # candidate: bf16x2 fma/min rounding, two elements per instruction (mxfp4_triton._bytes_bf16x2)
-        bench("quantize: bf16x2 Triton kernel, no finite check",
-              lambda: quantize_triton(w, check_finite=False, kernel="bf16x2"), same_q, traffic_q)
-        bench("quantize: bf16x2 on the words layout, no finite check",
-              lambda: quantize_triton(w, check_finite=False, kernel="bf16x2_words"), same_q, traffic_q)
+        # the previous default for bf16: integer codes on the words layout (mxfp4_triton docstring)
+        bench("quantize: words Triton kernel, no finite check",
+              lambda: quantize_triton(w, check_finite=False, kernel="words"), same_q, traffic_q)
         # ceiling of the bf16 kernels' memory pattern: same loads and stores, no codec work
         from mxfp4_sass import _load_store_floor  # noqa: PLC0415 (benchmarks/ is sys.path[0])
 

@@ -1,21 +1,28 @@
 """Static SASS instruction counts of the MXFP4 bf16 quantize kernels, compiled for sm_90 (H100/H200)
 on any machine, GPU or not (Triton's bundled ptxas and nvdisasm). Not a timing: a count of the
 instructions a thread issues per element, the budget that decides whether a kernel can stay
-memory-bound. At 60% of an H200's ~4.2 TB/s copy bandwidth, with 2.53 bytes of quantize traffic per
-element, each of its 528 SM sub-partitions must finish ~0.95 elements per cycle; a sub-partition
-issues one warp instruction (32 threads) per cycle, and an int32 one holds its 16-lane integer pipe
-for two. So a kernel whose threads issue I integer instructions per element runs at most at
-32 / (2 I) elements per cycle: 0.58 for the words kernel's 27.7, i.e. ~37% of copy, the 33-38%
-measured.
+memory-bound, and a check of the other limit: what the instructions do to data layout (shared
+memory round trips, barriers).
 
     python3 benchmarks/mxfp4_sass.py [--groups 128] [--warps 4]
 
-Rows: the "words" kernel (the default for bf16, 33-38% of copy bandwidth measured on an H200), the
-generic kernel (25-27% measured; same tile here, it was timed at 128 blocks x 8 warps), the "fma" candidate's fast branch (what runs for every block of real weights) and its whole kernel
-(both branches; only one runs per program), and a floor kernel that only loads the input words and
-stores one word per row. Columns: SASS instructions per element, of which integer/logic, floating
-point, and memory; the most frequent opcodes. Needs triton (pip install triton); compiles with the
-launch-time assumptions of the JIT (16-byte aligned pointers, n_groups divisible by 16).
+Rows: the "words" kernel (the previous bf16 default, 33-40% of copy bandwidth measured on an H200),
+the generic kernel (25-28% measured; same tile here, it was timed at 128 blocks x 8 warps), the
+bf16x2 kernel's fast branch (what runs for every block of real weights) and its whole kernel (both
+branches; one runs per program; 55-64% measured, the default), and a floor kernel that only loads
+the input words and stores one word per row (84-93% measured). Columns: SASS instructions per
+element, of which integer/logic, floating point, and memory; the most frequent opcodes.
+
+What the counts taught (docs/results/mxfp4.md): an issue model (an int32 warp instruction holds a
+sub-partition for two cycles) predicted the words kernel (27.7 int instructions per element, ~37%)
+but not the candidates that only cut instructions on the words layout (fp32 fma rounding, 14.7 int:
+39-45%; bf16x2 codes, 13.5: 40-47%). Moving to a layout where each thread owns whole blocks (no
+shared-memory layout change; the one program-wide reduction left picks the branch) took the bf16x2
+codes from 42% to 60%. The fast-branch row compiles that branch alone (0/0/0 shared-memory ops);
+"both branches" is the launched kernel, whose shared-memory ops are that reduction's and the exact
+branch's.
+Needs triton (pip install triton); compiles with the launch-time assumptions of the JIT (16-byte
+aligned pointers, n_groups divisible by 16).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from k3core.ops import mxfp4_triton as kt
 
 FLOAT_OPS = {"FFMA", "FADD", "FMUL", "FSETP", "FMNMX", "FSEL", "FSET", "HFMA2", "HMNMX2", "HADD2", "HMUL2"}
 MEMORY_OPS = {"LDG", "STG", "LDS", "STS", "SHFL", "BAR", "ATOMG", "RED"}
+SHARED_OPS = ("LDS", "STS", "BAR")
 
 
 @triton.jit
@@ -92,20 +100,16 @@ def main() -> None:
     args = parser.parse_args()
     per_thread = args.groups * 32 / (args.warps * 32)  # elements each thread quantizes
     rows = [
-        ("words kernel (default for bf16)", sass(kt._quantize_bf16_kernel, args.groups, args.warps)),
+        ("words kernel (previous default)", sass(kt._quantize_bf16_kernel, args.groups, args.warps)),
         ("generic kernel (25% measured)", sass(kt._mxfp4_quantize_kernel, args.groups, args.warps,
                                                GENERIC_SIGNATURE, IS_BF16=True)),
-        ("fma kernel, fast branch", sass(kt._quantize_bf16_fma_kernel, args.groups, args.warps, ORDINARY_ONLY=True)),
-        ("fma kernel, both branches", sass(kt._quantize_bf16_fma_kernel, args.groups, args.warps)),
-        ("bf16x2 kernel, fast branch", sass(kt._quantize_bf16_fma_kernel, args.groups, args.warps,
-                                            ORDINARY_ONLY=True, BF16X2=True)),
-        ("bf16x2 3-D kernel, fast branch", sass(kt._quantize_bf16x2_kernel, args.groups, args.warps, ORDINARY_ONLY=True)),
-        ("bf16x2 3-D kernel, both branches", sass(kt._quantize_bf16x2_kernel, args.groups, args.warps)),
+        ("bf16x2 kernel, fast branch", sass(kt._quantize_bf16x2_kernel, args.groups, args.warps, ORDINARY_ONLY=True)),
+        ("bf16x2 kernel, both branches", sass(kt._quantize_bf16x2_kernel, args.groups, args.warps)),
         ("load/store floor", sass(_load_store_floor, args.groups, args.warps)),
     ]
     print(f"triton {triton.__version__}, sm_90, {args.groups} blocks x {args.warps} warps per program: "
           f"{per_thread:.0f} elements per thread")
-    print(f"{'kernel':34s} {'SASS/elem':>9s} {'int':>6s} {'float':>6s} {'memory':>6s}  top opcodes")
+    print(f"{'kernel':34s} {'SASS/elem':>9s} {'int':>6s} {'float':>6s} {'memory':>6s} {'LDS/STS/BAR':>11s}  top opcodes")
     base = None
     for label, text in rows:
         ops = opcodes(text)
@@ -114,8 +118,9 @@ def main() -> None:
         mem = sum(n for op, n in ops.items() if op in MEMORY_OPS)
         top = ", ".join(f"{op} {n}" for op, n in ops.most_common(6))
         base = base or total
+        shared = "/".join(str(ops[op]) for op in SHARED_OPS)  # per thread and program, not per element
         print(f"{label:34s} {total / per_thread:9.1f} {(total - fp - mem) / per_thread:6.1f} {fp / per_thread:6.1f} "
-              f"{mem / per_thread:6.1f}  {top}  ({total / base:.2f}x words)")
+              f"{mem / per_thread:6.1f} {shared:>11s}  {top}  ({total / base:.2f}x words)")
 
 
 if __name__ == "__main__":

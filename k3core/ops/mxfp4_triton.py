@@ -14,19 +14,21 @@ issues ~16.7 T int32 ops/s against ~4.8 TB/s of HBM: ~9 ops per element of quant
 traffic at full bandwidth), which is why the element math is written this way.
 Offsets are int64: tensors past 2^31 elements exist (a full expert stack).
 
-bf16 input (the weights' dtype) has its own quantize kernel, `_quantize_bf16_kernel`, with no
-element shuffles: it sees memory as int32 words, one row per packed output word (8 codes) and 4
-columns of bf16 pairs, so a thread loads 16 contiguous bytes, the low/high nibble of a byte comes
-from the low/high bf16 of one word, and 4 bytes join into a word with shifts and a thread-local sum;
-only per-row values (the block max, the scale) change layout. Measured on an H200 (16384^2 bf16):
-33-38% of copy bandwidth against 25-27% for the first kernel (`tl.reshape` + `tl.split`), which
-stays for fp16/fp32. The same layout for dequantize ran at 50-54%, slower than the first
-dequantize kernel (`tl.join`, 58-60%), so dequantize keeps that one for every dtype.
-
-`_quantize_bf16_fma_kernel` (`kernel="fma"`, not the default until timed on a GPU) is the bf16
-kernel with the codes of ordinary-scale blocks computed by fp32 multiply-adds (`_codes_fma`): half
-the integer instructions per element (`benchmarks/mxfp4_sass.py`), which is what bounds the words
-kernel (docs/results/mxfp4.md).
+bf16 input (the weights' dtype) has its own quantize kernels. Measured on an H200 (2026-12-01,
+`benchmarks/mxfp4.py --device cuda`, 16384^2 bf16, % of copy bandwidth; docs/results/mxfp4.md):
+- `_quantize_bf16x2_kernel` (the default on sm_80+): each thread owns whole blocks on a
+  [GROUPS, 4, 4] view of the input as int32 words, so the block max is thread-local and nothing
+  changes layout through shared memory, and the codes of blocks with ordinary scale bytes come from
+  bf16x2 instructions, two elements each (`_bytes_bf16x2`): 55-64%, median 60%; 12 SASS
+  instructions per element (`benchmarks/mxfp4_sass.py`) against a load/store floor of 84-93%.
+- `_quantize_bf16_kernel` ("words"; older GPUs and the Triton interpreter, which cannot run inline
+  PTX): one row per packed output word, integer codes; its per-block values change layout through
+  shared memory: 33-40%, 29 SASS instructions per element.
+- The first kernel (`tl.reshape` + `tl.split`, "generic"), kept for fp16/fp32: 25-28%.
+Two candidates lost and were removed (commit ec38464 has them): fp32 fma rounding on the words
+layout (39-45%) and the bf16x2 codes on the words layout (40-47%): the instruction count was not
+the whole story, the words layout's shared-memory round trips were. Dequantize keeps the first
+layout (`tl.join`) for every dtype: 62-63% at 128 blocks x 4 warps (54-59% at 8 warps).
 """
 
 from __future__ import annotations
@@ -37,15 +39,17 @@ import triton.language as tl
 
 from k3core.ops import mxfp4
 
-# Blocks per program: 128 blocks = 4096 elements (16 bf16 per thread at 8 warps), a good size
-# for a memory-bound elementwise kernel on H100/H200; `benchmarks/mxfp4.py --device cuda` times it.
+# Blocks per program and warps, from `benchmarks/mxfp4.py --device cuda --sweep` on an H200
+# (2026-12-01). Generic quantize: 128 blocks = 4096 elements at 8 warps.
 QUANT_GROUPS, QUANT_WARPS = 128, 8
-DEQUANT_GROUPS, DEQUANT_WARPS = 128, 8
-# The bf16 quantize kernel: 128 blocks (4 KiB of bf16 in) per program at 4 warps, from
-# `benchmarks/mxfp4.py --device cuda --sweep` on an H200 (2026-12-01; 33-38% of copy bandwidth at
-# most settings, 22-24% at 16 blocks or 8 warps with few blocks).
+# Dequantize: 63-70% at 128 x 4 in three sweeps (51-54% at 128 x 8, the earlier setting).
+DEQUANT_GROUPS, DEQUANT_WARPS = 128, 4
+# bf16 quantize (both kernels): 128 blocks (one per thread for bf16x2) at 4 warps; bf16x2 57-60% at
+# 128 x 4 and 64 x 2/4, 48-53% at 8 warps or 256 blocks.
 BF16_QUANT_GROUPS, BF16_QUANT_WARPS = 128, 4
-QUANTIZE_KERNELS = ("auto", "generic", "words", "fma", "bf16x2", "bf16x2_words")
+# The bf16 kernel "auto" picks on sm_80+ (bf16x2 instructions).
+AUTO_BF16_KERNEL = "bf16x2"
+QUANTIZE_KERNELS = ("auto", "generic", "words", "bf16x2")
 
 
 @triton.jit
@@ -115,28 +119,6 @@ def _codes(mag, neg, s, NEG_ZERO_FIELD: tl.constexpr):
     return code | (keeps_sign.to(tl.int32) << 3)
 
 
-@triton.jit
-def _codes_fma(mag, neg, s, NEG_ZERO_FIELD: tl.constexpr):
-    """`_codes` by fp32 rounding, for blocks whose scale byte lies in [3, 254] (see
-    `_quantize_bf16_fma_kernel`). With y = |x| * 2^-s (exact: a power-of-two scaling of a normal
-    fp32), the code is round-half-even of 2y below 2, 2 + round(y) below 4, else 4 + round(y / 2)
-    capped at 7: each one multiply-add of 2^23, whose unit in the last place is 1, so the hardware's
-    rounding is the codec's rounding and the integer sits in the low mantissa bits. Values below
-    0.25 * 2^s give code 0 whether or not the hardware flushes them; the sign rule stays on bits."""
-    a = mag.to(tl.float32, bitcast=True)
-    k2 = ((128 - s) << 23).to(tl.float32, bitcast=True)  # 2^(1 - s)
-    k1 = ((127 - s) << 23).to(tl.float32, bitcast=True)  # 2^-s
-    kh = ((126 - s) << 23).to(tl.float32, bitcast=True)  # 2^(-1 - s)
-    two = ((128 + s) << 23).to(tl.float32, bitcast=True)  # 2 * 2^s
-    four = ((129 + s) << 23).to(tl.float32, bitcast=True)  # 4 * 2^s
-    # a * k is exact, so the add is the only rounding whether or not the compiler fuses the two
-    f = tl.where(a < two, a * k2 + 8388608.0,
-                 tl.where(a < four, a * k1 + 8388610.0, tl.minimum(a * kh + 8388612.0, 8388615.0)))
-    code = f.to(tl.int32, bitcast=True) & 7
-    keeps_sign = neg & (mag > _ldexp_bits(NEG_ZERO_FIELD, 0, s))
-    return code | (keeps_sign.to(tl.int32) << 3)
-
-
 # One packed word of two bf16 elements -> their two codes as one byte, with bf16x2 arithmetic (two
 # elements per instruction). See `_bytes_bf16x2` for the algebra; $1 the word, $2 the word's K2 =
 # bf16x2 bits of (2^(1-s), 2^(1-s)), $3 the sign threshold pair ((t + 1) * 0x10001).
@@ -173,15 +155,16 @@ and.b32 $0, c, 0xFF;
 @triton.jit
 def _bytes_bf16x2(w, k2, thr_pair):
     """The packed byte (two codes) of each int32 word `w` of two bf16 elements in blocks of ordinary
-    scale (bytes 3..252), by bf16x2 instructions. With y = |x| * 2^-s and R round-half-even to an
+    scale (bytes 3..252: 2^(1-s), 2^-s and 2^(-1-s) are normal bf16), by bf16x2 instructions. With y = |x| * 2^-s and R round-half-even to an
     integer, the codec's magnitude code is R(min(2y, y + 2, y/2 + 4)) capped at 7 (the E2M1 grid
     steps by 1/2 below 2, by 1 below 4, by 2 above: a concave piecewise-linear index), and since R
     is monotone that is min(R(2y), R(y + 2), R(y/2 + 4), 7). Each R is one bf16x2 fma of |x| by a
     power of two plus 128 + c: exact product, one rounding, and at 128 the bf16 unit in the last
     place is 1, so the integer lands in the low mantissa bits. The sign rule (|x| > t, t the
     dtype's underflow threshold as bf16 bits) is a 16-bit compare done by one 32-bit subtract
-    whose halves cannot borrow. Needs sm_80+ (bf16x2 fma/min); `_bytes_bf16x2_reference` in
-    mxfp4.py is this algebra in torch, checked exhaustively on CPU."""
+    whose halves cannot borrow. Needs sm_80+ (bf16x2 fma/min). `bytes_bf16x2_emulated` in
+    tests/k3core/ops/test_mxfp4.py is this algebra in torch, checked on CPU against the codec for
+    every bf16 value at every ordinary scale; the GPU tests run the same data through the kernel."""
     return tl.inline_asm_elementwise(_BF16X2_ASM, "=r,r,r,r", [w, k2, thr_pair],
                                      dtype=tl.int32, is_pure=True, pack=1)
 
@@ -228,61 +211,6 @@ def _quantize_bf16_kernel(
 
 
 @triton.jit
-def _quantize_bf16_fma_kernel(
-    words_ptr,
-    packed_ptr,
-    scale_ptr,
-    nonfinite_ptr,
-    n_groups,
-    ROUND_BIAS: tl.constexpr,
-    NEG_ZERO_FIELD: tl.constexpr,
-    GROUPS: tl.constexpr,
-    ORDINARY_ONLY: tl.constexpr = False,
-    BF16X2: tl.constexpr = False,
-):
-    """`_quantize_bf16_kernel` with `_codes_fma` for programs whose blocks all have ordinary scale
-    bytes (3..254: every weight matrix in practice) and `_codes` for the rest (blocks of tiny or
-    non-finite values), a choice made once per program. ``ORDINARY_ONLY`` compiles the first branch
-    alone, for static instruction counts (`benchmarks/mxfp4_sass.py`); such a kernel is wrong for
-    other blocks, and `quantize_triton` never launches it."""
-    W: tl.constexpr = GROUPS * 4
-    ow = tl.program_id(0).to(tl.int64) * W + tl.arange(0, W)
-    wmask = ow < n_groups * 4
-    j = tl.arange(0, 4)
-    w = tl.load(words_ptr + ow[:, None] * 4 + j[None, :], mask=wmask[:, None], other=0)  # [W, 4]
-    lo_bits = w << 16
-    hi_bits = w & -65536
-    lo_mag, hi_mag = lo_bits & 0x7FFFFFFF, hi_bits & 0x7FFFFFFF
-    amax = tl.max(tl.reshape(tl.max(tl.maximum(lo_mag, hi_mag), axis=1), (GROUPS, 4)), axis=1)  # [GROUPS]
-    field = (amax + ROUND_BIAS) >> 23
-    scale = tl.maximum(field - 2, 0)
-    nonfinite = amax >= 0x7F800000
-    scale = tl.where(nonfinite, 255, scale)
-    if tl.max(nonfinite.to(tl.int32), axis=0) > 0:
-        tl.atomic_max(nonfinite_ptr, 1)
-    s = tl.reshape(tl.broadcast_to((scale - 127)[:, None], (GROUPS, 4)), (W,))[:, None]  # per word
-    # masked-off blocks read zeros (scale byte 0): they must not force the exact path
-    g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    gmask = g < n_groups
-    ordinary = tl.where(gmask, ((scale >= 3) & (scale <= 254)).to(tl.int32), 1)
-    fast = tl.min(ordinary, axis=0)
-    if ORDINARY_ONLY:
-        fast = 1  # a compile-time True: the exact branch is not even compiled
-    if fast > 0:
-        if BF16X2:
-            k2 = (128 - s) * 0x00800080  # bf16 bits of 2^(1 - s), twice
-            thr = _ldexp_bits(NEG_ZERO_FIELD, 0, s) >> 16  # sign threshold as bf16 bits
-            byte = _bytes_bf16x2(w, k2, (thr + 1) * 0x10001)
-        else:
-            byte = _codes_fma(lo_mag, lo_bits < 0, s, NEG_ZERO_FIELD) | (_codes_fma(hi_mag, hi_bits < 0, s, NEG_ZERO_FIELD) << 4)
-    else:
-        byte = _codes(lo_mag, lo_bits < 0, s, NEG_ZERO_FIELD) | (_codes(hi_mag, hi_bits < 0, s, NEG_ZERO_FIELD) << 4)
-    word = tl.sum(byte << (8 * j)[None, :], axis=1)
-    tl.store(packed_ptr + ow, word, mask=wmask)
-    tl.store(scale_ptr + g, scale.to(tl.uint8), mask=gmask)
-
-
-@triton.jit
 def _quantize_bf16x2_kernel(
     words_ptr,  # the bf16 input as int32 words: [n_groups * 16]
     packed_ptr,  # the packed output as int32 words: [n_groups * 4]
@@ -297,8 +225,10 @@ def _quantize_bf16x2_kernel(
     """bf16 quantize on a [GROUPS, 4, 4] view of the input words (block, output word, input word):
     the block max reduces over the two inner axes and broadcasts back by expand_dims, so no value
     changes layout through shared memory (the words kernel's reshapes do), and codes of blocks with
-    ordinary scale bytes come from `_bytes_bf16x2`; a program holding any other block (tiny or
-    non-finite values) takes `_codes` for all of its blocks."""
+    ordinary scale bytes (3..252) come from `_bytes_bf16x2`; a program holding any other block
+    (tiny, huge or non-finite values) takes `_codes` for all of its blocks. ``ORDINARY_ONLY``
+    compiles the first branch alone, for static instruction counts (`benchmarks/mxfp4_sass.py`);
+    such a kernel is wrong for other blocks, and `quantize_triton` never launches it."""
     g = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     gmask = g < n_groups
     r = tl.arange(0, 4)  # output word within the block
@@ -314,8 +244,10 @@ def _quantize_bf16x2_kernel(
     nonfinite = amax >= 0x7F800000
     scale = tl.where(nonfinite, 255, scale)
     s = (scale - 127)[:, None, None]
-    # one program-wide reduction on the fast path: a non-finite block (byte 255) is not ordinary
-    ordinary = tl.where(gmask, ((scale >= 3) & (scale <= 254)).to(tl.int32), 1)
+    # One program-wide reduction on the fast path: a non-finite block (byte 255) is not ordinary.
+    # Byte 253 (a finite max >= 1.75 * 2^127 under the compressed-tensors rule) is not either:
+    # its 2^(-1-s) is below bf16's normal range.
+    ordinary = tl.where(gmask, ((scale >= 3) & (scale <= 252)).to(tl.int32), 1)
     fast = tl.min(ordinary, axis=0)
     if ORDINARY_ONLY:
         fast = 1
@@ -395,6 +327,16 @@ def _mxfp4_dequantize_kernel(
     tl.store(out_ptr + g[:, None] * 32 + cols[None, :], out, mask=gmask[:, None])
 
 
+def _auto_kernel(w: torch.Tensor) -> str:
+    """bf16 on sm_80+ (bf16x2 instructions): the bf16x2 kernel; bf16 elsewhere (older GPUs, the
+    Triton interpreter, which cannot run inline PTX): the words kernel; other dtypes: generic."""
+    if w.dtype != torch.bfloat16:
+        return "generic"
+    if w.is_cuda and torch.cuda.get_device_capability(w.device) >= (8, 0):
+        return AUTO_BF16_KERNEL
+    return "words"
+
+
 def quantize_triton(
     w: torch.Tensor,
     *,
@@ -407,15 +349,15 @@ def quantize_triton(
 
     The finite check reads back one flag (a host sync). `check_finite=False` skips that read
     (blocks with inf/NaN then silently carry scale byte 255); the benchmark uses it to time the
-    kernel alone. `kernel`: "auto" ("words" for bf16, else "generic"), "generic" (the first,
-    any-dtype kernel: the benchmark's baseline), "words" (bf16: `_quantize_bf16_kernel`) or "fma"
-    (bf16: `_quantize_bf16_fma_kernel`, a candidate not yet timed on a GPU). All give the same bytes."""
+    kernel alone. `kernel`: "auto" (bf16: "bf16x2" on sm_80+, else "words"; other dtypes:
+    "generic"), "generic" (the first, any-dtype kernel), "words" (bf16: `_quantize_bf16_kernel`)
+    or "bf16x2" (bf16 on sm_80+: `_quantize_bf16x2_kernel`). All give the same bytes."""
     mxfp4._check_scale_rule(scale_rule)
     mxfp4._check_quantize_input(w)
     if kernel not in QUANTIZE_KERNELS:
         raise ValueError(f"unknown quantize kernel {kernel!r}; use one of {QUANTIZE_KERNELS}")
     if kernel == "auto":
-        kernel = "words" if w.dtype == torch.bfloat16 else "generic"
+        kernel = _auto_kernel(w)
     if kernel != "generic" and w.dtype != torch.bfloat16:
         raise ValueError(f"the {kernel!r} quantize kernel reads bf16, got {w.dtype}; use kernel='generic'")
     n = w.shape[-1]
@@ -428,9 +370,7 @@ def quantize_triton(
     x = w.contiguous()
     nonfinite = torch.zeros(1, dtype=torch.int32, device=w.device)
     if kernel != "generic":
-        bf16_kernel = {"words": _quantize_bf16_kernel, "fma": _quantize_bf16_fma_kernel,
-                       "bf16x2_words": _quantize_bf16_fma_kernel, "bf16x2": _quantize_bf16x2_kernel}[kernel]
-        extra = {"BF16X2": True} if kernel == "bf16x2_words" else {}
+        bf16_kernel = _quantize_bf16_kernel if kernel == "words" else _quantize_bf16x2_kernel
         bf16_kernel[(triton.cdiv(n_groups, BF16_QUANT_GROUPS),)](
             x.view(torch.int32),
             packed.view(torch.int32),
@@ -441,7 +381,6 @@ def quantize_triton(
             NEG_ZERO_FIELD=mxfp4._NEG_ZERO_FIELD[w.dtype],
             GROUPS=BF16_QUANT_GROUPS,
             num_warps=BF16_QUANT_WARPS,
-            **extra,
         )
     else:
         _mxfp4_quantize_kernel[(triton.cdiv(n_groups, QUANT_GROUPS),)](
