@@ -24,6 +24,9 @@ done
 save_autotune() { (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -print0 | tar -czf "$out/triton_autotune.tgz" --null -T -) ; }
 trap save_autotune EXIT
 step() { local name=$1 limit=$2; shift 2; echo "=== $name: $*"; timeout "$limit" "$@" >"$out/$name.log" 2>&1; echo "=== $name rc=$?"; tail -n 25 "$out/$name.log"; }
+# fla from the carried wheels, into the interpreter that runs the tests: on the device machine a bare
+# `pip` belongs to another Python (2026-12-01: fla did not import after `pip install`).
+python3 -c "import fla" 2>/dev/null || python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARNING
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
 case $part in
