@@ -155,8 +155,8 @@ and.b32 $0, c, 0xFF;
 @triton.jit
 def _bytes_bf16x2(w, k2, thr_pair):
     """The packed byte (two codes) of each int32 word `w` of two bf16 elements in blocks of ordinary
-    scale (bytes 3..252: 2^(1-s), 2^-s and 2^(-1-s) are normal bf16), by bf16x2 instructions. With y = |x| * 2^-s and R round-half-even to an
-    integer, the codec's magnitude code is R(min(2y, y + 2, y/2 + 4)) capped at 7 (the E2M1 grid
+    scale (bytes 3..252: 2^(1-s), 2^-s and 2^(-1-s) are normal bf16), by bf16x2 instructions. With
+    y = |x| * 2^-s and R round-half-even to an integer, the codec's magnitude code is R(min(2y, y + 2, y/2 + 4)) capped at 7 (the E2M1 grid
     steps by 1/2 below 2, by 1 below 4, by 2 above: a concave piecewise-linear index), and since R
     is monotone that is min(R(2y), R(y + 2), R(y/2 + 4), 7). Each R is one bf16x2 fma of |x| by a
     power of two plus 128 + c: exact product, one rounding, and at 128 the bf16 unit in the last
@@ -327,12 +327,16 @@ def _mxfp4_dequantize_kernel(
     tl.store(out_ptr + g[:, None] * 32 + cols[None, :], out, mask=gmask[:, None])
 
 
+def _has_bf16x2(w: torch.Tensor) -> bool:
+    return w.is_cuda and torch.cuda.get_device_capability(w.device) >= (8, 0)
+
+
 def _auto_kernel(w: torch.Tensor) -> str:
     """bf16 on sm_80+ (bf16x2 instructions): the bf16x2 kernel; bf16 elsewhere (older GPUs, the
     Triton interpreter, which cannot run inline PTX): the words kernel; other dtypes: generic."""
     if w.dtype != torch.bfloat16:
         return "generic"
-    if w.is_cuda and torch.cuda.get_device_capability(w.device) >= (8, 0):
+    if _has_bf16x2(w):
         return AUTO_BF16_KERNEL
     return "words"
 
@@ -360,6 +364,9 @@ def quantize_triton(
         kernel = _auto_kernel(w)
     if kernel != "generic" and w.dtype != torch.bfloat16:
         raise ValueError(f"the {kernel!r} quantize kernel reads bf16, got {w.dtype}; use kernel='generic'")
+    if kernel == "bf16x2" and not _has_bf16x2(w):
+        raise ValueError(f"the 'bf16x2' quantize kernel needs a CUDA GPU of compute capability 8.0+ "
+                         f"(inline PTX; not the Triton interpreter), got a tensor on {w.device}; use kernel='words'")
     n = w.shape[-1]
     lead = w.shape[:-1]
     packed = torch.empty(*lead, n // 2, dtype=torch.uint8, device=w.device)

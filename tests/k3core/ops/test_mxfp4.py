@@ -338,6 +338,9 @@ def _triton_vs_torch(device: str):
         packed = torch.randint(0, 256, (256, 64), dtype=torch.uint8, device=device)
         scale = torch.arange(256, dtype=torch.uint8, device=device).reshape(256, 1).repeat(1, 4)
         assert bits_equal(dequantize_triton(packed, scale, dtype), dequantize_torch(packed, scale, dtype))
+    if device == "cpu":  # the interpreter: bf16x2 is inline PTX
+        with pytest.raises(ValueError, match="compute capability 8.0"):
+            quantize_triton(torch.ones(2, 64, dtype=torch.bfloat16), kernel="bf16x2")
     big = mixed_weights(4, 128, torch.float32, seed=8).to(device)
     big[0, :32] = torch.finfo(torch.float32).max
     assert all(torch.equal(a, b) for a, b in zip(quantize_triton(big), quantize_torch(big)))
