@@ -10,7 +10,7 @@ Rows: the "words" kernel (the previous bf16 default, 33-40% of copy bandwidth me
 the generic kernel (25-28% measured; same tile here, it was timed at 128 blocks x 8 warps), the
 bf16x2 kernel's fast branch (what runs for every block of real weights) and its whole kernel (both
 branches; one runs per program; 55-64% measured, the default), and a floor kernel that only loads
-the input words and stores one word per row (84-93% measured). Columns: SASS instructions per
+the input words and stores one word per row (80-93% measured). Columns: SASS instructions per
 element, of which integer/logic, floating point, and memory; the most frequent opcodes.
 
 What the counts taught (docs/results/mxfp4.md): an issue model (an int32 warp instruction holds a

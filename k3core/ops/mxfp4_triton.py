@@ -19,8 +19,8 @@ bf16 input (the weights' dtype) has its own quantize kernels. Measured on an H20
 - `_quantize_bf16x2_kernel` (the default on sm_80+): each thread owns whole blocks on a
   [GROUPS, 4, 4] view of the input as int32 words, so the block max is thread-local and nothing
   changes layout through shared memory, and the codes of blocks with ordinary scale bytes come from
-  bf16x2 instructions, two elements each (`_bytes_bf16x2`): 55-64%, median 60%; 12 SASS
-  instructions per element (`benchmarks/mxfp4_sass.py`) against a load/store floor of 84-93%.
+  bf16x2 instructions, two elements each (`_bytes_bf16x2`): 55-64%, median 60%; 11 SASS
+  instructions per element (`benchmarks/mxfp4_sass.py`) against a load/store floor of 80-93%.
 - `_quantize_bf16_kernel` ("words"; older GPUs and the Triton interpreter, which cannot run inline
   PTX): one row per packed output word, integer codes; its per-block values change layout through
   shared memory: 33-40%, 29 SASS instructions per element.
@@ -42,10 +42,10 @@ from k3core.ops import mxfp4
 # Blocks per program and warps, from `benchmarks/mxfp4.py --device cuda --sweep` on an H200
 # (2026-12-01). Generic quantize: 128 blocks = 4096 elements at 8 warps.
 QUANT_GROUPS, QUANT_WARPS = 128, 8
-# Dequantize: 63-70% at 128 x 4 in three sweeps (51-54% at 128 x 8, the earlier setting).
+# Dequantize: 63-70% at 128 x 4 in three sweeps (51-57% at 128 x 8, the earlier setting).
 DEQUANT_GROUPS, DEQUANT_WARPS = 128, 4
 # bf16 quantize (both kernels): 128 blocks (one per thread for bf16x2) at 4 warps; bf16x2 57-60% at
-# 128 x 4 and 64 x 2/4, 48-53% at 8 warps or 256 blocks.
+# 128 x 4 and 64 x 2/4, 40-53% at 8 warps or 256 blocks.
 BF16_QUANT_GROUPS, BF16_QUANT_WARPS = 128, 4
 # The bf16 kernel "auto" picks on sm_80+ (bf16x2 instructions).
 AUTO_BF16_KERNEL = "bf16x2"

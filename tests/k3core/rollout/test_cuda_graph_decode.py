@@ -132,7 +132,7 @@ def _token_divergence(a, b, names: str) -> str:
     if i == n:
         return f"{names}: same first {n} tokens, lengths {len(a.output_ids)} vs {len(b.output_ids)}"
     la, lb = a.meta["logits"][i].float(), b.meta["logits"][i].float()
-    margins = [float(t.topk(2).values[0] - t.topk(2).values[1]) for t in (la, lb)]
+    margins = [float(top[0] - top[1]) for top in (la.topk(2).values, lb.topk(2).values)]
     before = float((a.meta["logits"][:i + 1] - b.meta["logits"][:i + 1]).abs().max())
     return (f"{names}: first token difference at step {i} ({a.output_ids[i]} vs {b.output_ids[i]}); "
             f"top-2 margins there {margins[0]:.2e} / {margins[1]:.2e}; max |logit gap| up to it {before:.2e}; "
