@@ -148,7 +148,7 @@ print((status('VmHWM') - before) / 1024)
 
 def sweep_tiles(w, packed, scale, repeats: int, traffic: float, copy_gbs: float) -> None:
     """Time the Triton kernels (no finite check) at other (blocks per program, warps) settings."""
-    from k3core.ops import mxfp4_triton as kt
+    from k3core.ops.mxfp4 import codec_triton as kt
 
     saved = (kt.BF16_QUANT_GROUPS, kt.BF16_QUANT_WARPS, kt.DEQUANT_GROUPS, kt.DEQUANT_WARPS)
     kernels = ("words", "bf16x2")
@@ -235,8 +235,8 @@ def main() -> None:
     if device == "cuda" and mxfp4.triton_available():
         import triton  # noqa: PLC0415
 
-        from k3core.ops import mxfp4_triton as kt
-        from k3core.ops.mxfp4_triton import quantize_triton
+        from k3core.ops.mxfp4 import codec_triton as kt
+        from k3core.ops.mxfp4.codec_triton import quantize_triton
 
         # The dispatch above includes the finite check's host sync; this is the kernel alone.
         bench("quantize: k3core Triton, no finite check", lambda: quantize_triton(w, check_finite=False),
@@ -244,7 +244,7 @@ def main() -> None:
         # baseline: the first (any-dtype, reshape/split) kernel, which the bf16 kernel replaced
         bench("quantize: generic Triton kernel, no finite check",
               lambda: quantize_triton(w, check_finite=False, kernel="generic"), same_q, traffic_q)
-        # the previous default for bf16: integer codes on the words layout (mxfp4_triton docstring)
+        # the previous default for bf16: integer codes on the words layout (codec_triton.py docstring)
         bench("quantize: words Triton kernel, no finite check",
               lambda: quantize_triton(w, check_finite=False, kernel="words"), same_q, traffic_q)
         # ceiling of the bf16 kernels' memory pattern: same loads and stores, no codec work

@@ -40,8 +40,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from k3core.ops import mxfp4
-from k3core.ops import mxfp4_triton as kt
+from k3core.ops.mxfp4 import codec_torch as mxfp4
+from k3core.ops.mxfp4 import codec_triton as kt
 
 FLOAT_OPS = {"FFMA", "FADD", "FMUL", "FSETP", "FMNMX", "FSEL", "FSET", "HFMA2", "HMNMX2", "HADD2", "HMUL2"}
 MEMORY_OPS = {"LDG", "STG", "LDS", "STS", "SHFL", "BAR", "ATOMG", "RED"}

@@ -79,7 +79,7 @@ def mib(n):
 
 def sweep_triton(x, grad, iters):
     """Time the triton kernels alone over a few tile configs (BLOCK_R, BLOCK_H, warps)."""
-    from k3core.ops import situ_triton as st
+    from k3core.ops.situ import fused_triton as st
 
     x2d, g2d = x.detach().view(-1, x.shape[-1]), grad.view(-1, grad.shape[-1])
     R, H = g2d.shape
@@ -177,7 +177,7 @@ def main():
         print(f"ours effective bandwidth ({BYTES_PER_OUTPUT} B/output, fwd+bwd): {eff:,.0f} GB/s = "
               f"{100 * eff / copy:.1f}% of copy ({'meets' if eff >= 0.8 * copy else 'MISSES'} the 80% target)")
         try:
-            from k3core.ops import situ_triton as st
+            from k3core.ops.situ import fused_triton as st
         except ImportError:
             print("triton not importable: 'ours' ran the CUDA torch fallback")
             return

@@ -1,6 +1,6 @@
 """MXFP4 codec: hand-computed vectors, the scalar reference, compressed-tensors bit for bit, Triton.
 
-References: `k3core/ops/mxfp4_reference.py` (scalar, from the spec) and, when importable, the
+References: `k3core/ops/mxfp4/naive.py` (scalar, from the spec) and, when importable, the
 compressed-tensors 0.20.0 compressor the release's format string selects (test dependency:
 `pip install --no-deps compressed-tensors==0.20.0 loguru psutil`; skipped without it).
 """
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from k3core.ops import mxfp4
-from k3core.ops.mxfp4 import dequantize, dequantize_torch, fake_quantize, quantize, quantize_torch
-from k3core.ops.mxfp4_reference import dequantize_reference, quantize_reference
+from k3core.ops.mxfp4 import codec_torch, dequantize, dequantize_torch, fake_quantize, quantize, quantize_torch
+from k3core.ops.mxfp4.naive import dequantize_reference, quantize_reference
 
 RULES = ("compressed-tensors", "ocp")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -205,7 +205,7 @@ def test_shapes_strides_chunks_and_empty(monkeypatch):
     w = mixed_weights(24, 192, torch.bfloat16, seed=4)
     packed, scale = quantize(w)
     # Many small chunks give the same bytes as one.
-    monkeypatch.setattr(mxfp4, "CPU_CHUNK_BLOCKS", 5)
+    monkeypatch.setattr(codec_torch, "CPU_CHUNK_BLOCKS", 5)
     assert torch.equal(quantize(w)[0], packed) and torch.equal(quantize(w)[1], scale)
     assert bits_equal(dequantize(packed, scale), dequantize_reference(packed, scale))
     # Leading dims are batch dims; a transposed (non-contiguous) input quantises its own rows.
@@ -321,7 +321,7 @@ def test_fake_quantize_forward_and_straight_through_gradient(dtype):
 
 
 def _triton_vs_torch(device: str):
-    from k3core.ops.mxfp4_triton import dequantize_triton, quantize_triton
+    from k3core.ops.mxfp4.codec_triton import dequantize_triton, quantize_triton
 
     # bf16 reaches the generic (any-dtype) kernel and the other bf16 kernel only when asked; the
     # interpreter cannot run bf16x2's inline PTX ("auto" picks words there)
@@ -397,14 +397,14 @@ def every_bf16_in_ordinary_blocks(rule: str, scales=range(3 - 127, 253 - 127)) -
 
 
 def bytes_bf16x2_emulated(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The bf16x2 kernel's algebra (`mxfp4_triton._bytes_bf16x2`) in torch, instruction by
+    """The bf16x2 kernel's algebra (`codec_triton._bytes_bf16x2`) in torch, instruction by
     instruction on int32 words of two bf16, the fma.rn.bf16x2 rounding done exactly in float64:
     bf16 [B, 32] and their scale bytes [B, 1] -> packed bytes [B, 16]."""
     words = w.contiguous().view(torch.int32).long() & 0xFFFFFFFF  # [B, 16], unsigned
     s = scale.long() - 127  # [B, 1]
     k2 = (128 - s) * 0x00800080  # the kernel's multipliers, as bf16x2 bit pairs
     multipliers = (k2, k2 - 0x00800080, k2 - 2 * 0x00800080)  # 2^(1-s), 2^-s, 2^(-1-s)
-    thr = mxfp4._ldexp_bits(mxfp4._NEG_ZERO_FIELD[torch.bfloat16], 0, s.int()).long() >> 16
+    thr = codec_torch._ldexp_bits(codec_torch._NEG_ZERO_FIELD[torch.bfloat16], 0, s.int()).long() >> 16
     m = words & 0x7FFF7FFF
     sign = ((m | 0x80008000) - (thr + 1) * 0x10001) & words & 0x80008000
 
@@ -448,7 +448,7 @@ def test_bf16x2_algebra_fails_at_scale_byte_253():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bf16x2_kernel_on_every_bf16_value_on_gpu():
     pytest.importorskip("triton")
-    from k3core.ops.mxfp4_triton import quantize_triton
+    from k3core.ops.mxfp4.codec_triton import quantize_triton
 
     w = ordinary_scale_bf16(1000, seed=11).cuda()  # 8 programs, one partial
     for rule in RULES:

@@ -12,7 +12,7 @@ magnitude of the terms the fp32 computation adds (so cancellation in d_gate near
 1 - sigmoid near saturation, are judged against what fp32 can resolve, about 1e-7 * scale), and
 the last term covers sigmoid underflowing to 0 where the exact value is below ~1e-38.
 The Triton forward for 16-bit outputs uses the SFU's tanh.approx (relative error < 2^-10.9, see
-`situ_triton.py`), so its output bound is one bf16 rounding plus 2^-10: `FAST_OUT_RTOL`.
+`situ/fused_triton.py`), so its output bound is one bf16 rounding plus 2^-10: `FAST_OUT_RTOL`.
 """
 
 from __future__ import annotations
@@ -245,9 +245,9 @@ def test_peak_memory_bounded_by_workspace_cpu():
 
 @pytest.fixture(scope="module")
 def interpreted_kernels():
-    """k3core/ops/situ_triton.py loaded afresh with TRITON_INTERPRET=1 (read at @triton.jit time)."""
+    """k3core/ops/situ/fused_triton.py loaded afresh with TRITON_INTERPRET=1 (read at @triton.jit time)."""
     pytest.importorskip("triton")
-    path = Path(__import__("k3core.ops.situ", fromlist=["x"]).__file__).with_name("situ_triton.py")
+    path = Path(__import__("k3core.ops.situ", fromlist=["x"]).__file__).with_name("fused_triton.py")
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:

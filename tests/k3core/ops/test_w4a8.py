@@ -149,7 +149,7 @@ def test_fused_kernel_logic_under_the_triton_interpreter():
         import torch
         from k3core.ops import mxfp4
         from k3core.ops.w4a8 import quantize_fp8, w4a8_grouped_mm
-        from k3core.ops.w4a8_triton import w4a8_grouped_mm_triton
+        from k3core.ops.w4a8.grouped_mm_triton import w4a8_grouped_mm_triton
         g = torch.Generator().manual_seed(0)
         counts = torch.tensor([5, 0, 40])
         x = torch.randn(45, 160, generator=g)

@@ -1,6 +1,6 @@
-"""Triton kernel for the W4A8 expert matmul (see ``k3core/ops/w4a8.py`` for the contract and torch path).
+"""Triton kernel for the W4A8 expert matmul (see ``api.py`` for the contract and torch path).
 
-Imported lazily by ``w4a8.py``: importing this module needs triton. One program computes a
+Imported lazily by ``api.py``: importing this module needs triton. One program computes a
 ``[BLOCK_N rows of one expert, BLOCK_M outputs]`` tile: along K it loads FP8 activation bytes (and their
 E8M0 block scales in block32 mode), the packed MXFP4 bytes and E8M0 scales of that expert's
 weight, decodes the weight tile in registers (E2M1 code -> fp32 bits, times 2^(b-127) built from

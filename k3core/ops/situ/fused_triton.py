@@ -1,6 +1,6 @@
-"""Triton kernels for SiTU-GLU (see `k3core/ops/situ.py` for the contract and the torch paths).
+"""Triton kernels for SiTU-GLU (see `streamed_torch.py` for the contract and the torch paths).
 
-Imported lazily by `situ.py`: importing this module needs triton (present with CUDA torch,
+Imported lazily by `streamed_torch.py`: importing this module needs triton (present with CUDA torch,
 absent on CPU-only hosts). Both kernels read x = [gate | up] as bf16/fp16/fp32, do all math in
 fp32 registers and write the input dtype, so nothing but the outputs touches HBM:
 forward reads 2 and writes 1 element per output element, backward reads 3 and writes 2.

@@ -47,8 +47,8 @@ no float arithmetic touches an element, so denormal flushing cannot change a cod
 does that for fp32/fp16; for bf16 it is faster to form y = x * 2^-s in bf16 (the library's own
 intermediate) and look its 16 bits up in a 64K-entry code table. It runs over chunks of blocks,
 so temporaries stay a few MB whatever the tensor size. On CUDA the integer form runs as Triton
-kernels (`mxfp4_triton.py`); the torch path is the fallback there.
-The slow, obviously-right scalar version is `mxfp4_reference.py`.
+kernels (`codec_triton.py`); the torch path is the fallback there.
+The slow, obviously-right scalar version is `naive.py`.
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def dequantize_torch(
 def triton_available() -> bool:
     """True when the Triton kernels can be imported (CUDA torch with triton installed)."""
     try:
-        from k3core.ops import mxfp4_triton  # noqa: F401
+        import k3core.ops.mxfp4.codec_triton  # noqa: F401
     except ImportError:
         return False
     return True
@@ -370,7 +370,7 @@ def quantize(
     _check_scale_rule(scale_rule)
     _check_quantize_input(w)
     if _use_triton(w):
-        from k3core.ops.mxfp4_triton import quantize_triton
+        from k3core.ops.mxfp4.codec_triton import quantize_triton
 
         return quantize_triton(w, scale_rule=scale_rule, name=name)
     return quantize_torch(w, scale_rule=scale_rule, name=name)
@@ -386,7 +386,7 @@ def dequantize(
     """
     _check_dequantize_input(packed, scale, dtype)
     if _use_triton(packed):
-        from k3core.ops.mxfp4_triton import dequantize_triton
+        from k3core.ops.mxfp4.codec_triton import dequantize_triton
 
         return dequantize_triton(packed, scale, dtype)
     return dequantize_torch(packed, scale, dtype)

@@ -2,7 +2,7 @@
 
 One Python loop per block and per element, exact arithmetic on Python floats (doubles hold every
 bf16/fp16/fp32 value and every x / 2^s exactly), `math.frexp` for exponents, and the nearest
-E2M1 value found by distance, not by thresholds. Shares no code with `mxfp4.py`, so agreement
+E2M1 value found by distance, not by thresholds. Shares no code with `codec_torch.py`, so agreement
 between the two is evidence, not tautology. Use on small tensors only (~1 us per element).
 """
 
@@ -42,7 +42,7 @@ def nearest_e2m1(magnitude: float) -> int:
 
 def _underflow_limit(dtype: torch.dtype) -> float:
     """|x / scale| at or below which the library's division in `dtype` gives a (signed) zero:
-    half the smallest subnormal (round half to even). fp16 is handled as fp32 (see mxfp4.py)."""
+    half the smallest subnormal (round half to even). fp16 is handled as fp32 (see codec_torch.py)."""
     return 2.0**-134 if dtype == torch.bfloat16 else 2.0**-150
 
 

@@ -1,6 +1,6 @@
-"""Triton kernels for the MXFP4 codec (see `k3core/ops/mxfp4.py` for the contract and torch path).
+"""Triton kernels for the MXFP4 codec (see `codec_torch.py` for the contract and torch path).
 
-Imported lazily by `mxfp4.py`: importing this module needs triton. Both kernels are the torch
+Imported lazily by `codec_torch.py`: importing this module needs triton. Both kernels are the torch
 path's integer arithmetic on fp32 bit patterns, one program per GROUPS blocks of 32 elements:
 - quantize reads each block once ([GROUPS, 32] contiguous), reduces |x| bits to the block max,
   forms the scale byte and the per-block decision points, places each |x| among them by a
@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from k3core.ops import mxfp4
+from k3core.ops.mxfp4 import codec_torch as mxfp4
 
 # Blocks per program and warps, from `benchmarks/mxfp4.py --device cuda --sweep` on an H200
 # (2026-12-01). Generic quantize: 128 blocks = 4096 elements at 8 warps.

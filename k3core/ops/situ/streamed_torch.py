@@ -18,7 +18,7 @@ output element in bf16: 1/6 of that) and recomputes tanh/sigmoid in backward.
 
 Paths, all behind one `torch.autograd.Function`:
   * CUDA with triton importable, fp16/bf16/fp32 input: one fused forward kernel and one fused
-    backward kernel that writes d_gate and d_up (`k3core/ops/situ_triton.py`); no fp32
+    backward kernel that writes d_gate and d_up (`fused_triton.py`); no fp32
     temporaries at all.
   * otherwise (CPU, or CUDA without triton): torch ops streamed over row chunks through one
     fixed-size fp32 workspace, so no full-size fp32 temporary ever exists.
@@ -156,7 +156,7 @@ def _backward_torch(
 def _triton_ops():
     """The triton kernels module, or None where triton is not importable (e.g. CPU-only hosts)."""
     try:
-        from k3core.ops import situ_triton
+        from k3core.ops.situ import fused_triton as situ_triton
     except ImportError:
         return None
     return situ_triton

@@ -28,7 +28,7 @@ Matmuls. Every decoded MXFP4 weight (E2M1 value * 2^(b-127)) and every decoded F
 (times a power-of-two scale) is exact in fp32 and bf16, so the only roundings are the FP8
 rounding of x and the accumulation. The torch path (CPU, and CUDA without triton) decodes the
 weights of the experts in use to fp32 per call (no decoded copy is kept) and multiplies in fp32.
-On CUDA with triton, ``w4a8_triton.w4a8_grouped_mm_triton`` decodes MXFP4 inside the matmul's
+On CUDA with triton, ``grouped_mm_triton.w4a8_grouped_mm_triton`` decodes MXFP4 inside the matmul's
 K loop (bf16 tensor cores, fp32 accumulation). ``w4a8_reference`` is the plain fp64 version.
 """
 
@@ -176,7 +176,7 @@ def w4a8_linear(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor,
 def triton_available() -> bool:
     """True when the fused Triton kernel can be imported (CUDA torch with triton installed)."""
     try:
-        from k3core.ops import w4a8_triton  # noqa: F401
+        import k3core.ops.w4a8.grouped_mm_triton  # noqa: F401
     except ImportError:
         return False
     return True
@@ -201,7 +201,7 @@ def w4a8_grouped_mm(x_sorted: torch.Tensor, counts: torch.Tensor, packed: torch.
     if use_triton is None:
         use_triton = x_sorted.is_cuda and granularity is not None and triton_available()
     if use_triton:
-        from k3core.ops.w4a8_triton import w4a8_grouped_mm_triton
+        from k3core.ops.w4a8.grouped_mm_triton import w4a8_grouped_mm_triton
 
         q, s = quantize_fp8(x_sorted, granularity)
         return w4a8_grouped_mm_triton(q, s, counts, packed, wscale, out_dtype)
@@ -284,8 +284,8 @@ def quantize_fp8_reference(x: torch.Tensor, granularity: str = "token") -> tuple
 def w4a8_reference(x: torch.Tensor, packed: torch.Tensor, wscale: torch.Tensor,
                    granularity: str | None = "token") -> torch.Tensor:
     """fp64 ``fp8(x) @ W^T`` for one weight: x ``[N, K]`` -> ``[N, M]`` fp64, with the scalar MXFP4
-    decoder of ``mxfp4_reference`` and the scalar FP8 rounding above (shares no code with the fast path)."""
-    from k3core.ops.mxfp4_reference import dequantize_reference
+    decoder of ``mxfp4.naive`` and the scalar FP8 rounding above (shares no code with the fast path)."""
+    from k3core.ops.mxfp4.naive import dequantize_reference
 
     w = dequantize_reference(packed, wscale, torch.float32).to(torch.float64)
     if granularity is None:
