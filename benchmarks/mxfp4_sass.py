@@ -40,8 +40,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from k3core.ops.mxfp4 import codec_torch as mxfp4
 from k3core.ops.mxfp4 import codec_triton as kt
+from k3core.ops.mxfp4 import spec
 
 FLOAT_OPS = {"FFMA", "FADD", "FMUL", "FSETP", "FMNMX", "FSEL", "FSET", "HFMA2", "HMNMX2", "HADD2", "HMUL2"}
 MEMORY_OPS = {"LDG", "STG", "LDS", "STS", "SHFL", "BAR", "ATOMG", "RED"}
@@ -68,8 +68,8 @@ GENERIC_SIGNATURE = {"x_ptr": "*bf16", "packed_ptr": "*u8", "scale_ptr": "*u8", 
 
 def sass(fn, groups: int, warps: int, signature=WORDS_SIGNATURE, **constexprs) -> str:
     sig = dict(signature)
-    consts = {"ROUND_BIAS": mxfp4._ROUND_BIAS["compressed-tensors"],
-              "NEG_ZERO_FIELD": mxfp4._NEG_ZERO_FIELD[torch.bfloat16], "GROUPS": groups}
+    consts = {"ROUND_BIAS": spec.ROUND_BIAS["compressed-tensors"],
+              "NEG_ZERO_FIELD": spec.NEG_ZERO_FIELD[torch.bfloat16], "GROUPS": groups}
     for k, v in constexprs.items():
         sig[k] = "constexpr"
         consts[k] = v

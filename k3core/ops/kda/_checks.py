@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from k3core.ops.kda import _fla
+from k3core.ops.kda._fla import require as require_fla
 
 BACKENDS = ("auto", "torch", "naive", "fla")
 
@@ -125,5 +125,5 @@ def resolve_backend(fn: str, backend: str, q: torch.Tensor, *, allow_naive: bool
             raise ValueError(f"{fn}: backend='fla' needs CUDA tensors, q is on {q.device}")
         if q.dtype == torch.float64:
             raise ValueError(f"{fn}: fla's kernels do not take float64; pass backend='torch' for fp64 on CUDA")
-        _fla.require(fn)
+        require_fla(fn)
     return backend

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from k3core.ops.kda import _fla
 from k3core.ops.kda._checks import check_kda_inputs, resolve_backend
+from k3core.ops.kda._fla import chunk as fla_chunk
+from k3core.ops.kda._fla import fused_recurrent as fla_fused_recurrent
 from k3core.ops.kda.chunk import chunk_kda_torch
 from k3core.ops.kda.gate import kda_gate
 from k3core.ops.kda.naive import naive_kda
@@ -67,7 +68,7 @@ def kda(
         needs_grad = torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
         # one-token decode: the fused recurrent kernel (forward only) beats the chunked one
-        run = _fla.fused_recurrent if q.shape[1] == 1 and not needs_grad else _fla.chunk
+        run = fla_fused_recurrent if q.shape[1] == 1 and not needs_grad else fla_chunk
         return run(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **common)
     if A_log is not None:
         g = kda_gate(g, A_log, dt_bias, lower_bound)

@@ -199,10 +199,8 @@ def _unit_lower_inverse(A: torch.Tensor) -> torch.Tensor:
     """``(I + A)^-1`` for strictly lower-triangular A ``[..., C, C]`` (C a power of two).
 
     Block recursion from 1 x 1 diagonal blocks upwards: the inverse of [[M11, 0], [M21, M22]] is
-    [[X11, 0], [-X22 M21 X11, X22]]: log2(C) levels of batched matmuls, no per-row loop. Measured
-    on the benchmark shape (1 thread), the op's forward is as fast as with
-    ``torch.linalg.solve_triangular`` and its forward+backward 0-15% faster; under thread
-    contention the matmul chain degraded far less than the batched solve.
+    [[X11, 0], [-X22 M21 X11, X22]]: log2(C) levels of batched matmuls, no per-row loop. Chosen
+    over ``torch.linalg.solve_triangular`` on the benchmark's timings (docs/results/kda_cpu.md).
     """
     C = A.shape[-1]
     lead = A.shape[:-2]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from k3core.ops.kda import _fla
 from k3core.ops.kda._checks import check_step_inputs, resolve_backend
 from k3core.ops.kda._common import compute_dtype, l2norm
+from k3core.ops.kda._fla import fused_recurrent as fla_fused_recurrent
 
 
 def kda_step(
@@ -44,8 +44,8 @@ def kda_step(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, state))
     backend = resolve_backend("kda_step", backend, q, allow_naive=False, prefer_torch=needs_grad)
     if backend == "fla":
-        o, new_state = _fla.fused_recurrent(q, k, v, g, beta, scale=scale, initial_state=state,
-                                            output_final_state=True, use_qk_l2norm=use_qk_l2norm)
+        o, new_state = fla_fused_recurrent(q, k, v, g, beta, scale=scale, initial_state=state,
+                                           output_final_state=True, use_qk_l2norm=use_qk_l2norm)
     else:
         o, new_state = _torch_step(q, k, v, g, beta, state, scale, use_qk_l2norm)
     return (o.squeeze(1) if single else o), new_state

@@ -1,34 +1,31 @@
-"""Triton kernels for the MXFP4 codec (see `codec_torch.py` for the contract and torch path).
+"""Triton kernels of the MXFP4 codec (the format and its checks: `spec.py`; the dispatch: `api.py`).
 
-Imported lazily by `codec_torch.py`: importing this module needs triton. Both kernels are the torch
-path's integer arithmetic on fp32 bit patterns, one program per GROUPS blocks of 32 elements:
-- quantize reads each block once ([GROUPS, 32] contiguous), reduces |x| bits to the block max,
-  forms the scale byte and the per-block decision points, places each |x| among them by a
-  3-level binary search and packs; it writes 16 bytes + 1 scale byte per block. No float
-  arithmetic touches an element, so flushing denormals cannot change a code.
+Imported lazily by `api.py`: importing this module needs triton. Every kernel is the torch path's
+integer arithmetic on fp32 bit patterns, one program per GROUPS blocks of 32 elements:
+- quantize reads each block once, reduces |x| bits to the block max, forms the scale byte and the
+  per-block decision points, places each |x| among them by a 3-level binary search (`_codes`) or,
+  in the bf16x2 kernel, by bf16x2 arithmetic, and packs; it writes 16 bytes + 1 scale
+  byte per block. No float arithmetic touches an element, so flushing denormals cannot change a
+  code (the bf16x2 kernel's float instructions are exact by construction: `_bytes_bf16x2`).
 - dequantize builds each output value's fp32 bits with integer arithmetic (an add and a shift per
   element for ordinary scales; an exact integer ldexp for the subnormal/NaN scale bytes), then
   narrows to the output dtype.
-Both kernels stay memory-bound only if their per-element integer work stays small (an H200
-issues ~16.7 T int32 ops/s against ~4.8 TB/s of HBM: ~9 ops per element of quantize/dequantize
-traffic at full bandwidth), which is why the element math is written this way.
-Offsets are int64: tensors past 2^31 elements exist (a full expert stack).
+The kernels stay memory-bound only while their per-element work fits the GPU's ratio of int32
+issue rate to HBM bandwidth, a handful of integer operations per element (the budget is worked out
+in docs/results/mxfp4.md), which is why the element math is written this way. Offsets are int64:
+tensors past 2^31 elements exist (a full expert stack).
 
-bf16 input (the weights' dtype) has its own quantize kernels. Measured on an H200 (2026-12-01,
-`benchmarks/mxfp4.py --device cuda`, 16384^2 bf16, % of copy bandwidth; docs/results/mxfp4.md):
-- `_quantize_bf16x2_kernel` (the default on sm_80+): each thread owns whole blocks on a
-  [GROUPS, 4, 4] view of the input as int32 words, so the block max is thread-local and nothing
-  changes layout through shared memory, and the codes of blocks with ordinary scale bytes come from
-  bf16x2 instructions, two elements each (`_bytes_bf16x2`): 55-64%, median 60%; 11 SASS
-  instructions per element (`benchmarks/mxfp4_sass.py`) against a load/store floor of 80-93%.
-- `_quantize_bf16_kernel` ("words"; older GPUs and the Triton interpreter, which cannot run inline
-  PTX): one row per packed output word, integer codes; its per-block values change layout through
-  shared memory: 33-40%, 29 SASS instructions per element.
-- The first kernel (`tl.reshape` + `tl.split`, "generic"), kept for fp16/fp32: 25-28%.
-Two candidates lost and were removed (commit ec38464 has them): fp32 fma rounding on the words
-layout (39-45%) and the bf16x2 codes on the words layout (40-47%): the instruction count was not
-the whole story, the words layout's shared-memory round trips were. Dequantize keeps the first
-layout (`tl.join`) for every dtype: 62-63% at 128 blocks x 4 warps (54-59% at 8 warps).
+Quantize kernels (`quantize_triton(kernel=...)`; all give the same bytes):
+- "bf16x2" (`_quantize_bf16x2_kernel`; bf16 on sm_80+, the default there): each thread owns whole
+  blocks on a [GROUPS, 4, 4] view of the input as int32 words, so the block max is thread-local
+  and nothing changes layout through shared memory, and the codes of blocks with ordinary scale
+  bytes come from bf16x2 instructions, two elements each (`_bytes_bf16x2`).
+- "words" (`_quantize_bf16_kernel`; bf16 on older GPUs and under the Triton interpreter, which
+  cannot run inline PTX): one row per packed output word, integer codes; its per-block values
+  change layout through shared memory.
+- "generic" (`_mxfp4_quantize_kernel`; any dtype, the one fp16/fp32 use): `tl.reshape` + `tl.split`.
+Dequantize has one kernel for every dtype (`tl.join` layout). The throughput of each kernel, the
+candidates that lost and the tile sweeps behind the constants below: docs/results/mxfp4.md.
 """
 
 from __future__ import annotations
@@ -37,15 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from k3core.ops.mxfp4 import codec_torch as mxfp4
+# As a module, not its names: the kernels' constexpr parameters are called ROUND_BIAS, NEG_ZERO_FIELD.
+import k3core.ops.mxfp4.spec as spec
 
-# Blocks per program and warps, from `benchmarks/mxfp4.py --device cuda --sweep` on an H200
-# (2026-12-01). Generic quantize: 128 blocks = 4096 elements at 8 warps.
+# Blocks per program and warps: the best tiles of `benchmarks/mxfp4.py --device cuda --sweep`
+# (docs/results/mxfp4.md). Generic quantize: 128 blocks = 4096 elements per program.
 QUANT_GROUPS, QUANT_WARPS = 128, 8
-# Dequantize: 63-70% at 128 x 4 in three sweeps (51-57% at 128 x 8, the earlier setting).
 DEQUANT_GROUPS, DEQUANT_WARPS = 128, 4
-# bf16 quantize (both kernels): 128 blocks (one per thread for bf16x2) at 4 warps; bf16x2 57-60% at
-# 128 x 4 and 64 x 2/4, 40-53% at 8 warps or 256 blocks.
+# bf16 quantize (both kernels); at 128 blocks x 4 warps each bf16x2 thread owns one whole block.
 BF16_QUANT_GROUPS, BF16_QUANT_WARPS = 128, 4
 # The bf16 kernel "auto" picks on sm_80+ (bf16x2 instructions).
 AUTO_BF16_KERNEL = "bf16x2"
@@ -54,7 +50,7 @@ QUANTIZE_KERNELS = ("auto", "generic", "words", "bf16x2")
 
 @triton.jit
 def _ldexp_bits(field, frac, k):
-    """Bits of (1 + frac/2^23) * 2^(field - 127 + k) as int32; same as mxfp4._ldexp_bits."""
+    """Bits of (1 + frac/2^23) * 2^(field - 127 + k) as int32; same as codec_torch._ldexp_bits."""
     f = k + field
     normal = (f << 23) | frac
     shift = tl.minimum(tl.maximum(1 - f, 0), 31)
@@ -172,7 +168,7 @@ def _bytes_bf16x2(w, k2, thr_pair):
 @triton.jit
 def _point(s, FIELD: tl.constexpr, FRAC: tl.constexpr, TIE_UP: tl.constexpr):
     """Bits of a decision point scaled by 2^s (``s`` broadcastable against the elements), minus 1 ulp
-    when ties round up, so that "passes" is always "|x| bits > point" (see mxfp4._MIDPOINTS)."""
+    when ties round up, so that "passes" is always "|x| bits > point" (see spec.MIDPOINTS)."""
     return _ldexp_bits(FIELD, FRAC, s) - TIE_UP
 
 
@@ -349,15 +345,15 @@ def quantize_triton(
     check_finite: bool = True,
     kernel: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton path of `mxfp4.quantize`; same contract. A non-contiguous w is copied first.
+    """Triton path of `quantize`; same contract. A non-contiguous w is copied first.
 
     The finite check reads back one flag (a host sync). `check_finite=False` skips that read
     (blocks with inf/NaN then silently carry scale byte 255); the benchmark uses it to time the
     kernel alone. `kernel`: "auto" (bf16: "bf16x2" on sm_80+, else "words"; other dtypes:
-    "generic"), "generic" (the first, any-dtype kernel), "words" (bf16: `_quantize_bf16_kernel`)
+    "generic"), "generic" (the any-dtype kernel), "words" (bf16: `_quantize_bf16_kernel`)
     or "bf16x2" (bf16 on sm_80+: `_quantize_bf16x2_kernel`). All give the same bytes."""
-    mxfp4._check_scale_rule(scale_rule)
-    mxfp4._check_quantize_input(w)
+    spec.check_scale_rule(scale_rule)
+    spec.check_quantize_input(w)
     if kernel not in QUANTIZE_KERNELS:
         raise ValueError(f"unknown quantize kernel {kernel!r}; use one of {QUANTIZE_KERNELS}")
     if kernel == "auto":
@@ -370,7 +366,7 @@ def quantize_triton(
     n = w.shape[-1]
     lead = w.shape[:-1]
     packed = torch.empty(*lead, n // 2, dtype=torch.uint8, device=w.device)
-    scale = torch.empty(*lead, n // mxfp4.BLOCK, dtype=torch.uint8, device=w.device)
+    scale = torch.empty(*lead, n // spec.BLOCK, dtype=torch.uint8, device=w.device)
     n_groups = scale.numel()
     if n_groups == 0:
         return packed, scale
@@ -384,8 +380,8 @@ def quantize_triton(
             scale,
             nonfinite,
             n_groups,
-            ROUND_BIAS=mxfp4._ROUND_BIAS[scale_rule],
-            NEG_ZERO_FIELD=mxfp4._NEG_ZERO_FIELD[w.dtype],
+            ROUND_BIAS=spec.ROUND_BIAS[scale_rule],
+            NEG_ZERO_FIELD=spec.NEG_ZERO_FIELD[w.dtype],
             GROUPS=BF16_QUANT_GROUPS,
             num_warps=BF16_QUANT_WARPS,
         )
@@ -396,14 +392,14 @@ def quantize_triton(
             scale,
             nonfinite,
             n_groups,
-            ROUND_BIAS=mxfp4._ROUND_BIAS[scale_rule],
-            NEG_ZERO_FIELD=mxfp4._NEG_ZERO_FIELD[w.dtype],
+            ROUND_BIAS=spec.ROUND_BIAS[scale_rule],
+            NEG_ZERO_FIELD=spec.NEG_ZERO_FIELD[w.dtype],
             IS_BF16=w.dtype == torch.bfloat16,
             GROUPS=QUANT_GROUPS,
             num_warps=QUANT_WARPS,
         )
     if check_finite and int(nonfinite.item()):
-        mxfp4._raise_non_finite(w, name)
+        spec.raise_non_finite(w, name)
     return packed, scale
 
 
@@ -413,8 +409,8 @@ _OUT_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 def dequantize_triton(
     packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """Triton path of `mxfp4.dequantize`; same contract."""
-    mxfp4._check_dequantize_input(packed, scale, dtype)
+    """Triton path of `dequantize`; same contract."""
+    spec.check_dequantize_input(packed, scale, dtype)
     lead, n = packed.shape[:-1], packed.shape[-1] * 2
     out = torch.empty(*lead, n, dtype=dtype, device=packed.device)
     n_groups = scale.numel()

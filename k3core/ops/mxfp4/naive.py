@@ -2,8 +2,9 @@
 
 One Python loop per block and per element, exact arithmetic on Python floats (doubles hold every
 bf16/fp16/fp32 value and every x / 2^s exactly), `math.frexp` for exponents, and the nearest
-E2M1 value found by distance, not by thresholds. Shares no code with `codec_torch.py`, so agreement
-between the two is evidence, not tautology. Use on small tensors only (~1 us per element).
+E2M1 value found by distance, not by thresholds. Shares no code with the fast paths
+(`codec_torch.py`, `codec_triton.py`) nor with `spec.py`, so agreement between them is evidence,
+not tautology. Use on small tensors only: one Python step per element.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def nearest_e2m1(magnitude: float) -> int:
 
 def _underflow_limit(dtype: torch.dtype) -> float:
     """|x / scale| at or below which the library's division in `dtype` gives a (signed) zero:
-    half the smallest subnormal (round half to even). fp16 is handled as fp32 (see codec_torch.py)."""
+    half the smallest subnormal (round half to even). fp16 is handled as fp32 (see spec.py)."""
     return 2.0**-134 if dtype == torch.bfloat16 else 2.0**-150
 
 

@@ -1,6 +1,6 @@
-"""Triton kernels for SiTU-GLU (see `streamed_torch.py` for the contract and the torch paths).
+"""Triton kernels for SiTU-GLU (the contract: the package docstring; the dispatch: `api.py`).
 
-Imported lazily by `streamed_torch.py`: importing this module needs triton (present with CUDA torch,
+Imported lazily by `api.py`: importing this module needs triton (present with CUDA torch,
 absent on CPU-only hosts). Both kernels read x = [gate | up] as bf16/fp16/fp32, do all math in
 fp32 registers and write the input dtype, so nothing but the outputs touches HBM:
 forward reads 2 and writes 1 element per output element, backward reads 3 and writes 2.
@@ -11,12 +11,12 @@ sigmoid would take about 6 special-function ops: at bf16 traffic the forward wou
 much bound by the SFUs as by HBM), and 1 - tanh^2, 1 - sigmoid come without cancellation.
 With TRITON_INTERPRET=1 the kernels also run on CPU tensors (tests do that where triton exists).
 
-Both kernels are ALU-bound before they are HBM-bound at bf16 traffic (an H200 moves ~0.68 G
-bf16 SiTU outputs per ms; the exact forward spends ~65 fp32 ops per element, about what the SMs
-issue in that time). For 16-bit outputs (``FAST``) they trade precision the output cannot hold:
+With exact fp32-grade arithmetic both kernels are ALU-bound before they are HBM-bound at bf16
+traffic (docs/results/situ.md), so for 16-bit outputs (``FAST``) they trade precision the output
+cannot hold:
 - forward: tanh from the hardware ``tanh.approx.f32`` (relative error < 2^-10.9), sigmoid as
-  1 / (1 + 2^(-g log2 e)) with a fast (non-IEEE) division: about 25 ops per element. The output
-  is then within one bf16 rounding plus 2^-10 relative of the exact value (tests state that bound);
+  1 / (1 + 2^(-g log2 e)) with a fast (non-IEEE) division. The output is then within one bf16
+  rounding plus 2^-10 relative of the exact value (tests state that bound);
 - backward: the same fractions as the exact path (no cancellation in 1 - tanh^2, 1 - sigmoid, which
   the gradient needs) with a two-term series below 2^-6 and a fast division.
 fp32 inputs keep the exact path (and so does the Triton interpreter, which has no inline asm).
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Elements per program and warps: from `benchmarks/situ.py --device cuda --sweep` on an H200
-# (2026-12-01, R=131072, H=3072 bf16): fwd 0.61-0.63 ms for most tiles, bwd best at 2048 / 4 warps.
+# Elements per program and warps: the best tiles of `benchmarks/situ.py --device cuda --sweep`
+# (docs/results/situ.md).
 FWD_ELEMS, FWD_WARPS = 4096, 8
 BWD_ELEMS, BWD_WARPS = 2048, 4
 MAX_BLOCK_H = 1024

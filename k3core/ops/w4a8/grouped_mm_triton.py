@@ -1,4 +1,4 @@
-"""Triton kernel for the W4A8 expert matmul (see ``api.py`` for the contract and torch path).
+"""Triton kernel for the W4A8 expert matmul (the contract and the torch path: ``api.py``).
 
 Imported lazily by ``api.py``: importing this module needs triton. One program computes a
 ``[BLOCK_N rows of one expert, BLOCK_M outputs]`` tile: along K it loads FP8 activation bytes (and their

@@ -16,6 +16,7 @@ import torch
 from k3core.ops import mxfp4
 from k3core.ops.mxfp4 import codec_torch, dequantize, dequantize_torch, fake_quantize, quantize, quantize_torch
 from k3core.ops.mxfp4.naive import dequantize_reference, quantize_reference
+from k3core.ops.mxfp4.spec import NEG_ZERO_FIELD
 
 RULES = ("compressed-tensors", "ocp")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -404,7 +405,7 @@ def bytes_bf16x2_emulated(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     s = scale.long() - 127  # [B, 1]
     k2 = (128 - s) * 0x00800080  # the kernel's multipliers, as bf16x2 bit pairs
     multipliers = (k2, k2 - 0x00800080, k2 - 2 * 0x00800080)  # 2^(1-s), 2^-s, 2^(-1-s)
-    thr = codec_torch._ldexp_bits(codec_torch._NEG_ZERO_FIELD[torch.bfloat16], 0, s.int()).long() >> 16
+    thr = codec_torch._ldexp_bits(NEG_ZERO_FIELD[torch.bfloat16], 0, s.int()).long() >> 16
     m = words & 0x7FFF7FFF
     sign = ((m | 0x80008000) - (thr + 1) * 0x10001) & words & 0x80008000
 
