@@ -20,25 +20,26 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flows  # noqa: F401,E402  (sets Prefect's environment before it is imported)
-from flows.pipeline import RLSettings, rl_run  # noqa: E402
+from flows.pipeline import rl_run  # noqa: E402
+from k3core.settings import RLSettings  # noqa: E402
 
 
 def main() -> None:
     d = RLSettings()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iterations", type=int, default=d.iterations)
-    ap.add_argument("--env", default=d.env)
+    ap.add_argument("--iterations", type=int, default=d.pipeline.iterations)
+    ap.add_argument("--env", default=d.pipeline.env)
     ap.add_argument("--artifacts", default="build/rl_small_artifacts")
     ap.add_argument("--run-id", default=f"bench-{int(time.time())}")
     ap.add_argument("--plot", default=None, help="copy the final reward/KL plot here")
     a = ap.parse_args()
-    s = RLSettings(env=a.env, iterations=a.iterations, artifacts=a.artifacts, run_id=a.run_id)
+    s = RLSettings().replace(env=a.env, iterations=a.iterations, artifacts=a.artifacts, run_id=a.run_id)
     t0 = time.perf_counter()
     summary = rl_run(s)
     wall = time.perf_counter() - t0
     start, end = summary["heldout_reward_start"], summary["heldout_reward_end"]
     print(json.dumps(summary, indent=2))
-    print(f"\nheld-out reward (sampled, {s.eval_prompts} prompts x 4): start {start:.3f} -> end {end:.3f} "
+    print(f"\nheld-out reward (sampled, {s.evaluation.prompts} prompts x 4): start {start:.3f} -> end {end:.3f} "
           f"({end / max(start, 1e-9):.2f}x the starting checkpoint); solved {summary['heldout_solved_start']:.3f} -> "
           f"{summary['heldout_solved_end']:.3f}")
     print(f"held-out reward (greedy): start {summary['heldout_greedy_reward_start']:.3f} -> "

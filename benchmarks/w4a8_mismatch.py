@@ -50,7 +50,7 @@ def trained_model(args):
     from k3core.config import K3Config
     from k3core.model import K3ForCausalLM
     from k3core.rl.envs import load_env
-    from k3core.rl.stages import supervised_warmup
+    from k3core.rl.warmup import supervised_warmup
     from k3core.tokenizer import ByteTokenizer
 
     model = K3ForCausalLM(K3Config.preset("small"))
@@ -64,7 +64,7 @@ def trained_model(args):
 def sample_rollouts(model, args):
     from k3core.rl.data import training_prompts
     from k3core.rl.envs import load_env
-    from k3core.rl.stages import engine_from_model
+    from k3core.rl.weights import engine_from_model
     from k3core.rollout.engine import SamplingParams
     from k3core.tokenizer import ByteTokenizer
 

@@ -90,7 +90,7 @@ def random_model(config: K3Config, dtype: torch.dtype, device: str, seed: int = 
 
 
 def blank_engine(config: K3Config, dtype: torch.dtype, device: str, quantized: bool = False):
-    from k3core.rl.stages import engine_from_model
+    from k3core.rl.weights import engine_from_model
 
     return engine_from_model(blank_model(config, dtype, device), -1, quantized)
 

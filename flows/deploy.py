@@ -17,7 +17,6 @@ wait for its expiry).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -27,14 +26,15 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.states import Cancelled
 
-from flows.pipeline import RLSettings, rl_run
+from flows.pipeline import rl_run
 from flows.runlock import iterations_done, lock_path, run_lock  # noqa: F401 (public here too)
+from k3core.settings import RLSettings
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = PROJECT_ROOT / "prefect.yaml"
 DEFAULT_POOL = "k3rl-local"
-# Fields a continuation may change without changing what the finished iterations were.
-_FREE_FIELDS = {"iterations", "run_id", "artifacts"}
+# Settings a continuation may change without changing what the finished iterations were.
+_FREE_FIELDS = {("pipeline", "iterations"), ("pipeline", "run_id"), ("pipeline", "artifacts")}
 
 
 # ----------------------------------------------------------------------------------------- continue
@@ -49,18 +49,16 @@ def resolve_settings(run_id: str, artifacts: str, settings: RLSettings | None) -
 
     store = ArtifactStore(artifacts)
     rel = f"runs/{run_id}/settings.json"
-    given = dataclasses.replace(settings or RLSettings(), run_id=run_id, artifacts=artifacts)
+    given = (settings or RLSettings()).replace(run_id=run_id, artifacts=artifacts)
     if not store.exists(rel):
-        store.write_text(rel, json.dumps(dataclasses.asdict(given), indent=2))
+        store.write_text(rel, json.dumps(given.to_dict(), indent=2))
         return given, []
-    known = {f.name for f in dataclasses.fields(RLSettings)}
-    recorded = RLSettings(**{k: v for k, v in json.loads(store.read_text(rel)).items() if k in known})
-    recorded = dataclasses.replace(recorded, run_id=run_id, artifacts=artifacts)
+    recorded = RLSettings.from_dict(json.loads(store.read_text(rel))).replace(run_id=run_id, artifacts=artifacts)
     warnings = []
     if settings is not None:
-        diff = {f.name: (getattr(settings, f.name), getattr(recorded, f.name))
-                for f in dataclasses.fields(RLSettings)
-                if f.name not in _FREE_FIELDS and getattr(settings, f.name) != getattr(recorded, f.name)}
+        ours, theirs = given.to_dict(), recorded.to_dict()
+        diff = {f"{sec}.{k}": (v, theirs[sec][k]) for sec, fields in ours.items() for k, v in fields.items()
+                if (sec, k) not in _FREE_FIELDS and v != theirs[sec][k]}
         if diff:
             warnings.append(f"run '{run_id}' continues with its recorded settings ({rel}); ignoring given "
                             + ", ".join(f"{k}={a!r} (recorded {b!r})" for k, (a, b) in diff.items()))
@@ -89,7 +87,7 @@ def rl_continue(run_id: str = "demo", artifacts: str = "./artifacts", iterations
         done = iterations_done(artifacts, run_id)
         target = done + iterations_per_tick
         log.info(f"run '{run_id}': {done} iterations done, continuing to {target}")
-        return rl_run(dataclasses.replace(s, iterations=target))
+        return rl_run(s.replace(iterations=target))
 
 
 # -------------------------------------------------------------------------------------- deployments

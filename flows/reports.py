@@ -29,7 +29,8 @@ from prefect.artifacts import (create_markdown_artifact, create_progress_artifac
                                update_progress_artifact)
 from prefect.context import FlowRunContext
 
-from k3core.artifacts import ArtifactStore
+from k3core.artifacts import Artifact, ArtifactStore
+from k3core.settings import RLSettings
 
 TABLE_COLUMNS = ["iteration", "weight_version", "reward_mean", "reward_std", "solved_fraction", "heldout_reward", "heldout_greedy_reward",
                  "kl_rollout_trainer_k3", "clip_fraction", "entropy", "grad_norm", "response_length_mean",
@@ -81,78 +82,104 @@ def _link_or_code(uri: str, text: str | None = None) -> str:
     return f"`{uri}`"
 
 
-def lineage_markdown(s, lineage: list, prep: dict) -> str:
+def _label(a: Artifact) -> str:
+    """What an artifact is, for the lineage table."""
+    if a.kind == "dcp":
+        if "manifest" in a.info:
+            return "checkpoint"
+        return "trainer state (QAT: MXFP4 routed experts)" if a.info.get("qat") else "trainer state"
+    return {"hf": "warmed-up policy" if a.produced_by == "warmup" else "source checkpoint",
+            "hf-mxfp4": f"rollout weights v{a.version} (MXFP4)", "report": "validation report",
+            "rollouts": "rollouts", "scored": "scored", "engine": f"engine weights v{a.version}"}.get(a.kind, a.kind)
+
+
+def lineage_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
     """The ``rl-lineage`` table: one row per artifact, oldest first."""
-    run_uri = ArtifactStore(s.artifacts).uri(f"runs/{s.run_id}")
-    base = [("source checkpoint", prep["checkpoint"]["uri"], prep["checkpoint"]["sha256"], "fetch_checkpoint",
-             [prep["checkpoint"]["source"]]),
-            ("validation report", prep["report"]["uri"], "", "validate_checkpoint", [prep["checkpoint"]["uri"]])]
-    if prep["policy"]["uri"] != prep["checkpoint"]["uri"]:
-        base.append(("warmed-up policy", prep["policy"]["uri"], prep["policy"]["sha256"], "warmup",
-                     [prep["checkpoint"]["uri"]]))
-    if prep["weights"]["uri"] != prep["policy"]["uri"]:
-        base.append(("rollout weights v0 (MXFP4)", prep["weights"]["uri"], prep["weights"]["sha256"],
-                     "quantize_mxfp4", [prep["policy"]["uri"]]))
-    md = [f"### run `{s.run_id}`: where every artifact came from", "",
+    run_uri = ArtifactStore(s.pipeline.artifacts).uri(f"runs/{s.pipeline.run_id}")
+    md = [f"### run `{s.pipeline.run_id}`: where every artifact came from", "",
           f"Paths are relative to the run's directory `{run_uri}`; sha256 is the content hash (a directory's "
           "over its sorted files). *produced by* names the task run (stage and iteration).", "",
           "| artifact | kind | sha256 | produced by | inputs |", "|---|---|---|---|---|"]
-    for kind, uri, sha, task, inputs in base + list(lineage):
+    for a in lineage:
+        inputs = a.inputs or ((a.info["source"],) if "source" in a.info else ())
         ins = "<br>".join(f"`{_rel(i, run_uri)}`" for i in inputs)
-        md.append(f"| `{_rel(uri, run_uri)}` | {kind} | {f'`{sha[:12]}`' if sha else '-'} | {task} | {ins} |")
+        sha = "" if a.kind == "report" else a.sha256
+        md.append(f"| `{_rel(a.uri, run_uri)}` | {_label(a)} | {f'`{sha[:12]}`' if sha else '-'} | {a.produced_by} | {ins} |")
     return "\n".join(md)
 
 
-def checkpoints_markdown(s, lineage: list, prep: dict) -> str:
+def checkpoints_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
     """The ``rl-checkpoints`` note: latest checkpoint, every iteration's checkpoint, validation report."""
-    store = ArtifactStore(s.artifacts)
-    root_uri, run_uri = store.uri("").rstrip("/"), store.uri(f"runs/{s.run_id}")
-    cks = [x for x in lineage if x[0] == "checkpoint"]
-    md = [f"### run `{s.run_id}`: checkpoints and reports", ""]
+    store = ArtifactStore(s.pipeline.artifacts)
+    run_id = s.pipeline.run_id
+    root_uri, run_uri = store.uri("").rstrip("/"), store.uri(f"runs/{run_id}")
+    cks = [a for a in lineage if a.kind == "dcp" and "manifest" in a.info]
+    report = next((a for a in lineage if a.kind == "report"), None)
+    md = [f"### run `{run_id}`: checkpoints and reports", ""]
     if cks:
-        md.append(f"- **latest checkpoint** (after {len(cks)} iterations): {_link_or_code(cks[-1][1])}")
-    md.append(f"- **validation report** of the source checkpoint: {_link_or_code(prep['report']['uri'])}")
-    md.append(f"- **summary of the run**: `k3rl status --run-id {s.run_id} --artifacts {root_uri}`")
+        md.append(f"- **latest checkpoint** (after {len(cks)} iterations): {_link_or_code(cks[-1].uri)}")
+    if report is not None:
+        md.append(f"- **validation report** of the source checkpoint: {_link_or_code(report.uri)}")
+    md.append(f"- **summary of the run**: `k3rl status --run-id {run_id} --artifacts {root_uri}`")
     if cks:
         md += ["", f"Every checkpoint (paths relative to the run's directory `{run_uri}`):", "",
                "| after iteration | checkpoint | manifest sha256 | produced by |", "|---|---|---|---|"]
-        for n, (_, uri, sha, task, _) in enumerate(cks, start=1):
-            rel = _rel(uri, run_uri)
-            md.append(f"| {n} | {_link_or_code(uri, rel) if uri.startswith('http') else f'`{rel}`'} | `{sha[:12]}` | {task} |")
+        for a in cks:
+            rel = _rel(a.uri, run_uri)
+            md.append(f"| {a.version} | {_link_or_code(a.uri, rel) if a.uri.startswith('http') else f'`{rel}`'} | "
+                      f"`{a.sha256[:12]}` | {a.produced_by} |")
     return "\n".join(md)
 
 
-def publish_iteration(s, history: list[dict], lineage: list, prep: dict, final: dict | None = None) -> None:
+def iteration_metrics(iteration: int, weights: Artifact, rollouts: Artifact, scored: Artifact, trained: Artifact,
+                      engine: Artifact, heldout: dict, mismatch: dict, seconds: dict[str, float]) -> dict:
+    """One row of the run's history: what the iteration's stages measured."""
+    return {"iteration": iteration, "weight_version": weights.version, "qat": trained.info["qat"], **scored.info,
+            **{k: v for k, v in trained.info["metrics"].items() if isinstance(v, (int, float))},
+            "rollout_tokens": rollouts.info["tokens"], "transfer_seconds": engine.info["seconds"],
+            **{k: v for k, v in heldout.items() if k.startswith("heldout")}, **mismatch,
+            **{f"seconds_{k}": v for k, v in seconds.items()}}
+
+
+def progress_line(n: int, total: int, m: dict) -> str:
+    return (f"[{n + 1}/{total}] reward {m['reward_mean']:.3f} solved {m['solved_fraction']:.2f} "
+            f"KL(rollout||trainer) {m.get('kl_rollout_trainer_k3', 0):.4f}"
+            + (f" held-out {m['heldout_reward']:.3f}" if "heldout_reward" in m else ""))
+
+
+def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact], final: dict | None = None) -> None:
     """Write ``metrics.json`` and the curves PNG beside the run's artifacts; inside a flow run, also
     publish the UI artifacts listed in the module docstring. ``history``: one metrics dict per
-    iteration done; ``lineage``: ``(kind, uri, sha256, task run name, input uris)`` rows;
-    ``final``: the run's summary (last publication only)."""
-    store = ArtifactStore(s.artifacts)
+    iteration done; ``lineage``: every artifact of the run so far, oldest first; ``final``: the run's
+    summary (last publication only)."""
+    store = ArtifactStore(s.pipeline.artifacts)
+    run_id = s.pipeline.run_id
     png = curves_png(history)
-    store.replace_text(f"runs/{s.run_id}/metrics.json", json.dumps(history, indent=1))
-    with store.publish(f"runs/{s.run_id}/curves-{len(history):04d}.png") as tmp:
+    store.replace_text(f"runs/{run_id}/metrics.json", json.dumps(history, indent=1))
+    with store.publish(f"runs/{run_id}/curves-{len(history):04d}.png") as tmp:
         tmp.write_bytes(png)
     if not _in_flow():
         return
     rows = [{c: (round(h[c], 5) if isinstance(h.get(c), float) else h.get(c, "")) for c in TABLE_COLUMNS}
             for h in history]
-    create_table_artifact(rows, key="rl-metrics", description=f"run {s.run_id}: one row per RL iteration")
-    create_markdown_artifact(lineage_markdown(s, lineage, prep), key="rl-lineage",
-                             description=f"run {s.run_id}: where every artifact came from")
+    create_table_artifact(rows, key="rl-metrics", description=f"run {run_id}: one row per RL iteration")
+    create_markdown_artifact(lineage_markdown(s, lineage), key="rl-lineage",
+                             description=f"run {run_id}: where every artifact came from")
     b64 = base64.b64encode(png).decode()
-    text = f"### run `{s.run_id}`: reward and KL\n\n![reward and KL curves](data:image/png;base64,{b64})\n"
+    text = f"### run `{run_id}`: reward and KL\n\n![reward and KL curves](data:image/png;base64,{b64})\n"
     if final:
         text += "\n" + "\n".join(f"- **{k}**: {v}" for k, v in final.items() if not isinstance(v, dict))
-    create_markdown_artifact(text, key="rl-curves", description=f"run {s.run_id}: reward / KL curves")
-    create_markdown_artifact(checkpoints_markdown(s, lineage, prep), key="rl-checkpoints",
-                             description=f"run {s.run_id}: checkpoints and validation report")
+    create_markdown_artifact(text, key="rl-curves", description=f"run {run_id}: reward / KL curves")
+    create_markdown_artifact(checkpoints_markdown(s, lineage), key="rl-checkpoints",
+                             description=f"run {run_id}: checkpoints and validation report")
     _publish_progress(s, len(history))
 
 
 def _publish_progress(s, done: int) -> None:
     run_id = FlowRunContext.get().flow_run.id
-    pct = 100.0 * done / max(s.iterations, 1)
-    desc = f"run {s.run_id}: {done} of {s.iterations} iterations"
+    total = s.pipeline.iterations
+    pct = 100.0 * done / max(total, 1)
+    desc = f"run {s.pipeline.run_id}: {done} of {total} iterations"
     if run_id not in _progress_ids:
         _progress_ids[run_id] = create_progress_artifact(pct, key="rl-progress", description=desc)
     else:
@@ -163,16 +190,16 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def summary(s, prep: dict, history: list[dict], final: dict, wall: float) -> dict:
+def summary(s: RLSettings, prepare_seconds: dict[str, float], history: list[dict], final: dict, wall: float) -> dict:
     ev = [h for h in history if "heldout_reward" in h]
     per_stage: dict[str, float] = {}
     for h in history:
         for k, v in h.items():
             if k.startswith("seconds_"):
                 per_stage[k[8:]] = per_stage.get(k[8:], 0.0) + v
-    per_stage.update({f"prepare_{k}": v for k, v in prep["seconds"].items()})
+    per_stage.update({f"prepare_{k}": v for k, v in prepare_seconds.items()})
     out = {
-        "run_id": s.run_id, "iterations": len(history), "env": s.env, "preset": s.preset,
+        "run_id": s.pipeline.run_id, "iterations": len(history), "env": s.pipeline.env, "preset": s.model.preset,
         "heldout_reward_start": ev[0]["heldout_reward"] if ev else None,
         "heldout_reward_end": final["heldout_reward"],
         "heldout_solved_start": ev[0]["heldout_solved"] if ev else None,
@@ -181,7 +208,7 @@ def summary(s, prep: dict, history: list[dict], final: dict, wall: float) -> dic
         "heldout_greedy_reward_end": final.get("heldout_greedy_reward"),
         "train_reward_first": history[0]["reward_mean"] if history else None,
         "train_reward_last": history[-1]["reward_mean"] if history else None,
-        "qat": bool(s.qat),
+        "qat": bool(s.grpo.qat),
         # train/inference mismatch per iteration (KL(trainer || W4A8 engine) / KL(trainer || bf16
         # engine)), median over the run; None when the rollouts were not quantised
         "mismatch_kl_ratio_median": _median([h["mismatch_kl_ratio"] for h in history
@@ -189,5 +216,5 @@ def summary(s, prep: dict, history: list[dict], final: dict, wall: float) -> dic
         "wall_seconds": wall,
         "seconds_per_stage": {k: round(v, 1) for k, v in per_stage.items()},
     }
-    ArtifactStore(s.artifacts).replace_text(f"runs/{s.run_id}/summary.json", json.dumps(out, indent=2))
+    ArtifactStore(s.pipeline.artifacts).replace_text(f"runs/{s.pipeline.run_id}/summary.json", json.dumps(out, indent=2))
     return out

@@ -111,5 +111,6 @@ def format_status(st: dict) -> str:
              f"  train reward (sampled): {_fmt_trend(st['train_reward'], 'iteration', iteration)}"]
     if st["settings"]:
         s = st["settings"]
-        lines.append("  settings: " + ", ".join(f"{k} {s[k]}" for k in ("preset", "env", "source") if k in s))
+        flat = {k: v for sec in s.values() if isinstance(sec, dict) for k, v in sec.items()} | s  # nested or flat
+        lines.append("  settings: " + ", ".join(f"{k} {flat[k]}" for k in ("preset", "env", "source") if k in flat))
     return "\n".join(lines)

@@ -15,7 +15,9 @@ import hashlib
 import os
 import shutil
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -163,6 +165,22 @@ class ArtifactStore:
         os.rename(tmp, local)
         return local
 
+    def publish_once(self, rel: str, build: Callable[[Path], None], is_dir: bool = False) -> Path:
+        """The local path of artifact ``rel``, built by ``build(tmp)`` and published atomically the
+        first time; later calls (a retried or re-run stage) find it and build nothing."""
+        if not self.exists(rel):
+            with self.publish(rel, is_dir=is_dir) as tmp:
+                build(tmp)
+        return self.open_local(rel)
+
+    def handle(self, rel: str, kind: str, version: int | None = None, inner: str = "", **info: Any) -> "Artifact":
+        """The ``Artifact`` for published ``rel`` (``inner``: the sub-path the consumer reads, e.g. the
+        checkpoint directory inside a published directory); sha256 of the file or the whole tree."""
+        local = self.open_local(rel)
+        path = local / inner if inner else local
+        sha = sha256_file(path) if path.is_file() else sha256_tree(path)
+        return Artifact(kind=kind, uri=self.uri(rel), path=str(path), sha256=sha, version=version, info=info)
+
     def write_text(self, rel: str, text: str) -> str:
         with self.publish(rel) as tmp:
             tmp.write_text(text)
@@ -185,3 +203,29 @@ class ArtifactStore:
         if self.is_local:
             return Path(self.base, rel).read_text()
         return self.fs.cat_file(self._remote(rel)).decode()
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """What stages hand each other: one published artifact.
+
+    ``kind``: ``hf`` (public-layout bf16 checkpoint), ``hf-mxfp4`` (routed experts MXFP4), ``dcp``
+    (a trainer state: model, optimizer, RNG, run metadata), ``rollouts``/``scored`` (Parquet tables),
+    ``report`` (JSON), ``engine`` (weights live in a rollout engine; ``uri`` is ``engine://run@vN``).
+    ``version``: the policy weight version the artifact holds or was produced at. ``path``: where a
+    consumer on this machine reads it. ``info``: small facts about it (row counts, metrics).
+    ``produced_by`` and ``inputs``: the task run that published it and the URIs it read (lineage)."""
+
+    kind: str
+    uri: str
+    path: str
+    sha256: str
+    version: int | None = None
+    info: dict = field(default_factory=dict, compare=False)
+    produced_by: str = ""
+    inputs: tuple[str, ...] = ()
+
+    def with_version(self, version: int | None) -> "Artifact":
+        from dataclasses import replace
+
+        return replace(self, version=version)

@@ -6,12 +6,23 @@
   (not keyed on the flow run id), so a re-run of a run id skips every finished stage.
 - Lineage: each stage runs as a Prefect ``MaterializingTask`` whose assets are the URIs it publishes
   and whose ``asset_deps`` are the URIs it read, so the Event Feed records checkpoint -> weights ->
-  rollouts -> scores -> checkpoint.
+  rollouts -> scores -> checkpoint. The ``Artifact`` a stage returns is stamped with the same facts
+  (``produced_by``, ``inputs``) for the run's lineage report.
+- Declaration: ``@stage(...)`` on the stage body, in its own module, says all of the above once (task
+  run name, published and read URIs as functions of the arguments, extra Prefect options); the flow
+  then calls the stage like a function. ``stage_timings()`` collects each call's wall time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import inspect
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,9 +30,12 @@ from prefect import Task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 from prefect.tasks import MaterializingTask, exponential_backoff
 
+from k3core.artifacts import Artifact, ArtifactStore
 from k3core.checkpoint.validate import CheckpointValidationError
+from k3core.settings import SettingsError
 
-NON_RETRYABLE = (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, CheckpointValidationError)
+NON_RETRYABLE = (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, CheckpointValidationError,
+                 SettingsError)
 RETRIES = int(os.environ.get("K3RL_TASK_RETRIES", "2"))
 
 
@@ -63,12 +77,94 @@ def result_root_for(artifact_root: str) -> str | None:
     return None
 
 
-def stage(fn: Callable, *, name: str, artifact_root: str, outputs: list[str], inputs: list[str] = (),
-          **extra: Any) -> Task:
-    """Wrap a stage body as a task named ``name`` (e.g. ``rollout-iter3``) that materializes the
-    asset URIs ``outputs`` from ``inputs``."""
-    opts = stage_options(result_root_for(artifact_root))
-    opts.update(extra)
-    opts.setdefault("task_run_name", name)
-    opts.setdefault("name", name.split("-iter")[0])
-    return MaterializingTask(fn=fn, assets=list(outputs), asset_deps=list(inputs) or None, **opts)
+@dataclass(frozen=True)
+class Run:
+    """A run's identity, fixed for its whole life: where its artifacts live, its id, its environment
+    and its seed. Every stage takes it first; the artifact layout under ``runs/<run_id>/`` is here."""
+
+    artifacts: str
+    run_id: str
+    env: str = "reverse"
+    seed: int = 0
+
+    @property
+    def store(self) -> ArtifactStore:
+        return ArtifactStore(self.artifacts)
+
+    def rel(self, *parts: str) -> str:
+        return "/".join(("runs", self.run_id, *parts))
+
+    def iter_rel(self, iteration: int, name: str) -> str:
+        return self.rel(f"iter-{iteration:04d}", name)
+
+    def checkpoint_rel(self, version: int) -> str:
+        return self.rel("checkpoints", f"iter-{version:04d}")
+
+    def uri(self, rel: str) -> str:
+        return self.store.uri(rel)
+
+
+_timings: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("k3rl_stage_timings", default=None)
+
+
+@contextlib.contextmanager
+def stage_timings():
+    """Collect ``{stage key: seconds}`` of every stage called inside the block (cache hits included:
+    a resumed stage costs what its lookup cost)."""
+    seconds: dict[str, float] = {}
+    token = _timings.set(seconds)
+    try:
+        yield seconds
+    finally:
+        _timings.reset(token)
+
+
+class Stage:
+    """A stage body with its Prefect declaration; calling it runs the body as a task in the current
+    flow (or standalone). ``.fn`` is the bare body (tests call it without Prefect)."""
+
+    def __init__(self, fn: Callable, *, run_name: str, key: str, outputs: Callable[..., list[str]] | None,
+                 inputs: Callable[..., list[str]] | None, options: dict[str, Any]):
+        self.fn, self.run_name, self.key = fn, run_name, key
+        self.outputs, self.inputs, self.options = outputs, inputs, options
+        self.signature = inspect.signature(fn)
+        functools.update_wrapper(self, fn)
+
+    def task(self, *args: Any, **kwargs: Any) -> tuple[Task, str, list[str]]:
+        """The Prefect task for one call: (task, task run name, input URIs)."""
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        run: Run = a["run"]
+        outputs = list(self.outputs(**a)) if self.outputs else []
+        inputs = [u for u in (self.inputs(**a) if self.inputs else []) if u]
+        name = self.run_name.format(**a)
+        opts = stage_options(result_root_for(run.artifacts))
+        opts.update(self.options)
+        task = MaterializingTask(fn=self.fn, name=self.fn.__name__, task_run_name=name, assets=outputs,
+                                 asset_deps=inputs or None, **opts)
+        return task, name, inputs
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        task, name, inputs = self.task(*args, **kwargs)
+        t0 = time.perf_counter()
+        out = task(*args, **kwargs)
+        seconds = _timings.get()
+        if seconds is not None:
+            seconds[self.key] = seconds.get(self.key, 0.0) + time.perf_counter() - t0
+        if isinstance(out, Artifact):
+            out = dataclasses.replace(out, produced_by=name, inputs=tuple(inputs))
+        return out
+
+
+def stage(*, run_name: str, key: str | None = None, outputs: Callable[..., list[str]] | None = None,
+          inputs: Callable[..., list[str]] | None = None, **options: Any) -> Callable[[Callable], Stage]:
+    """Declare a stage. ``run_name``: the task run name, formatted with the call's arguments
+    (``"rollout-iter{iteration}"``); ``key``: its name in the per-iteration timings (default: the
+    function name); ``outputs``/``inputs``: the URIs it publishes / reads, as functions of the call's
+    arguments (keyword); ``options``: Prefect task options over ``stage_options``."""
+
+    def wrap(fn: Callable) -> Stage:
+        return Stage(fn, run_name=run_name, key=key or fn.__name__, outputs=outputs, inputs=inputs, options=options)
+
+    return wrap

@@ -1,27 +1,33 @@
-"""Held-out evaluation at one weight version: sampled (the RL objective) and greedy reward on
-prompts training never sees. Generation goes through ``RolloutClient``, as the rollout stage's: the
-embedded engine (``rollout_url="local"``) or the rollout server at a URL, pushed the weights when it
-serves another version; every completion must carry ``weights['version']`` or the evaluation is
+"""evaluate: held-out evaluation at one weight version, sampled (the RL objective) and greedy reward
+on prompts training never sees. Generation goes through ``RolloutClient``, as the rollout stage's:
+the embedded engine (``url="local"``) or the rollout server at a URL, pushed the weights when it
+serves another version; every completion must carry ``weights.version`` or the evaluation is
 refused (``WeightVersionMismatch``)."""
 
 from __future__ import annotations
 
+from k3core.artifacts import Artifact
+from k3core.settings import RolloutSettings
+from tasks.common import Run, stage
 
-def evaluate(run_id: str, weights: dict, env_spec: str, n_prompts: int, max_new_tokens: int, seed: int,
-             temperature: float = 1.0, rollout_url: str = "local") -> dict:
+
+@stage(run_name="evaluate-{label}", inputs=lambda weights, **_: [weights.uri])
+def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: RolloutSettings) -> dict:
+    """``label``: names the task run (``iter5``, ``final``); ``rollout``: the engine URL, the
+    completion length and the sampling temperature of the run's rollouts."""
     from k3core.config import K3Config
     from k3core.rl.data import heldout_prompts
     from k3core.rl.envs import load_env
-    from k3core.rl.stages import evaluate as run_eval
+    from k3core.rl.evaluate import evaluate as run_eval
     from k3core.tokenizer import ByteTokenizer
     from tasks.rollout import rollout_client
 
-    client = rollout_client(run_id, weights, rollout_url)
+    client = rollout_client(run.run_id, weights, rollout.url)
     client.routing = False  # rewards need tokens only (a real SGLang returns routing only when enabled)
-    tok = ByteTokenizer(K3Config.from_json_file(f"{weights['path']}/config.json"))
-    env = load_env(env_spec)
-    prompts = heldout_prompts(env, seed, n_prompts, env_spec)
-    out = run_eval(client, tok, env, env_spec, prompts, max_new_tokens, temperature, seed=seed,
-                   expected_version=weights["version"])
-    out["version"] = weights["version"]
+    tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
+    env = load_env(run.env)
+    prompts = heldout_prompts(env, run.seed, n_prompts, run.env)
+    out = run_eval(client, tok, env, run.env, prompts, rollout.max_new_tokens, rollout.temperature, seed=run.seed,
+                   expected_version=weights.version)
+    out["version"] = weights.version
     return out

@@ -1,20 +1,25 @@
-"""Stage 3, quantize_mxfp4: routed-expert weights to MXFP4 in the release layout (the rollout
-engine's weights); everything else stays bf16/fp32 as the release declares."""
+"""quantize_mxfp4: routed-expert weights to MXFP4 in the release layout (the rollout engine's
+weights, version 0); everything else stays bf16/fp32 as the release declares."""
 
 from __future__ import annotations
 
-from k3core.artifacts import ArtifactStore, sha256_tree
+from k3core.artifacts import Artifact
+from tasks.common import Run, stage
 
 
-def quantize_mxfp4(policy: dict, artifact_root: str, rel: str) -> dict:
+def _rel(run: Run) -> str:
+    return run.rel("rollout-weights-v0")
+
+
+@stage(run_name="quantize_mxfp4", key="quantize", outputs=lambda run, **_: [run.uri(_rel(run))],
+       inputs=lambda policy, **_: [policy.uri])
+def quantize_mxfp4(run: Run, policy: Artifact) -> Artifact:
     from k3core.checkpoint.hf import save_hf
-    from k3core.rl.stages import load_policy
+    from k3core.rl.weights import load_policy
 
-    store = ArtifactStore(artifact_root)
-    if not store.exists(rel):
-        model = load_policy(policy["path"])
-        with store.publish(rel, is_dir=True) as tmp:
-            save_hf(model, tmp / "ckpt", model.config, target="mxfp4")
-    local = store.open_local(rel) / "ckpt"
-    return {"uri": store.uri(rel), "path": str(local), "sha256": sha256_tree(local), "kind": "hf-mxfp4",
-            "version": policy.get("version", 0)}
+    def build(tmp):
+        model = load_policy(policy.path)
+        save_hf(model, tmp / "ckpt", model.config, target="mxfp4")
+
+    run.store.publish_once(_rel(run), build, is_dir=True)
+    return run.store.handle(_rel(run), "hf-mxfp4", version=policy.version, inner="ckpt")

@@ -1,4 +1,4 @@
-"""Stage 8, save_checkpoint: commit a trained state as the run's checkpoint for that iteration: the
+"""save_checkpoint: commit a trained state as the run's checkpoint for that weight version: the
 files (hard-linked where possible), a manifest of their sha256, then the ``latest`` pointer, last."""
 
 from __future__ import annotations
@@ -8,28 +8,35 @@ import os
 import shutil
 from pathlib import Path
 
-from k3core.artifacts import ArtifactStore, sha256_file
+from k3core.artifacts import Artifact, sha256_file
+from tasks.common import Run, stage
 
 
-def save_checkpoint(trained: dict, run_id: str, iteration: int, artifact_root: str, rel: str, latest_rel: str) -> dict:
-    store = ArtifactStore(artifact_root)
-    src = Path(trained["path"])
-    if not store.exists(rel):
-        with store.publish(rel, is_dir=True) as tmp:
-            files = {}
-            for p in sorted(x for x in src.rglob("*") if x.is_file()):
-                dst = tmp / "state" / p.relative_to(src)
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    os.link(p, dst)
-                except OSError:
-                    shutil.copy2(p, dst)
-                files[str(p.relative_to(src))] = sha256_file(dst)
-            manifest = {"run_id": run_id, "iteration": iteration, "version": trained["version"],
-                        "trained_from": trained["uri"], "files": files}
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    local = store.open_local(rel)
-    pointer = {"run_id": run_id, "iteration": iteration, "checkpoint": store.uri(rel), "version": trained["version"]}
-    store.replace_text(latest_rel, json.dumps(pointer, indent=2))  # last: a crash before this keeps the old latest
-    return {"uri": store.uri(rel), "path": str(local / "state"), "kind": "dcp", "version": trained["version"],
-            "manifest": store.uri(f"{rel}/manifest.json"), "sha256": sha256_file(local / "manifest.json")}
+@stage(run_name="save_checkpoint-iter{iteration}", key="save",
+       outputs=lambda run, trained, **_: [run.uri(run.checkpoint_rel(trained.version))],
+       inputs=lambda trained, **_: [trained.uri])
+def save_checkpoint(run: Run, iteration: int, trained: Artifact) -> Artifact:
+    """The checkpoint of ``trained`` (weight version ``trained.version``, after iteration ``iteration``)."""
+    store, rel = run.store, run.checkpoint_rel(trained.version)
+    src = Path(trained.path)
+
+    def build(tmp):
+        files = {}
+        for p in sorted(x for x in src.rglob("*") if x.is_file()):
+            dst = tmp / "state" / p.relative_to(src)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(p, dst)
+            except OSError:
+                shutil.copy2(p, dst)
+            files[str(p.relative_to(src))] = sha256_file(dst)
+        manifest = {"run_id": run.run_id, "iteration": trained.version, "version": trained.version,
+                    "trained_from": trained.uri, "files": files}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+    local = store.publish_once(rel, build, is_dir=True)
+    pointer = {"run_id": run.run_id, "iteration": trained.version, "checkpoint": store.uri(rel),
+               "version": trained.version}
+    store.replace_text(run.rel("latest.json"), json.dumps(pointer, indent=2))  # last: a crash before keeps the old
+    return Artifact(kind="dcp", uri=store.uri(rel), path=str(local / "state"), sha256=sha256_file(local / "manifest.json"),
+                    version=trained.version, info={"manifest": store.uri(f"{rel}/manifest.json")})

@@ -1,21 +1,24 @@
-"""Stage 5, score_rewards: the environment's exact rewards and GRPO group-normalised advantages,
-written as Parquet. A reward that is NaN, out of [0, 1] or raises fails the stage (not retried)."""
+"""score_rewards: the environment's exact rewards and GRPO group-normalised advantages, written as
+Parquet. A reward that is NaN, out of [0, 1] or raises fails the stage (not retried)."""
 
 from __future__ import annotations
 
 import pyarrow.parquet as pq
 
-from k3core.artifacts import ArtifactStore, sha256_file
+from k3core.artifacts import Artifact
+from tasks.common import Run, stage
 
 
-def score_rewards(rollouts: dict, env_spec: str, group_size: int, artifact_root: str, rel: str) -> dict:
+def _rel(run: Run, iteration: int) -> str:
+    return run.iter_rel(iteration, "scored.parquet")
+
+
+@stage(run_name="score_rewards-iter{iteration}", key="score",
+       outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))], inputs=lambda rollouts, **_: [rollouts.uri])
+def score_rewards(run: Run, iteration: int, rollouts: Artifact, group_size: int) -> Artifact:
     from k3core.rl.envs import load_env
-    from k3core.rl.stages import score_table
+    from k3core.rl.tables import score_table
 
-    store = ArtifactStore(artifact_root)
-    table, stats = score_table(pq.read_table(rollouts["path"]), load_env(env_spec), env_spec, group_size)
-    if not store.exists(rel):
-        with store.publish(rel) as tmp:
-            pq.write_table(table, tmp)
-    path = store.open_local(rel)
-    return {"uri": store.uri(rel), "path": str(path), "sha256": sha256_file(path), "stats": stats}
+    table, stats = score_table(pq.read_table(rollouts.path), load_env(run.env), run.env, group_size)
+    run.store.publish_once(_rel(run, iteration), lambda tmp: pq.write_table(table, tmp))
+    return run.store.handle(_rel(run, iteration), "scored", version=rollouts.version, **stats)

@@ -1,5 +1,5 @@
-"""Stage 2, validate_checkpoint: fail-closed structure and hash audit; a JSON report published only
-when everything passes (a failure raises and is not retried)."""
+"""validate_checkpoint: fail-closed structure and hash audit; a JSON report published only when
+everything passes (a failure raises and is not retried)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,23 @@ import json
 
 from prefect import get_run_logger
 
-from k3core.artifacts import ArtifactStore
+from k3core.artifacts import Artifact
+from tasks.common import Run, stage
 
 
-def validate_checkpoint(ckpt: dict, artifact_root: str, rel: str, preset: str | None = None) -> dict:
+def _rel(run: Run) -> str:
+    return run.rel("source.validation.json")
+
+
+@stage(run_name="validate_checkpoint", key="validate", outputs=lambda run, **_: [run.uri(_rel(run))],
+       inputs=lambda checkpoint, **_: [checkpoint.uri])
+def validate_checkpoint(run: Run, checkpoint: Artifact, preset: str | None = None) -> Artifact:
     from k3core.checkpoint.validate import validate_checkpoint as validate
     from k3core.config import K3Config
 
-    store = ArtifactStore(artifact_root)
     config = K3Config.preset(preset) if preset else None
-    report = validate(ckpt["path"], config=config)
+    report = validate(checkpoint.path, config=config)
     report = report if isinstance(report, dict) else report.to_dict()
-    store.write_text(rel, json.dumps(report, indent=2, default=str))
+    run.store.write_text(_rel(run), json.dumps(report, indent=2, default=str))
     get_run_logger().info(f"checkpoint valid: {report.get('tensors', report.get('counts', ''))}")
-    return {"uri": store.uri(rel), "ok": True, "checkpoint_sha256": ckpt["sha256"]}
+    return run.store.handle(_rel(run), "report", checkpoint_sha256=checkpoint.sha256)

@@ -12,10 +12,12 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
+import pyarrow as pa
 import torch
 
 from k3core.model import K3ForCausalLM
 from k3core.rl.grpo import grpo_loss, masked_entropy
+from k3core.settings import GRPOSettings
 
 
 @dataclass
@@ -34,6 +36,8 @@ def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = Fal
     full = [s.prompt_ids + s.output_ids for s in seqs]
     if any(len(s.output_ids) == 0 for s in seqs):
         raise ValueError("a sequence has an empty completion: nothing to train on for it")
+    if any(len(s.prompt_ids) == 0 for s in seqs):  # no position would predict the first generated token
+        raise ValueError("a sequence has an empty prompt: it needs at least one token (BOS) before the completion")
     L = max(len(f) for f in full) - 1
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     tgt = torch.zeros(B, L, dtype=torch.long)
@@ -55,7 +59,10 @@ def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = Fal
             lp_roll[b, p - 1:n] = torch.tensor(s.rollout_logprobs)
         adv[b] = s.advantage
     if with_routing:
-        k_shape = seqs[0].routing.shape[1:]
+        first = next((s.routing for s in seqs if s.routing is not None), None)
+        if first is None:
+            raise ValueError("routing replay: no sequence carries routing (rollouts must record the experts they used)")
+        k_shape = first.shape[1:]
         routing = torch.arange(k_shape[1]).expand(B, L, *k_shape).clone()
         for b, (s, f) in enumerate(zip(seqs, full)):
             n = len(f) - 1
@@ -67,18 +74,8 @@ def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = Fal
             "advantages": adv, "routing": routing}
 
 
-@dataclass
-class GRPOConfig:
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.28
-    tis_cap: float | None = 2.0
-    max_grad_norm: float = 1.0
-    routing_replay: bool = True
-    temperature: float = 1.0
-
-
 def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs: list[RLSequence],
-                    cfg: GRPOConfig, pad_id: int) -> dict:
+                    cfg: GRPOSettings, pad_id: int, temperature: float = 1.0) -> dict:
     """One optimizer step on a batch. The first (only) update is on-policy, so ``logp_old`` is the
     detached current ``logp``; TIS corrects the rollout engine's mismatch."""
     t0 = time.perf_counter()
@@ -88,7 +85,7 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
     model.use_inference_caches = False
     out = model(batch["input_ids"].to(dev), batch["valid"].to(dev),
                 forced_routing=None if batch["routing"] is None else batch["routing"].to(dev))
-    logits = out.logits.float() / cfg.temperature
+    logits = out.logits.float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"].to(dev).unsqueeze(-1)).squeeze(-1)
     mask = batch["gen_mask"].to(dev)
     loss, st = grpo_loss(logp, logp.detach(), batch["rollout_logprobs"].to(dev), batch["advantages"].to(dev),
@@ -121,3 +118,25 @@ def sft_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs: list[
     gn = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm))
     optimizer.step()
     return {"loss": float(out.loss), "grad_norm": gn}
+
+
+def table_to_sequences(table: pa.Table, n_moe: int, top_k: int) -> list[RLSequence]:
+    seqs = []
+    for r in table.to_pylist():
+        routing = torch.tensor(r["routing"], dtype=torch.int16).view(-1, n_moe, top_k) if n_moe else None
+        seqs.append(RLSequence(r["prompt_ids"], r["output_ids"], r["logprobs"], r["advantage"], routing))
+    return seqs
+
+
+def train_on_table(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, table: pa.Table, cfg: GRPOSettings,
+                   pad_id: int, temperature: float = 1.0) -> dict:
+    """One GRPO step over the whole scored batch (sequences with zero advantage carry no signal and
+    are skipped; a batch where every group is uniform is a no-op step)."""
+    n_moe, k = len(model.moe_layer_ids), model.config.num_experts_per_token
+    seqs = [s for s in table_to_sequences(table, n_moe, k) if s.advantage != 0.0]
+    if not seqs:
+        return {"skipped": 1.0, "sequences": 0}
+    m = grpo_train_step(model, optimizer, seqs, cfg, pad_id, temperature)
+    m["sequences"] = len(seqs)
+    m["skipped"] = 0.0
+    return m

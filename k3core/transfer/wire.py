@@ -6,7 +6,7 @@ entry of each (JSON), the bucket and content digests, and the ``TransferReport``
 Does not own: moving bytes (``shm.py``, ``inprocess.py``, ``disk.py``), checking a payload
 (``receive.py``).
 
-Expert modes (``quantize_experts``, ``w4a8``), as ``k3core.rl.stages.engine_state``:
+Expert modes (``quantize_experts``, ``w4a8``), as ``k3core.rl.weights.engine_state``:
 - ``quantize_experts=False``: every native tensor as it is.
 - ``quantize_experts=True, w4a8=True`` (the W4A8 engine, the default): each routed-expert stack
   ``...experts.w13`` / ``w2`` ``[E, out, in]`` travels as the engine's own uint8 buffers
@@ -42,7 +42,7 @@ from typing import Iterator, Mapping
 import torch
 
 __all__ = ["TransferError", "FORMAT", "ALIGN", "DEFAULT_BUCKET_BYTES", "ROUTED_EXPERT_SUFFIXES", "DTYPES",
-           "dtype_name", "parse_dtype", "WireItem", "iter_wire", "wire_nbytes", "decode_item", "item_digest",
+           "holds_packed_experts", "dtype_name", "parse_dtype", "WireItem", "iter_wire", "wire_nbytes", "decode_item", "item_digest",
            "bucket_digest", "content_sha256", "TransferReport", "align_up"]
 
 FORMAT = "k3rl.weights/1"
@@ -99,6 +99,13 @@ class WireItem:
 
 def _is_expert(name: str) -> bool:
     return name.endswith(ROUTED_EXPERT_SUFFIXES)
+
+
+def holds_packed_experts(names) -> bool:
+    """Whether a receiver's tensor ``names`` hold routed experts as MXFP4 bytes (``..._packed`` and
+    ``..._scale`` uint8 buffers: a W4A8 or weight-only MXFP4 engine) rather than float weights. Read
+    from the names, so the transfer needs nothing of the engine but its tensors."""
+    return any(n.endswith(s + "_packed") for n in names for s in ROUTED_EXPERT_SUFFIXES)
 
 
 def iter_wire(named_tensors: Mapping[str, torch.Tensor], quantize_experts: bool = False,

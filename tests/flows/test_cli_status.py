@@ -6,6 +6,7 @@ checkpoints). No Prefect server, no model: a few seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from flows import reports
 from flows.cli import build_parser, main
 from flows.pipeline import RLSettings
 from flows.status import run_status
+from k3core.artifacts import Artifact
+from tasks.common import Run
 from tasks.save import save_checkpoint
 
 # held-out evaluations at iterations 0 and 2 (eval_every 2); the final evaluation (summary.json)
@@ -31,24 +34,24 @@ FINAL = {"heldout_reward": 0.45, "heldout_solved": 0.1, "heldout_greedy_reward":
 
 def _fake_run(root: Path, run_id: str, done: int, finished: bool) -> dict:
     """A run's artifacts as the pipeline writes them, after ``done`` iterations."""
-    s = RLSettings(artifacts=str(root), run_id=run_id, iterations=len(HISTORY))
+    s = RLSettings.from_dict(dict(artifacts=str(root), run_id=run_id, iterations=len(HISTORY)))
     uri = f"file://{root}/runs/{run_id}"
-    prep = {"checkpoint": {"uri": f"{uri}/source", "sha256": "a" * 64, "source": "init:tiny:0"},
-            "report": {"uri": f"{uri}/source.validation.json"},
-            "policy": {"uri": f"{uri}/warmup", "sha256": "b" * 64},
-            "weights": {"uri": f"{uri}/rollout-weights-v0", "sha256": "c" * 64},
-            "seconds": {"fetch": 1.0}}
-    lineage = []
+    prep = [Artifact("hf", f"{uri}/source", "", "a" * 64, 0, {"source": "init:tiny:0"}, "fetch_checkpoint"),
+            Artifact("report", f"{uri}/source.validation.json", "", "d" * 64, None, {}, "validate_checkpoint"),
+            Artifact("hf", f"{uri}/warmup", "", "b" * 64, 0, {}, "warmup", (f"{uri}/source",)),
+            Artifact("hf-mxfp4", f"{uri}/rollout-weights-v0", "", "c" * 64, 0, {}, "quantize_mxfp4")]
+    lineage = list(prep)
+    run = Run(str(root), run_id)
     for n in range(done):
         state = root / "trained" / f"v{n + 1}"
         state.mkdir(parents=True)
         (state / "model.bin").write_bytes(bytes([n]) * 16)
-        ck = save_checkpoint({"path": str(state), "version": n + 1, "uri": f"file://{state}"}, run_id, n + 1,
-                             str(root), f"runs/{run_id}/checkpoints/iter-{n + 1:04d}", f"runs/{run_id}/latest.json")
-        lineage.append(("checkpoint", ck["uri"], ck["sha256"], f"save_checkpoint-iter{n}", [f"{uri}/iter-{n:04d}/trainer"]))
-        reports.publish_iteration(s, HISTORY[: n + 1], lineage, prep)
+        trained = Artifact("dcp", f"{uri}/iter-{n:04d}/trainer", str(state), "e" * 64, n + 1)
+        ck = save_checkpoint.fn(run, n, trained)
+        lineage.append(dataclasses.replace(ck, produced_by=f"save_checkpoint-iter{n}", inputs=(trained.uri,)))
+        reports.publish_iteration(s, HISTORY[: n + 1], lineage)
     if finished:
-        reports.summary(s, prep, HISTORY[:done], FINAL, wall=12.5)
+        reports.summary(s, {"fetch": 1.0}, HISTORY[:done], FINAL, wall=12.5)
     return {"settings": s, "prep": prep, "lineage": lineage}
 
 
@@ -120,7 +123,16 @@ def test_model_info_json_matches_the_library(capsys):
 def test_bad_input_exits_2_before_any_work(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("k3rl: error:") and len(err.strip().splitlines()) == 1
+    assert err.startswith("k3rl: error:") and "Traceback" not in err and len(err.strip().splitlines()) <= 2
+
+
+def test_every_bad_setting_is_listed_in_one_error(capsys):
+    argv = ["run", "--preset", "nope", "--iterations", "-1", "--top-p", "2", "--run-id", "../x", "--lr", "-1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3rl: error: invalid settings (5 problems):")
+    for flag in ("--preset", "--iterations", "--top-p", "--run-id", "--lr"):
+        assert f"  - {flag}" in err, flag
 
 
 def test_usage_errors_exit_2():
@@ -145,17 +157,18 @@ def test_every_subcommand_help_shows_examples():
 def test_lineage_and_checkpoint_markdown(tmp_path):
     run = _fake_run(tmp_path, "r4", done=2, finished=False)
     s, prep, lineage = run["settings"], run["prep"], run["lineage"]
-    md = reports.lineage_markdown(s, lineage, prep)
+    md = reports.lineage_markdown(s, lineage)
     rows = [line for line in md.splitlines() if line.startswith("| `")]
-    assert len(rows) == 4 + len(lineage)  # source, validation report, warm-up, MXFP4 weights, then the run's
+    assert len(rows) == len(lineage) == len(prep) + 2  # source, validation report, warm-up, MXFP4 weights, then the run's
     assert f"`file://{tmp_path}/runs/r4`" in md  # the run directory, named once
     assert rows[0] == f"| `source` | source checkpoint | `{'a' * 12}` | fetch_checkpoint | `init:tiny:0` |"
     assert rows[1].startswith("| `source.validation.json` | validation report | - |")
     ck2 = lineage[-1]
-    assert f"| `checkpoints/iter-0002` | checkpoint | `{ck2[2][:12]}` | save_checkpoint-iter1 | `iter-0001/trainer` |" in rows
-    cmd = reports.checkpoints_markdown(s, lineage, prep)
-    assert f"**latest checkpoint** (after 2 iterations): `{ck2[1]}`" in cmd
-    assert f"| 2 | `checkpoints/iter-0002` | `{ck2[2][:12]}` | save_checkpoint-iter1 |" in cmd
+    assert rows[2] == f"| `warmup` | warmed-up policy | `{'b' * 12}` | warmup | `source` |"
+    assert f"| `checkpoints/iter-0002` | checkpoint | `{ck2.sha256[:12]}` | save_checkpoint-iter1 | `iter-0001/trainer` |" in rows
+    cmd = reports.checkpoints_markdown(s, lineage)
+    assert f"**latest checkpoint** (after 2 iterations): `{ck2.uri}`" in cmd
+    assert f"| 2 | `checkpoints/iter-0002` | `{ck2.sha256[:12]}` | save_checkpoint-iter1 |" in cmd
     assert "](" not in cmd  # file:// URIs are shown as text: the UI would strip such links
 
 

@@ -16,8 +16,15 @@ import pytest
 import torch
 
 from flows.deploy import PROJECT_ROOT
+from tasks.common import Run
 
 SPEC = "uppercase_env:make_env"
+
+
+def _rollouts(path):
+    from k3core.artifacts import Artifact
+
+    return Artifact("rollouts", path.as_uri(), str(path), "x", version=0)
 
 
 @pytest.fixture
@@ -55,7 +62,8 @@ def test_documented_env_through_rollout_and_the_scoring_stage(env_module, tmp_pa
     from k3core.model import K3ForCausalLM
     from k3core.rl.data import heldout_prompts, is_heldout, training_prompts
     from k3core.rl.envs import load_env
-    from k3core.rl.stages import engine_from_model, rollout_table
+    from k3core.rl.tables import rollout_table
+    from k3core.rl.weights import engine_from_model
     from k3core.rollout.engine import SamplingParams
     from k3core.tokenizer import ByteTokenizer
     from tasks.score import score_rewards
@@ -76,8 +84,8 @@ def test_documented_env_through_rollout_and_the_scoring_stage(env_module, tmp_pa
     path = tmp_path / "rollouts.parquet"
     pq.write_table(table, path)
 
-    out = score_rewards({"path": str(path)}, SPEC, group, str(tmp_path / "artifacts"), "scored.parquet")
-    scored = pq.read_table(out["path"]).to_pylist()
+    out = score_rewards.fn(Run(str(tmp_path / "artifacts"), "c", env=SPEC), 0, _rollouts(path), group)
+    scored = pq.read_table(out.path).to_pylist()
     assert len(scored) == len(train) * group
     want = torch.tensor([env.reward(r["prompt"], r["completion"]) for r in scored])
     got = torch.tensor([r["reward"] for r in scored])
@@ -85,7 +93,7 @@ def test_documented_env_through_rollout_and_the_scoring_stage(env_module, tmp_pa
     adv = torch.tensor([r["advantage"] for r in scored]).view(-1, group)
     g = want.float().view(-1, group)
     torch.testing.assert_close(adv, (g - g.mean(1, keepdim=True)) / (g.std(1, unbiased=False, keepdim=True) + 1e-6))
-    assert out["stats"]["reward_mean"] == pytest.approx(float(want.mean()))
+    assert out.info["reward_mean"] == pytest.approx(float(want.mean()))
 
 
 def test_a_reward_outside_0_1_fails_scoring_with_the_prompt(env_module, tmp_path, monkeypatch):
@@ -104,4 +112,4 @@ def test_a_reward_outside_0_1_fails_scoring_with_the_prompt(env_module, tmp_path
     path = tmp_path / "rollouts.parquet"
     pq.write_table(pa.table(rows, schema=ROLLOUT_SCHEMA), path)
     with pytest.raises(ValueError, match=r"uppercase_env:make_env.*reward 2\.0 for prompt 'up:cab='"):
-        score_rewards({"path": str(path)}, SPEC, 2, str(tmp_path / "artifacts"), "scored.parquet")
+        score_rewards.fn(Run(str(tmp_path / "artifacts"), "c", env=SPEC), 0, _rollouts(path), 2)

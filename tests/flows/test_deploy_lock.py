@@ -86,16 +86,17 @@ def test_racing_processes_never_hold_the_run_at_once(tmp_path):
 def test_continued_run_keeps_its_recorded_settings(tmp_path):
     root = str(tmp_path)
     assert iterations_done(root, "r") == 0
-    first = RLSettings(preset="tiny", source="init:tiny:0", prompts_per_iteration=2)
+    first = RLSettings.from_dict(dict(preset="tiny", source="init:tiny:0", prompts_per_iteration=2))
     s, warn = resolve_settings("r", root, first)
-    assert (s.preset, s.prompts_per_iteration, s.run_id, s.artifacts) == ("tiny", 2, "r", root)
+    assert (s.model.preset, s.rollout.prompts_per_iteration, s.pipeline.run_id, s.pipeline.artifacts) == (
+        "tiny", 2, "r", root)
     assert warn == []
     recorded = json.loads((tmp_path / "runs" / "r" / "settings.json").read_text())
-    assert recorded["prompts_per_iteration"] == 2
+    assert recorded["rollout"]["prompts_per_iteration"] == 2
     # a later tick with other settings continues with the recorded ones and says so
-    s2, warn2 = resolve_settings("r", root, dataclasses.replace(first, prompts_per_iteration=8, iterations=99))
-    assert s2.prompts_per_iteration == 2
-    assert len(warn2) == 1 and "prompts_per_iteration=8" in warn2[0] and "iterations" not in warn2[0]
+    s2, warn2 = resolve_settings("r", root, first.replace(prompts_per_iteration=8, iterations=99))
+    assert s2.rollout.prompts_per_iteration == 2
+    assert len(warn2) == 1 and "rollout.prompts_per_iteration=8" in warn2[0] and "iterations" not in warn2[0]
     (tmp_path / "runs" / "r" / "latest.json").write_text(json.dumps({"run_id": "r", "iteration": 3}))
     assert iterations_done(root, "r") == 3
 
@@ -114,7 +115,7 @@ def test_prefect_yaml_deployments_load_and_validate():
         settings = params["settings"]
         # (a flow loaded from its file has its own copy of the RLSettings class)
         assert dataclasses.is_dataclass(settings) and type(settings).__name__ == "RLSettings"
-        assert settings.preset == "small" and settings.iterations == 40
+        assert settings.model.preset == "small" and settings.pipeline.iterations == 40
         assert d["work_pool"]["name"] == "k3rl-local"
     cont = by_name["rl-continue"]
     assert cont["schedules"] and all("run_id" in s["parameters"] for s in cont["schedules"])

@@ -20,8 +20,14 @@ import yaml
 
 from flows.deploy import DEFAULT_FILE, PROJECT_ROOT, run_lock
 
-TINY = dict(preset="tiny", source="init:tiny:0", env="add", iterations=1, prompts_per_iteration=2,
-            samples_per_prompt=2, max_new_tokens=3, warmup_steps=1, warmup_batch=4, eval_prompts=4, eval_every=1)
+TINY = {"model": {"preset": "tiny", "source": "init:tiny:0"}, "pipeline": {"env": "add", "iterations": 1},
+        "rollout": {"prompts_per_iteration": 2, "samples_per_prompt": 2, "max_new_tokens": 3},
+        "warmup": {"steps": 1, "batch": 4}, "evaluation": {"prompts": 4, "every": 1}}
+
+
+def _tiny(**pipeline) -> dict:
+    """The tiny settings (the deployments' parameter, by section) with pipeline settings added."""
+    return {**TINY, "pipeline": {**TINY["pipeline"], **pipeline}}
 
 
 def _free_port() -> int:
@@ -65,7 +71,7 @@ def _test_yaml(tmp_path: Path, artifacts: str) -> Path:
     cfg = yaml.safe_load(DEFAULT_FILE.read_text())
     for d in cfg["deployments"]:
         d["entrypoint"] = str(PROJECT_ROOT / d["entrypoint"])
-        d["parameters"]["settings"] = dict(TINY, artifacts=artifacts, run_id="yaml-default")
+        d["parameters"]["settings"] = _tiny(artifacts=artifacts, run_id="yaml-default")
         if "artifacts" in d["parameters"]:
             d["parameters"]["artifacts"] = artifacts
         for s in d.get("schedules") or []:
@@ -138,12 +144,12 @@ def _drive(api: str, env: dict, artifacts: str, runner: subprocess.Popen, logs: 
                 return json.loads((Path(artifacts) / "runs" / run_id / "latest.json").read_text())["iteration"]
 
             print(f"deployments registered: {time.monotonic() - T0:.0f} s")
-            fr = run_deployment("rl_run/rl-run", parameters={"settings": dict(TINY, artifacts=artifacts, run_id="r1")},
+            fr = run_deployment("rl_run/rl-run", parameters={"settings": _tiny(artifacts=artifacts, run_id="r1")},
                                 timeout=0)
             # meanwhile, a tick of a run that another tick holds: skipped, nothing done
             with run_lock(artifacts, "busy") as held:
                 assert held
-                st = run("rl_continue/rl-continue", {"run_id": "busy", "artifacts": artifacts, "settings": dict(TINY)})
+                st = run("rl_continue/rl-continue", {"run_id": "busy", "artifacts": artifacts, "settings": _tiny()})
             assert st.is_cancelled(), st
             assert "busy" in (st.message or "")
             assert not (Path(artifacts) / "runs" / "busy" / "settings.json").exists()  # it stopped before anything
@@ -155,7 +161,25 @@ def _drive(api: str, env: dict, artifacts: str, runner: subprocess.Popen, logs: 
             assert latest("r1") == 1
             print(f"rl_run and skipped tick done: {time.monotonic() - T0:.0f} s")
 
-            cont_params = {"run_id": "r1", "artifacts": artifacts, "settings": dict(TINY)}
+            # a bad parameter fails the run before any stage runs, with the CLI's message, and writes nothing
+            bad = _tiny(artifacts=artifacts, run_id="bad")
+            bad["rollout"] = {**bad["rollout"], "temperature": -1.0, "top_p": 3.0}
+            st = run("rl_run/rl-run", {"settings": bad})
+            assert st.is_failed(), st
+            for problem in ("--temperature must be >= 0.0, got -1.0", "--top-p must lie in (0, 1], got 3.0"):
+                assert problem in (st.message or ""), st.message
+            assert not (Path(artifacts) / "runs" / "bad").exists()
+            failed = client.read_flow_runs(limit=50)
+            bad_run = next(r for r in failed if r.state and r.state.is_failed() and r.parameters["settings"] == bad)
+            from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+            assert client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[bad_run.id]))) == []
+            # an unknown setting is refused by the server's parameter schema before a run is even created
+            with pytest.raises(Exception, match="tempreature"):
+                run_deployment("rl_run/rl-run", parameters={"settings": {"rollout": {"tempreature": 0.5}}}, timeout=0)
+            print(f"bad parameters refused: {time.monotonic() - T0:.0f} s")
+
+            cont_params = {"run_id": "r1", "artifacts": artifacts, "settings": _tiny()}
             st = run("rl_continue/rl-continue", cont_params)  # the lock is free: one more iteration
             assert st.is_completed(), st
             assert latest("r1") == 2

@@ -19,7 +19,7 @@ from flows.pipeline import RLSettings, rl_run
 from k3core.checkpoint.hf import save_hf
 from k3core.model.moe import RoutedExperts
 from k3core.ops.mxfp4 import dequantize, quantize
-from k3core.rl.stages import load_trainer_state
+from k3core.rl.trainer_state import load_trainer_state
 from tasks import engines
 
 ENV_MODULE = "even_bytes_env_for_qat_tests"
@@ -32,13 +32,13 @@ def _settings(root: Path, run_id: str, **kw) -> RLSettings:
                 run_id=run_id, prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens=4, warmup_steps=0,
                 eval_prompts=4, eval_every=0, mismatch_sequences=0, lr=1e-3)
     base.update(kw)
-    return RLSettings(**base)
+    return RLSettings.from_dict(base)
 
 
 def _run(s: RLSettings) -> list[dict]:
     engines.clear()
     rl_run(s)
-    return json.loads((Path(s.artifacts) / "runs" / s.run_id / "metrics.json").read_text())
+    return json.loads((Path(s.pipeline.artifacts) / "runs" / s.pipeline.run_id / "metrics.json").read_text())
 
 
 def _latest_trainer(root: Path, run_id: str):
@@ -52,9 +52,9 @@ def _names(ckpt: Path) -> set[str]:
 
 def test_cli_flag_sets_the_setting():
     p = build_parser()
-    assert _settings_from_args(p.parse_args(["run", "--qat"])).qat is True
-    assert _settings_from_args(p.parse_args(["run", "--qat", "false"])).qat is False
-    assert _settings_from_args(p.parse_args(["run"])).qat is False
+    assert _settings_from_args(p.parse_args(["run", "--qat"])).grpo.qat is True
+    assert _settings_from_args(p.parse_args(["run", "--qat", "false"])).grpo.qat is False
+    assert _settings_from_args(p.parse_args(["run"])).grpo.qat is False
     with pytest.raises(SystemExit):
         p.parse_args(["run", "--qat", "maybe"])
 
@@ -112,8 +112,7 @@ def test_resumed_qat_expert_forward_equals_round_tripped_weights(tmp_path):
     forward equals plain experts holding dequantize(quantize(w)), and differs from the raw weights."""
     from k3core.config import K3Config
     from k3core.model import K3ForCausalLM
-    from k3core.rl.stages import make_optimizer, save_trainer_state, set_qat
-
+    from k3core.rl.trainer_state import make_optimizer, save_trainer_state, set_qat
     torch.manual_seed(0)
     model = set_qat(K3ForCausalLM(K3Config.preset("tiny")), True)
     save_trainer_state(tmp_path / "s", model, make_optimizer(model, 1e-3), {"iteration": 1})

@@ -40,12 +40,11 @@ def _settings(root: Path, run_id: str, **kw) -> RLSettings:
                 artifacts=str(root), run_id=run_id, prompts_per_iteration=4, samples_per_prompt=4,
                 max_new_tokens=4, warmup_steps=3, warmup_batch=8, eval_prompts=8, eval_every=1, lr=1e-3)
     base.update(kw)
-    return RLSettings(**base)
+    return RLSettings.from_dict(base)
 
 
 def _final_model(root: Path, run_id: str):
-    from k3core.rl.stages import load_trainer_state
-
+    from k3core.rl.trainer_state import load_trainer_state
     latest = json.loads((root / "runs" / run_id / "latest.json").read_text())
     path = Path(latest["checkpoint"].removeprefix("file://")) / "state"
     return latest, load_trainer_state(path, lr=0.0)[0].state_dict()
@@ -64,7 +63,7 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     assert sa["iterations"] == 2
 
     # B: the scorer crashes in iteration 1 (after iteration 0 and rollout 1 finished)
-    import k3core.rl.stages as stages
+    import k3core.rl.tables as stages
 
     calls = {"rollout": 0}
     real_rollout = stages.rollout_table

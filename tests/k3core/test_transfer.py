@@ -18,7 +18,7 @@ import torch
 from k3core import transfer as T
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
-from k3core.rl.stages import engine_from_model, engine_state
+from k3core.rl.weights import engine_from_model, engine_state
 from k3core.rollout.engine import SamplingParams
 from k3core.transfer.digest import sum64_reference, tensor_digest
 

@@ -19,8 +19,7 @@ import torch
 from k3core import transfer as T
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
-from k3core.rl.stages import engine_from_model, engine_state
-
+from k3core.rl.weights import engine_from_model, engine_state
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 TINY = K3Config.preset("tiny")

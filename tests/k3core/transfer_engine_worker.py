@@ -57,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(threads)
     from k3core.config import K3Config
     from k3core.model import K3ForCausalLM
-    from k3core.rl.stages import engine_from_model
+    from k3core.rl.weights import engine_from_model
     from k3core.rollout.engine import SamplingParams
     from k3core.transfer import TransferError, engine_tensors, load_payload, tensor_digest
 

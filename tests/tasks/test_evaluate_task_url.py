@@ -11,16 +11,19 @@ import pytest
 import torch
 from prefect.logging import disable_run_logger
 
+from flows.cli_serve import launch
 from k3core.checkpoint.hf import init_checkpoint, load_model, save_hf
 from k3core.rl.data import heldout_prompts
 from k3core.rl.envs import load_env
-from k3core.rl.stages import evaluate as stage_evaluate
-from k3core.rl.stages import make_optimizer, save_trainer_state
+from k3core.rl.evaluate import evaluate as stage_evaluate
+from k3core.rl.trainer_state import make_optimizer, save_trainer_state
 from k3core.rollout.client import WeightUpdateRefused, WeightVersionMismatch
-from k3core.rollout.server import launch
 from k3core.tokenizer import ByteTokenizer
 from k3core.transfer import write_disk
-from tasks import engines
+from k3core.artifacts import Artifact
+from k3core.settings import RolloutSettings
+from tasks import engines, trainers
+from tasks.common import Run
 from tasks.evaluate import evaluate
 
 ENV_MODULE = "even_bytes_env_for_eval_tests"
@@ -48,16 +51,18 @@ def served(tmp_path_factory):
 
 def _eval(weights, url, seed=3):
     engines.clear()
+    trainers.clear()
     try:
         with disable_run_logger():
-            return evaluate("ev", weights, ENV, 6, 5, seed=seed, temperature=1.0, rollout_url=url)
+            return evaluate.fn(Run("unused", "ev", env=ENV, seed=seed), "test", weights, 6,
+                               RolloutSettings(max_new_tokens=5, temperature=1.0, url=url))
     finally:
         engines.clear()
 
 
 def test_evaluation_through_a_server_equals_the_embedded_engine(served):
     root, client = served
-    weights = {"kind": "hf-mxfp4", "path": str(root / "b-mx"), "version": 0, "uri": "file://b-mx"}
+    weights = Artifact("hf-mxfp4", "file:///b-mx", str(root / "b-mx"), "x", version=0)
     remote = _eval(weights, client.target)
     assert client.weight_version() == 0  # pushed from disk: the server was at version 7
     local = _eval(weights, "local")
@@ -71,7 +76,7 @@ def test_a_quantised_trainer_state_evaluates_the_same_through_a_server(served):
     root, client = served
     model = load_model(root / "b", dtype=torch.float32)  # bf16 values: the disk layout stores them exactly
     save_trainer_state(root / "state", model, make_optimizer(model, 1e-3), {"iteration": 2})
-    weights = {"kind": "dcp", "path": str(root / "state"), "version": 2, "quantized": True, "uri": "file://state"}
+    weights = Artifact("dcp", "file:///state", str(root / "state"), "x", version=2, info={"quantized": True})
     remote = _eval(weights, client.target)
     assert client.weight_version() == 2
     local = _eval(weights, "local")
@@ -94,7 +99,7 @@ def test_a_checkpoint_declaring_another_version_is_refused(served, tmp_path):
     root, client = served
     client.update_weights_from_disk(str(root / "b-mx"), 1)
     write_disk(tmp_path / "w", load_model(root / "a", dtype=torch.float32), version=3, quantize_experts=True)
-    weights = {"kind": "hf-mxfp4", "path": str(tmp_path / "w"), "version": 4, "uri": "file://w"}
+    weights = Artifact("hf-mxfp4", "file:///w", str(tmp_path / "w"), "x", version=4)
     with pytest.raises(WeightUpdateRefused, match="version"):
         _eval(weights, client.target)
     assert client.weight_version() == 1

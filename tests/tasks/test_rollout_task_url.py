@@ -8,10 +8,13 @@ import pytest
 import torch
 from prefect.logging import disable_run_logger
 
+from flows.cli_serve import launch
 from k3core.checkpoint.hf import init_checkpoint, load_model
-from k3core.rl.stages import make_optimizer, save_trainer_state
-from k3core.rollout.server import launch
+from k3core.rl.trainer_state import make_optimizer, save_trainer_state
+from k3core.artifacts import Artifact
+from k3core.settings import RolloutSettings
 from tasks import engines
+from tasks.common import Run
 from tasks.rollout import rollout
 
 
@@ -29,13 +32,14 @@ def served(tmp_path_factory):
 
 def _run(root, weights, url, name):
     with disable_run_logger():
-        out = rollout("u", 0, weights, "add", 3, 2, 5, 1.0, 1.0, 0, str(root / "art"), f"runs/u/{name}.parquet", url)
-    return pq.read_table(out["path"])
+        out = rollout.fn(Run(str(root / "art" / name), "u", env="add", seed=0), 0, weights,
+                         RolloutSettings(prompts_per_iteration=3, samples_per_prompt=2, max_new_tokens=5, url=url))
+    return pq.read_table(out.path)
 
 
 def test_rollout_through_a_server_equals_the_embedded_engine(served):
     root, client = served
-    weights = {"kind": "hf", "path": str(root / "b"), "version": 0, "uri": "file://b"}
+    weights = Artifact("hf", "file:///b", str(root / "b"), "x", version=0)
     remote = _run(root, weights, client.target, "remote")
     assert client.weight_version() == 0  # pushed from disk: the server was at version 7
     engines.clear()
@@ -52,6 +56,6 @@ def test_a_trainer_checkpoint_is_written_and_pushed(served):
     root, client = served
     model = load_model(root / "b", dtype=torch.float32)
     save_trainer_state(root / "state", model, make_optimizer(model, 1e-3), {"iteration": 1})
-    weights = {"kind": "dcp", "path": str(root / "state"), "version": 1, "quantized": False, "uri": "file://state"}
+    weights = Artifact("dcp", "file:///state", str(root / "state"), "x", version=1, info={"quantized": False})
     table = _run(root, weights, client.target, "dcp")
     assert client.weight_version() == 1 and set(table.column("weight_version").to_pylist()) == {1}

@@ -9,8 +9,11 @@ import pytest
 import torch
 from prefect.logging import disable_run_logger
 
+from k3core.artifacts import Artifact
 from k3core.rl.data import ROLLOUT_SCHEMA, SCORED_SCHEMA
-from tasks import engines
+from k3core.settings import GRPOSettings, RolloutSettings
+from tasks import engines, trainers
+from tasks.common import Run
 from tasks.fetch import fetch_checkpoint
 from tasks.quantize import quantize_mxfp4
 from tasks.rollout import rollout
@@ -25,39 +28,40 @@ from tasks.validate import validate_checkpoint
 def pipeline(tmp_path_factory):
     """fetch -> validate -> quantize -> rollout -> score -> train -> save -> transfer, once."""
     root = str(tmp_path_factory.mktemp("art"))
+    run = Run(root, "t", env="add", seed=0)
     engines.clear()
+    trainers.clear()
     with disable_run_logger():
-        ck = fetch_checkpoint("init:tiny:1", root, "runs/t/source")
-        rep = validate_checkpoint(ck, root, "runs/t/source.validation.json", "tiny")
-        w = quantize_mxfp4(ck | {"kind": "hf", "version": 0}, root, "runs/t/rollout-weights-v0")
-        ro = rollout("t", 0, w, "add", 4, 4, 5, 1.0, 1.0, 0, root, "runs/t/iter-0000/rollouts.parquet")
-        sc = score_rewards(ro, "add", 4, root, "runs/t/iter-0000/scored.parquet")
-        # make sure the batch carries signal whatever the random policy scored
-        t = pq.read_table(sc["path"])
-        tr = train_step(ck | {"kind": "hf"}, sc, 0, 1e-3, 0.2, 0.28, 2.0, True, 1.0, root, "runs/t/iter-0000/trainer")
-        sv = save_checkpoint(tr, "t", 1, root, "runs/t/checkpoints/iter-0001", "runs/t/latest.json")
-        xf = transfer_weights("t", sv, quantized=False)
-    return dict(root=root, ck=ck, rep=rep, w=w, ro=ro, sc=sc, tr=tr, sv=sv, xf=xf, table=t)
+        ck = fetch_checkpoint.fn(run, "init:tiny:1")
+        rep = validate_checkpoint.fn(run, ck, "tiny")
+        w = quantize_mxfp4.fn(run, ck)
+        ro = rollout.fn(run, 0, w, RolloutSettings(prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens=5))
+        sc = score_rewards.fn(run, 0, ro, 4)
+        t = pq.read_table(sc.path)
+        tr = train_step.fn(run, 0, ck, sc, GRPOSettings(lr=1e-3), 1.0)
+        sv = save_checkpoint.fn(run, 0, tr)
+        xf = transfer_weights.fn(run, 0, sv, quantized=False)
+    return dict(root=root, run=run, ck=ck, rep=rep, w=w, ro=ro, sc=sc, tr=tr, sv=sv, xf=xf, table=t)
 
 
 def test_fetch_and_validate(pipeline):
     ck, rep = pipeline["ck"], pipeline["rep"]
-    assert Path(ck["path"], "model.safetensors.index.json").exists()
-    report = json.loads(Path(rep["uri"].removeprefix("file://")).read_text())
-    assert report and rep["ok"]
+    assert Path(ck.path, "model.safetensors.index.json").exists()
+    report = json.loads(Path(rep.uri.removeprefix("file://")).read_text())
+    assert report and rep.kind == "report" and rep.info["checkpoint_sha256"] == ck.sha256
 
 
 def test_quantized_weights_are_mxfp4_release_layout(pipeline):
-    idx = json.loads(Path(pipeline["w"]["path"], "model.safetensors.index.json").read_text())["weight_map"]
+    idx = json.loads(Path(pipeline["w"].path, "model.safetensors.index.json").read_text())["weight_map"]
     assert any(k.endswith("experts.0.w1.weight_packed") for k in idx)
     assert any(k.endswith("experts.0.w1.weight_scale") for k in idx)
-    cfg = json.loads(Path(pipeline["w"]["path"], "config.json").read_text())
+    cfg = json.loads(Path(pipeline["w"].path, "config.json").read_text())
     assert cfg["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
 
 
 def test_rollout_and_scored_parquet_schemas(pipeline):
-    ro = pq.read_table(pipeline["ro"]["path"])
-    sc = pq.read_table(pipeline["sc"]["path"])
+    ro = pq.read_table(pipeline["ro"].path)
+    sc = pq.read_table(pipeline["sc"].path)
     assert ro.schema.equals(ROLLOUT_SCHEMA) and sc.schema.equals(SCORED_SCHEMA)
     assert ro.num_rows == 16
     r = ro.to_pylist()[0]
@@ -74,19 +78,18 @@ def test_rollout_and_scored_parquet_schemas(pipeline):
 
 def test_save_publishes_manifest_and_latest(pipeline):
     sv = pipeline["sv"]
-    man = json.loads(Path(sv["manifest"].removeprefix("file://")).read_text())
+    man = json.loads(Path(sv.info["manifest"].removeprefix("file://")).read_text())
     assert man["iteration"] == 1 and man["files"]
     latest = json.loads(Path(pipeline["root"], "runs/t/latest.json").read_text())
-    assert latest["checkpoint"] == sv["uri"]
+    assert latest["checkpoint"] == sv.uri
 
 
 def test_after_transfer_engine_logprobs_equal_trainer(pipeline):
     """Without quantization the engine (cached AttnRes scores, cached decode) reproduces the trainer."""
-    from k3core.rl.stages import load_trainer_state
-
+    from k3core.rl.trainer_state import load_trainer_state
     eng = engines.get("t")
-    assert eng.weight_version == pipeline["sv"]["version"] == 1
-    model, _, _ = load_trainer_state(pipeline["sv"]["path"], lr=0.0)
+    assert eng.weight_version == pipeline["sv"].version == 1
+    model, _, _ = load_trainer_state(pipeline["sv"].path, lr=0.0)
     ids = torch.randint(0, 256, (2, 7))
     with torch.no_grad():
         want = model(ids[:, :-1], targets=ids[:, 1:], return_logprobs=True).logprobs
@@ -96,10 +99,10 @@ def test_after_transfer_engine_logprobs_equal_trainer(pipeline):
 
 def test_transfer_without_refresh_leaves_stale_attnres_cache(pipeline):
     """The regression a naive online update hits: skip the w*gamma refresh and logits change."""
-    from k3core.rl.stages import engine_state, load_trainer_state
-
+    from k3core.rl.trainer_state import load_trainer_state
+    from k3core.rl.weights import engine_state
     eng = engines.get("t")
-    model, _, _ = load_trainer_state(pipeline["sv"]["path"], lr=0.0)
+    model, _, _ = load_trainer_state(pipeline["sv"].path, lr=0.0)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n.endswith(("_res_proj.weight", "_res_norm.weight")):
@@ -117,9 +120,8 @@ def test_transfer_without_refresh_leaves_stale_attnres_cache(pipeline):
 
 
 def test_transfer_refuses_mismatched_weights(pipeline):
-    from k3core.rl.stages import build_engine
-
-    eng = build_engine(pipeline["ck"]["path"], 0)
+    from k3core.rl.weights import build_engine
+    eng = build_engine(pipeline["ck"].path, 0)
     sd = {k: v.clone() for k, v in eng.model.state_dict().items()}
     before = eng.model.lm_head.weight.clone()
     bad = dict(sd)
@@ -133,22 +135,23 @@ def test_bad_inputs_fail_clearly_and_keep_artifacts(pipeline, tmp_path):
     root = pipeline["root"]
     with disable_run_logger():
         with pytest.raises(ValueError, match="unknown preset"):
-            fetch_checkpoint("init:huge:0", str(tmp_path), "runs/x/source")
+            fetch_checkpoint.fn(Run(str(tmp_path), "x"), "init:huge:0")
         with pytest.raises(ValueError, match="unknown environment"):
-            score_rewards(pipeline["ro"], "no-such-env", 4, root, "runs/t/iter-0000/scored-b.parquet")
+            score_rewards.fn(Run(root, "t", env="no-such-env"), 9, pipeline["ro"], 4)
         # a corrupt checkpoint: a truncated shard fails validation and publishes no report
         import shutil
 
         bad = tmp_path / "bad"
-        shutil.copytree(pipeline["ck"]["path"], bad)
+        shutil.copytree(pipeline["ck"].path, bad)
         shard = next(bad.glob("model-*.safetensors"))
         shard.write_bytes(shard.read_bytes()[:-100])
         from k3core.checkpoint.validate import CheckpointValidationError
 
         with pytest.raises(CheckpointValidationError):
-            validate_checkpoint({"path": str(bad), "sha256": "x"}, str(tmp_path), "bad.validation.json", "tiny")
-        assert not (tmp_path / "bad.validation.json").exists()
+            validate_checkpoint.fn(Run(str(tmp_path), "bad"), Artifact("hf", "file:///bad", str(bad), "x"), "tiny")
+        assert not (tmp_path / "runs" / "bad" / "source.validation.json").exists()
         with pytest.raises(Exception):
-            validate_checkpoint({"path": str(tmp_path / "missing"), "sha256": "x"}, str(tmp_path), "m.json", "tiny")
+            validate_checkpoint.fn(Run(str(tmp_path), "m"), Artifact("hf", "file:///m", str(tmp_path / "missing"), "x"),
+                                   "tiny")
     # earlier artifacts are intact
-    assert pq.read_table(pipeline["sc"]["path"]).schema.equals(SCORED_SCHEMA)
+    assert pq.read_table(pipeline["sc"].path).schema.equals(SCORED_SCHEMA)

@@ -9,7 +9,7 @@ import torch
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 from k3core.rl.mismatch import divergences, engine_logprobs, measure_mismatch, rollout_mismatch, trainer_logprobs
-from k3core.rl.stages import engine_from_model
+from k3core.rl.weights import engine_from_model
 from k3core.rollout.engine import SamplingParams
 
 TINY = K3Config.preset("tiny")

@@ -8,7 +8,6 @@ report that loss and move every parameter by ``-lr * gradient`` under plain SGD 
 clipping coefficient when the gradient norm exceeds ``max_grad_norm``).
 """
 
-import inspect
 import math
 
 import pytest
@@ -49,15 +48,11 @@ def _train():
 
 
 def _step(model, optimizer, seqs, *, temperature, **settings):
-    """``grpo_train_step`` with routing replay and these GRPO settings. The settings object is moving
-    (``train.GRPOConfig`` with a ``temperature`` field -> ``k3core.settings.GRPOSettings`` with the
-    temperature an argument of the step): build whichever the step in the tree takes."""
-    tr = _train()
+    """``grpo_train_step`` with routing replay and these GRPO settings."""
+    from k3core.settings import GRPOSettings
+
     settings["routing_replay"] = True
-    if "temperature" in inspect.signature(tr.grpo_train_step).parameters:
-        from k3core.settings import GRPOSettings
-        return tr.grpo_train_step(model, optimizer, seqs, GRPOSettings(**settings), PAD, temperature=temperature)
-    return tr.grpo_train_step(model, optimizer, seqs, tr.GRPOConfig(**settings, temperature=temperature), PAD)
+    return _train().grpo_train_step(model, optimizer, seqs, GRPOSettings(**settings), PAD, temperature=temperature)
 
 
 def _routing(n: int, seed: int) -> torch.Tensor:
@@ -139,9 +134,6 @@ def test_pack_sequences_errors():
         tr.pack_sequences([good, tr.RLSequence(PROMPT_B, OUT_B, [-1.0] * 3)], PAD, with_routing=True)
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError,
-                   reason="pack_sequences reads seqs[0].routing.shape before validating: a missing routing on the "
-                          "first sequence raises AttributeError instead of the ValueError the others get")
 def test_pack_sequences_missing_routing_on_first_sequence():
     tr = _train()
     with pytest.raises(ValueError, match="routing replay: sequence 0"):
@@ -149,9 +141,6 @@ def test_pack_sequences_missing_routing_on_first_sequence():
                           PAD, with_routing=True)
 
 
-@pytest.mark.xfail(strict=True, reason="an empty prompt is not refused: gen_mask[b, p - 1:n] with p = 0 slices from "
-                                        "-1, so the completion's first token (which no position predicts) is not "
-                                        "reported and the mask silently covers only position L-1 (or nothing)")
 def test_pack_sequences_refuses_an_empty_prompt():
     tr = _train()
     with pytest.raises(ValueError, match="prompt"):

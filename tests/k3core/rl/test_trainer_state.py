@@ -4,9 +4,7 @@ import torch
 
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
-from k3core.rl.stages import load_trainer_state, make_optimizer, save_trainer_state
-
-
+from k3core.rl.trainer_state import load_trainer_state, make_optimizer, save_trainer_state
 def test_trainer_state_round_trip_after_steps(tmp_path):
     torch.manual_seed(0)
     m = K3ForCausalLM(K3Config.preset("tiny"))

@@ -13,7 +13,7 @@ from k3core.model.moe import RoutedExperts
 from k3core.ops.mxfp4 import dequantize, quantize
 from k3core.ops.situ import situ_glu
 from k3core.ops.w4a8 import quantize_fp8_reference
-from k3core.rl.stages import build_engine, engine_from_model, engine_state
+from k3core.rl.weights import build_engine, engine_from_model, engine_state
 from k3core.rollout.engine import SamplingParams
 from k3core.rollout.quantized import (EXPERT_BUFFERS, W4A8Experts, expert_format, load_w4a8_model,
                                       packed_expert_state, quantize_engine_model)

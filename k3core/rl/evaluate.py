@@ -1,0 +1,41 @@
+"""Held-out evaluation of a policy through a rollout client (the embedded engine or a server)."""
+
+from __future__ import annotations
+
+import torch
+
+from k3core.rl.envs import checked_reward
+from k3core.rollout.engine import RolloutEngine, SamplingParams
+from k3core.tokenizer import ByteTokenizer
+
+
+@torch.no_grad()
+def evaluate(client, tok: ByteTokenizer, env, env_spec: str, prompts: list[str], max_new_tokens: int,
+             temperature: float = 1.0, samples: int = 4, seed: int = 0, expected_version=None) -> dict:
+    """Held-out prompts (never trained on), two ways:
+    - ``heldout_reward``: the policy's expected reward, the quantity RL maximises: ``samples``
+      completions per prompt at the rollout temperature (fixed seed, so versions compare fairly);
+    - ``heldout_greedy_reward``: greedy decoding (the policy's mode).
+    ``client``: a ``RolloutClient`` (the local engine or a server URL: same seeds, same samples) or a
+    ``RolloutEngine``; ``expected_version``: refuse (``WeightVersionMismatch``) an engine serving, or
+    a completion produced by, any other weight version."""
+    from k3core.rollout.client import RolloutClient
+
+    if isinstance(client, RolloutEngine):
+        client = RolloutClient("local", engine=client)
+
+    def score(comps):
+        return [checked_reward(env, prompts[c.prompt_index], tok.decode(c.output_ids), env_spec) for c in comps]
+
+    def generate(params):
+        return client.generate(ids, params, pad_id=tok.pad_id, expected_version=expected_version)
+
+    stop = (tok.eos_id,)
+    ids = [tok.encode(p) for p in prompts]
+    sampled = score(generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                            stop_token_ids=stop, n=samples, seed=seed)))
+    greedy = score(generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)))
+    return {"heldout_reward": sum(sampled) / len(sampled),
+            "heldout_solved": sum(r == 1.0 for r in sampled) / len(sampled),
+            "heldout_greedy_reward": sum(greedy) / len(greedy),
+            "heldout_greedy_solved": sum(r == 1.0 for r in greedy) / len(greedy), "heldout_n": len(sampled)}

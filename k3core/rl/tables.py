@@ -1,0 +1,52 @@
+"""Rollout and scored tables (Parquet schemas in ``k3core.rl.data``): completions to rows, rows to
+rewards and GRPO advantages, rows to training sequences."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import torch
+
+from k3core.rl.data import ROLLOUT_SCHEMA, SCORED_SCHEMA
+from k3core.rl.envs import checked_reward
+from k3core.rl.grpo import group_advantages
+from k3core.rollout.engine import RolloutEngine, SamplingParams
+from k3core.tokenizer import ByteTokenizer
+
+
+def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str], params: SamplingParams,
+                  iteration: int) -> pa.Table:
+    comps = engine.generate([tok.encode(p) for p in prompts], params, pad_id=tok.pad_id)
+    rows = {f.name: [] for f in ROLLOUT_SCHEMA}
+    for c in comps:
+        rows["iteration"].append(iteration)
+        rows["prompt_index"].append(c.prompt_index)
+        rows["sample_index"].append(c.sample_index)
+        rows["prompt"].append(prompts[c.prompt_index])
+        rows["prompt_ids"].append(c.prompt_ids)
+        rows["output_ids"].append(c.output_ids)
+        rows["completion"].append(tok.decode(c.output_ids))
+        rows["logprobs"].append(c.logprobs)
+        rows["routing"].append(c.routing.reshape(-1).tolist())
+        rows["finish_reason"].append(c.finish_reason)
+        rows["weight_version"].append(c.weight_version)
+    return pa.table(rows, schema=ROLLOUT_SCHEMA)
+
+
+def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int) -> tuple[pa.Table, dict]:
+    """Rewards (checked: finite, in [0, 1]) and GRPO group-normalised advantages."""
+    if rollouts.num_rows == 0:
+        raise ValueError("no rollouts to score: the rollout table is empty")
+    prompts, comps = rollouts.column("prompt").to_pylist(), rollouts.column("completion").to_pylist()
+    rewards = torch.tensor([checked_reward(env, p, c, env_spec) for p, c in zip(prompts, comps)])
+    order = sorted(range(rollouts.num_rows), key=lambda i: (rollouts["prompt_index"][i].as_py(),
+                                                            rollouts["sample_index"][i].as_py()))
+    rollouts = rollouts.take(order)
+    rewards = rewards[order]
+    adv = group_advantages(rewards, group_size)
+    table = rollouts.append_column("reward", pa.array(rewards.tolist(), pa.float32()))
+    table = table.append_column("advantage", pa.array(adv.tolist(), pa.float32())).cast(SCORED_SCHEMA)
+    lens = [len(x) for x in table.column("output_ids").to_pylist()]
+    stats = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
+             "response_length_mean": sum(lens) / len(lens),
+             "solved_fraction": float((rewards == 1.0).float().mean())}
+    return table, stats

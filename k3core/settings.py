@@ -1,0 +1,302 @@
+"""Run settings, in sections: model and source, rollout, GRPO (the trainer), warm-up, evaluation,
+pipeline. ``RLSettings`` composes them. The defaults live here and only here: the CLI flags, the
+Prefect deployments' parameters and the stages all read these objects.
+
+Every section validates itself in ``__post_init__`` and raises one ``SettingsError`` listing every
+problem it found; ``RLSettings.from_dict`` builds all sections first and reports the problems of all
+of them at once. Prefect validates flow parameters by constructing these dataclasses (pydantic calls
+``__post_init__``), so a deployment run with a bad parameter fails before any stage runs with the
+same message the CLI prints. Unknown keys are refused (``extra="forbid"``) rather than ignored: a
+misspelt setting must not silently fall back to its default.
+
+Each field has one command-line flag, named in its metadata (``flag``); flag names are unique across
+sections, so ``RLSettings.from_flat`` maps flags (or their underscore forms) back to sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["EvalSettings", "GRPOSettings", "ModelSettings", "PipelineSettings", "RLSettings", "RolloutSettings",
+           "SettingsError", "WarmupSettings"]
+
+# pydantic (through Prefect) reads this attribute of stdlib dataclasses: refuse unknown keys.
+_FORBID_EXTRA = {"extra": "forbid"}
+
+
+class SettingsError(ValueError):
+    """Invalid settings; the message lists every problem."""
+
+    def __init__(self, where: str, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        n = len(self.problems)
+        super().__init__(f"invalid {where} ({n} problem{'s' if n > 1 else ''}):\n{lines}")
+
+
+def _flag(name: str, help: str) -> dict:
+    return {"flag": name, "help": help}
+
+
+def _check(problems: list[str], section: "_Section") -> None:
+    """Type and sign checks shared by every section: ints are ints (not bools), floats are numbers,
+    bools are bools, strings are strings, and fields marked ``min`` are at least that."""
+    for f in dataclasses.fields(section):
+        v, flag = getattr(section, f.name), f.metadata.get("flag", f.name)
+        kind = f.metadata.get("kind")
+        if kind == "int" and (isinstance(v, bool) or not isinstance(v, int)):
+            problems.append(f"--{flag} must be an integer, got {v!r}")
+            continue
+        if kind == "float" and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            problems.append(f"--{flag} must be a number, got {v!r}")
+            continue
+        if kind == "bool" and not isinstance(v, bool):
+            problems.append(f"--{flag} must be true or false, got {v!r}")
+            continue
+        if kind == "str" and not isinstance(v, str):
+            problems.append(f"--{flag} must be a string, got {v!r}")
+            continue
+        lo = f.metadata.get("min")
+        if lo is not None and v is not None and v < lo:
+            problems.append(f"--{flag} must be >= {lo}, got {v!r}")
+
+
+def _int(default: int, flag: str, help: str, min: int | None = 0) -> Any:
+    return field(default=default, metadata={**_flag(flag, help), "kind": "int", "min": min})
+
+
+def _float(default: float, flag: str, help: str, min: float | None = None) -> Any:
+    return field(default=default, metadata={**_flag(flag, help), "kind": "float", "min": min})
+
+
+def _bool(default: bool, flag: str, help: str) -> Any:
+    return field(default=default, metadata={**_flag(flag, help), "kind": "bool"})
+
+
+def _str(default: str, flag: str, help: str) -> Any:
+    return field(default=default, metadata={**_flag(flag, help), "kind": "str"})
+
+
+class _Section:
+    __pydantic_config__ = _FORBID_EXTRA
+
+    def problems(self) -> list[str]:
+        out: list[str] = []
+        _check(out, self)
+        return out
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise SettingsError(f"{type(self).__name__}", problems)
+
+
+@dataclass
+class ModelSettings(_Section):
+    """The model and where its weights come from."""
+
+    preset: str = _str("small", "preset", "model preset: tiny, small, medium or full")
+    source: str = _str("", "source", "checkpoint URL (file://, memory://, s3://, hf://) or init:PRESET[:SEED]; "
+                       "empty: a fresh seeded checkpoint of the preset (init:PRESET:SEED)")
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if isinstance(self.preset, str):
+            from k3core.config import PRESETS
+
+            if self.preset not in PRESETS:
+                out.append(f"--preset: unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
+        if isinstance(self.source, str) and self.source.startswith("init:"):
+            from k3core.config import PRESETS
+
+            parts = self.source.split(":")
+            if len(parts) not in (2, 3) or parts[1] not in PRESETS or (len(parts) == 3 and not parts[2].isdigit()):
+                out.append(f"--source {self.source!r}: expected init:PRESET[:SEED] with PRESET one of "
+                           f"{sorted(PRESETS)} and SEED a non-negative integer")
+        return out
+
+
+@dataclass
+class RolloutSettings(_Section):
+    """Sampling: how many completions per iteration, how they are sampled, on which engine."""
+
+    prompts_per_iteration: int = _int(16, "prompts-per-iteration", "prompts sampled per RL iteration", min=1)
+    samples_per_prompt: int = _int(8, "samples-per-prompt", "completions per prompt (the GRPO group)", min=1)
+    max_new_tokens: int = _int(7, "max-new-tokens", "completion length cap", min=1)
+    temperature: float = _float(1.0, "temperature", "sampling temperature (the trainer uses the same one)", min=0.0)
+    top_p: float = _float(1.0, "top-p", "nucleus sampling mass, in (0, 1]")
+    quantized: bool = _bool(True, "quantized-rollouts", "W4A8 engine (MXFP4 routed experts, FP8 activations)")
+    url: str = _str("local", "rollout-url", "'local' (embedded engine) or a rollout server URL "
+                    "(k3rl rollout-server, SGLang)")
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if isinstance(self.top_p, (int, float)) and not 0.0 < self.top_p <= 1.0:
+            out.append(f"--top-p must lie in (0, 1], got {self.top_p!r}")
+        if isinstance(self.url, str) and self.url not in ("", "local") and not self.url.startswith(("http://", "https://")):
+            out.append(f"--rollout-url {self.url!r}: use 'local' or an http(s):// URL")
+        return out
+
+
+@dataclass
+class GRPOSettings(_Section):
+    """The trainer's update: GRPO with asymmetric PPO clipping, truncated importance sampling against
+    the rollout engine's log-probabilities, routing replay, optional MXFP4 QAT of routed experts."""
+
+    lr: float = _float(2e-4, "lr", "learning rate of the RL updates", min=0.0)
+    clip_eps_low: float = _float(0.2, "clip-eps-low", "PPO clip below: ratio >= 1 - eps_low", min=0.0)
+    clip_eps_high: float = _float(0.28, "clip-eps-high", "PPO clip above: ratio <= 1 + eps_high", min=0.0)
+    tis_cap: float = _float(2.0, "tis-cap", "cap of the truncated importance weight min(p_trainer/p_rollout, cap), "
+                            "which corrects the rollout engine's mismatch (> 0)")
+    max_grad_norm: float = _float(1.0, "max-grad-norm", "gradient clipping norm", min=0.0)
+    routing_replay: bool = _bool(True, "routing-replay", "train through the experts the rollout engine chose")
+    qat: bool = _bool(False, "qat", "MXFP4 fake-quantised routed experts in the trainer (straight-through); saved "
+                      "with each trainer state, and a resume with the other setting is refused")
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if isinstance(self.tis_cap, (int, float)) and not self.tis_cap > 0:
+            out.append(f"--tis-cap must be > 0, got {self.tis_cap!r}")
+        if isinstance(self.clip_eps_low, (int, float)) and self.clip_eps_low >= 1:
+            out.append(f"--clip-eps-low must be < 1 (the ratio's lower bound is 1 - eps), got {self.clip_eps_low!r}")
+        return out
+
+
+@dataclass
+class WarmupSettings(_Section):
+    """Supervised warm-up on the environment's reference answers before RL (needs ``reference``)."""
+
+    steps: int = _int(25, "warmup-steps", "supervised steps (0: no warm-up)")
+    batch: int = _int(32, "warmup-batch", "sequences per warm-up step", min=1)
+    lr: float = _float(1e-3, "warmup-lr", "warm-up learning rate", min=0.0)
+
+
+@dataclass
+class EvalSettings(_Section):
+    """Held-out evaluation and the train/inference mismatch metric."""
+
+    prompts: int = _int(128, "eval-prompts", "held-out prompts per evaluation", min=1)
+    every: int = _int(5, "eval-every", "evaluate every N iterations (0: only at the end)")
+    mismatch_sequences: int = _int(16, "mismatch-sequences", "rollouts per iteration for KL(trainer || W4A8 engine) "
+                                   "vs KL(trainer || float engine) (0: off)")
+
+    def due(self, iteration: int) -> bool:
+        return bool(self.every) and iteration % self.every == 0
+
+
+@dataclass
+class PipelineSettings(_Section):
+    """Which run, where its artifacts go, how long it runs, on which environment."""
+
+    run_id: str = _str("demo", "run-id", "the run; re-using a run id resumes that run")
+    artifacts: str = _str("./artifacts", "artifacts", "artifact root: a path or fsspec URL")
+    iterations: int = _int(30, "iterations", "RL iterations")
+    env: str = _str("reverse", "env", "built-in environment (add, reverse) or module.path:factory")
+    seed: int = _int(0, "seed", "seed of prompts, sampling and a fresh checkpoint")
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if isinstance(self.run_id, str):
+            import re
+
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.run_id):
+                out.append(f"--run-id {self.run_id!r}: use letters, digits, '.', '_' and '-' (no path separators, "
+                           "not starting with '.' or '-', at most 128 characters)")
+        if isinstance(self.env, str) and not self.env:
+            out.append("--env is empty: use a built-in (add, reverse) or module.path:factory")
+        return out
+
+
+_SECTIONS: dict[str, type[_Section]] = {"model": ModelSettings, "rollout": RolloutSettings, "grpo": GRPOSettings,
+                                        "warmup": WarmupSettings, "evaluation": EvalSettings,
+                                        "pipeline": PipelineSettings}
+
+
+@dataclass
+class RLSettings:
+    """Everything a run needs, by section. ``model.source`` empty means ``init:<preset>:<seed>``."""
+
+    __pydantic_config__ = _FORBID_EXTRA
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    grpo: GRPOSettings = field(default_factory=GRPOSettings)
+    warmup: WarmupSettings = field(default_factory=WarmupSettings)
+    evaluation: EvalSettings = field(default_factory=EvalSettings)
+    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                problems.append(f"section {name!r} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        if problems:
+            raise SettingsError("RLSettings", problems)
+        if not self.model.source:
+            self.model.source = f"init:{self.model.preset}:{self.pipeline.seed}"
+
+    # ----------------------------------------------------------------------------- building
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None = None) -> "RLSettings":
+        """From nested sections (``{"rollout": {"temperature": 0.7}}``, as deployments pass them) or
+        flat field names / flags (``{"temperature": 0.7}``, ``{"rollout-url": ...}``), or both. Every
+        problem of every section is reported in one ``SettingsError``."""
+        data = dict(data or {})
+        nested: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        flat = flag_index()
+        problems = []
+        for key, value in data.items():
+            if key in _SECTIONS and isinstance(value, dict):
+                nested[key].update(value)
+            elif key.replace("-", "_") in flat or key in flat:
+                sec, fname = flat.get(key) or flat[key.replace("-", "_")]
+                nested[sec][fname] = value
+            else:
+                problems.append(f"unknown setting {key!r}: sections are {sorted(_SECTIONS)}; "
+                                f"flat names are the flags of `k3rl run --help`")
+        sections = {}
+        for name, section in _SECTIONS.items():
+            known = {f.name for f in dataclasses.fields(section)}
+            unknown = sorted(set(nested[name]) - known)
+            if unknown:
+                problems.append(f"section {name!r} has no setting {', '.join(map(repr, unknown))} "
+                                f"(it has {', '.join(sorted(known))})")
+            try:
+                sections[name] = section(**{k: v for k, v in nested[name].items() if k in known})
+            except SettingsError as e:
+                problems += e.problems
+        if problems:
+            raise SettingsError("settings", problems)
+        return cls(**sections)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **flat: Any) -> "RLSettings":
+        """A copy with settings changed by flat name (``s.replace(iterations=3, run_id="x")``)."""
+        d = self.to_dict()
+        index = flag_index()
+        for k, v in flat.items():
+            if k not in index:
+                raise SettingsError("settings", [f"unknown setting {k!r}"])
+            sec, fname = index[k]
+            d[sec][fname] = v
+        return RLSettings.from_dict(d)
+
+
+def flag_index() -> dict[str, tuple[str, str]]:
+    """flat name (the flag with '_' for '-', and the flag itself) -> (section, field)."""
+    out: dict[str, tuple[str, str]] = {}
+    for sec, cls in _SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            flag = f.metadata["flag"]
+            out[flag.replace("-", "_")] = (sec, f.name)
+            out[flag] = (sec, f.name)
+    return out
+
+
+def section_fields() -> list[tuple[str, dataclasses.Field]]:
+    """(section, field) for every setting, in section order (the CLI builds its flags from these)."""
+    return [(sec, f) for sec, cls in _SECTIONS.items() for f in dataclasses.fields(cls)]

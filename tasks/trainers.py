@@ -1,0 +1,72 @@
+"""The process's live trainer, one per run id: the model and optimizer a train step just saved, with
+the RNG states it saved, at that weight version.
+
+The next stages of the iteration (weight transfer, the next mismatch metric, the next train step)
+take it from here instead of reading the trainer state back from DCP, so a trainer state is read at
+most once per iteration (after a restart) and in a continuing run never. Correctness never depends on
+this registry: an entry is used only for the exact run and version it holds, a train step takes it
+out before changing it (a failed step leaves nothing behind), and a fresh process reads the durable
+artifact instead. Training from the live entry restores the RNG states saved with it, so a resumed
+run and a continuing run draw the same numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from k3core.artifacts import Artifact
+
+_lock = threading.Lock()
+_live: dict[str, "LiveTrainer"] = {}
+
+
+@dataclass
+class LiveTrainer:
+    version: int
+    model: Any
+    optimizer: Any
+    extra: dict
+    rng: tuple
+
+
+def put(run_id: str, live: LiveTrainer) -> None:
+    with _lock:
+        _live[run_id] = live
+
+
+def take(run_id: str, version: int | None) -> LiveTrainer | None:
+    """The live trainer at ``version``, removed from the registry (the caller will change it)."""
+    with _lock:
+        live = _live.get(run_id)
+        if live is None or live.version != version:
+            return None
+        return _live.pop(run_id)
+
+
+def peek(run_id: str, version: int | None) -> LiveTrainer | None:
+    """The live trainer at ``version`` for reading only (the caller must not change the model)."""
+    with _lock:
+        live = _live.get(run_id)
+        return live if live is not None and live.version == version else None
+
+
+def clear() -> None:
+    with _lock:
+        _live.clear()
+
+
+def weights(run_id: str, state: Artifact):
+    """The trainer's model at ``state`` for reading: the live one, or loaded from ``state`` (a DCP
+    trainer state or a public-layout checkpoint), model only."""
+    live = peek(run_id, state.version) if state.kind == "dcp" else None
+    if live is not None:
+        return live.model
+    if state.kind == "dcp":
+        from k3core.rl.trainer_state import load_trainer_weights
+
+        return load_trainer_weights(state.path)
+    from k3core.rl.weights import load_policy
+
+    return load_policy(state.path)

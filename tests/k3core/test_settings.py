@@ -1,0 +1,91 @@
+"""The sectioned run settings: defaults in one place, one error listing every problem, nested and flat
+construction agreeing, unknown settings refused (never silently ignored), and Prefect's parameter
+validation (pydantic building the same dataclasses) giving the CLI's messages."""
+
+import dataclasses
+
+import pytest
+
+from k3core.settings import (GRPOSettings, ModelSettings, PipelineSettings, RLSettings, RolloutSettings,
+                             SettingsError, flag_index, section_fields)
+
+
+def test_defaults_live_in_the_sections():
+    s = RLSettings()
+    assert s.model == ModelSettings(preset="small", source="init:small:0")
+    assert s.grpo == GRPOSettings() and s.grpo.clip_eps_low == 0.2 and s.grpo.clip_eps_high == 0.28
+    assert s.rollout.temperature == 1.0 and s.pipeline.iterations == 30
+    # a fresh checkpoint follows the preset and seed when no source is given
+    assert RLSettings.from_dict({"preset": "tiny", "seed": 7}).model.source == "init:tiny:7"
+    assert RLSettings.from_dict({"preset": "tiny", "source": "file:///x"}).model.source == "file:///x"
+
+
+def test_flags_are_unique_and_cover_every_field():
+    flags = [f.metadata["flag"] for _, f in section_fields()]
+    assert len(flags) == len(set(flags))
+    index = flag_index()
+    for sec, f in section_fields():
+        assert index[f.metadata["flag"].replace("-", "_")] == (sec, f.name)
+
+
+def test_nested_and_flat_agree():
+    nested = RLSettings.from_dict({"model": {"preset": "tiny"}, "rollout": {"temperature": 0.7, "url": "local"},
+                                   "warmup": {"steps": 0}, "pipeline": {"run_id": "x"}})
+    flat = RLSettings.from_dict({"preset": "tiny", "temperature": 0.7, "rollout-url": "local", "warmup_steps": 0,
+                                 "run_id": "x"})
+    assert nested == flat
+    assert RLSettings.from_dict(nested.to_dict()) == nested  # the recorded form reads back
+    assert nested.replace(iterations=3).pipeline.iterations == 3 and nested.pipeline.iterations == 30
+
+
+def test_every_problem_of_every_section_in_one_error():
+    with pytest.raises(SettingsError) as e:
+        RLSettings.from_dict({"preset": "huge", "iterations": -1, "top_p": 0.0, "lr": -1e-3, "run_id": "../up",
+                              "samples_per_prompt": "eight", "quantized_rollouts": "yes", "bogus": 1})
+    msg = str(e.value)
+    assert msg.startswith("invalid settings (8 problems):")
+    for needle in ("unknown preset 'huge'", "--iterations must be >= 0, got -1", "--top-p must lie in (0, 1]",
+                   "--lr must be >= 0.0", "--run-id '../up'", "--samples-per-prompt must be an integer",
+                   "--quantized-rollouts must be true or false", "unknown setting 'bogus'"):
+        assert needle in msg, needle
+    with pytest.raises(SettingsError, match="section 'rollout' has no setting 'tempreature'"):
+        RLSettings.from_dict({"rollout": {"tempreature": 1.0}})
+
+
+def test_a_section_validates_itself():
+    with pytest.raises(SettingsError, match=r"invalid RolloutSettings \(2 problems\)"):
+        RolloutSettings(temperature=-1.0, top_p=2.0)
+    with pytest.raises(SettingsError, match="init:PRESET"):
+        ModelSettings(source="init:tiny:x")
+    with pytest.raises(SettingsError, match="--run-id"):
+        PipelineSettings(run_id="a/b")
+    with pytest.raises(SettingsError, match="section 'grpo' must be a GRPOSettings"):
+        RLSettings(grpo={"lr": 1.0})
+
+
+def test_prefect_parameter_validation_gives_the_same_messages():
+    """A flow taking ``RLSettings``: pydantic builds the sections (``__post_init__`` runs) and refuses
+    unknown keys, so a deployment run fails on the same problems the CLI reports."""
+    from prefect import flow
+    from prefect.exceptions import ParameterTypeError
+
+    @flow
+    def f(settings: RLSettings = RLSettings()):
+        return settings
+
+    ok = f.validate_parameters({"settings": {"rollout": {"temperature": 0.5}, "model": {"preset": "tiny"}}})["settings"]
+    assert ok == RLSettings.from_dict({"temperature": 0.5, "preset": "tiny"})
+    with pytest.raises(ParameterTypeError) as e:
+        f.validate_parameters({"settings": {"rollout": {"temperature": -1, "top_p": 3}, "pipeline": {"iterations": -2}}})
+    for needle in ("--temperature must be >= 0.0, got -1", "--top-p must lie in (0, 1], got 3",
+                   "--iterations must be >= 0, got -2"):
+        assert needle in str(e.value), needle
+    with pytest.raises(ParameterTypeError, match="tempreature"):
+        f.validate_parameters({"settings": {"rollout": {"tempreature": 1.0}}})
+    with pytest.raises(ParameterTypeError, match="preset"):  # the old flat form is refused, not ignored
+        f.validate_parameters({"settings": {"preset": "tiny"}})
+
+
+def test_settings_are_plain_dataclasses():
+    s = RLSettings()
+    assert dataclasses.is_dataclass(s) and all(dataclasses.is_dataclass(getattr(s, n)) for n in s.to_dict())
