@@ -22,18 +22,16 @@ def _rel(run: Run, iteration: int) -> str:
 def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
     """(model, optimizer) at ``state``: the live trainer (its saved RNG restored), or read from the
     trainer state (DCP), or a public-layout checkpoint with a fresh optimizer (the first iteration)."""
-    from k3core.rl.trainer_state import QAT_KEY, load_trainer_state, make_optimizer, set_qat, set_rng_state
+    from k3core.rl.trainer_state import QAT_KEY, make_optimizer, set_qat, set_rng_state
     from k3core.rl.weights import load_policy
 
     if state.kind != "dcp":
         model = set_qat(load_policy(state.path), settings.qat)
         return model, make_optimizer(model, settings.lr)
+    trainers.weights(run.run_id, state)  # live, or read once from the DCP state
     live = trainers.take(run.run_id, state.version)
-    if live is not None:
-        set_rng_state(live.rng)
-        model, opt, extra = live.model, live.optimizer, live.extra
-    else:
-        model, opt, extra = load_trainer_state(state.path, settings.lr)
+    set_rng_state(live.rng)
+    model, opt, extra = live.model, live.optimizer, live.extra
     was = bool(extra.get(QAT_KEY, False))
     if was != settings.qat:
         onoff = {True: "on", False: "off"}

@@ -58,15 +58,23 @@ def clear() -> None:
 
 
 def weights(run_id: str, state: Artifact):
-    """The trainer's model at ``state`` for reading: the live one, or loaded from ``state`` (a DCP
-    trainer state or a public-layout checkpoint), model only."""
-    live = peek(run_id, state.version) if state.kind == "dcp" else None
-    if live is not None:
-        return live.model
-    if state.kind == "dcp":
-        from k3core.rl.trainer_state import load_trainer_weights
+    """The trainer's model at ``state`` for reading (the caller must not change it): the live one; or,
+    for a DCP trainer state, the whole trainer read once and kept live (the train step that follows
+    takes it from here with its saved RNG states); or a public-layout checkpoint, loaded.
+    The process's RNG states are left as they were."""
+    if state.kind != "dcp":
+        from k3core.rl.weights import load_policy
 
-        return load_trainer_weights(state.path)
-    from k3core.rl.weights import load_policy
+        return load_policy(state.path)
+    live = peek(run_id, state.version)
+    if live is None:
+        from k3core.rl.trainer_state import load_trainer_state, rng_state, set_rng_state
 
-    return load_policy(state.path)
+        mine = rng_state()
+        try:  # loading restores the state's RNG: keep it with the trainer, give the process its own back
+            model, optimizer, extra = load_trainer_state(state.path, lr=0.0)  # lr: the saved param groups win
+            live = LiveTrainer(state.version, model, optimizer, extra, rng_state())
+        finally:
+            set_rng_state(mine)
+        put(run_id, live)
+    return live.model

@@ -82,24 +82,6 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     return model, opt, extra
 
 
-def load_trainer_weights(path: str | Path, dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
-    """The model alone from a trainer-state directory (no optimizer is built, the RNG is left
-    alone): what a consumer of the weights (an engine, a metric) needs."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    from k3core.checkpoint.hf import meta_model
-
-    path = Path(path)
-    model = meta_model(K3Config.from_json_file(path / "config.json"))
-    model.to_empty(device="cpu")
-    model.cast(dtype)
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"])
-    extra = json.loads((path / "extra.json").read_text()) if (path / "extra.json").exists() else {}
-    return set_qat(model, extra.get(QAT_KEY, False))
-
-
 def rng_state() -> tuple:
     """The process's torch and Python RNG states (what a trainer state saves)."""
     return torch.get_rng_state(), random.getstate()

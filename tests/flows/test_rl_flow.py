@@ -12,7 +12,7 @@ import torch
 
 from flows.pipeline import RLSettings, rl_run
 from k3core.rl.data import SCORED_SCHEMA
-from tasks import engines
+from tasks import engines, trainers
 
 ENV_SRC = textwrap.dedent('''
     import os
@@ -57,10 +57,19 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     marker = tmp_path / "crash-now"
     monkeypatch.setenv("K3RL_TEST_CRASH_FILE", str(marker))
 
-    # A: uninterrupted
+    # count every read of a trainer state (DCP) from here on
+    import k3core.rl.trainer_state as trainer_state
+
+    reads = []
+    real_load = trainer_state.load_trainer_state
+    monkeypatch.setattr(trainer_state, "load_trainer_state", lambda *a, **k: reads.append(a[0]) or real_load(*a, **k))
+
+    # A: uninterrupted; a continuing run never reads its trainer state back (it stays live in the process)
     engines.clear()
+    trainers.clear()
     sa = rl_run(_settings(tmp_path / "a", "run-a"))
     assert sa["iterations"] == 2
+    assert reads == []
 
     # B: the scorer crashes in iteration 1 (after iteration 0 and rollout 1 finished)
     import k3core.rl.tables as stages
@@ -76,6 +85,7 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
 
     monkeypatch.setattr(stages, "rollout_table", counting_rollout)
     engines.clear()
+    trainers.clear()
     with pytest.raises(Exception, match="injected scorer crash"):
         rl_run(_settings(tmp_path / "b", "run-b"))
     assert calls["rollout"] == 2
@@ -86,10 +96,15 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     assert json.loads((root_b / "latest.json").read_text())["iteration"] == 1  # the crash kept latest intact
     rollouts_before = (root_b / "iter-0001" / "rollouts.parquet").stat().st_mtime_ns
 
-    # B again: a new "process" (no live engine), same run id; the crash is gone
+    # B again: a new "process" (no live engine or trainer), same run id; the crash is gone
     marker.unlink()
     engines.clear()
+    trainers.clear()
+    reads.clear()
     sb = rl_run(_settings(tmp_path / "b", "run-b"))
+    # the resumed iteration reads its trainer state once (the mismatch metric reads it, the train step
+    # takes it over), and nothing else is read back
+    assert [Path(r).parent.name for r in reads] == ["iter-0001"], reads
     assert calls["rollout"] == 2, "finished rollouts were recomputed"
     assert (root_b / "iter-0001" / "rollouts.parquet").stat().st_mtime_ns == rollouts_before
 
