@@ -28,7 +28,7 @@ from prefect.states import Cancelled
 
 from flows.pipeline import rl_run
 from flows.runlock import iterations_done, lock_path, run_lock  # noqa: F401 (public here too)
-from k3core.settings import RLSettings
+from k3core.settings import PipelineSettings, RLSettings
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = PROJECT_ROOT / "prefect.yaml"
@@ -75,6 +75,7 @@ def rl_continue(run_id: str = "demo", artifacts: str = "./artifacts", iterations
     log = get_run_logger()
     if iterations_per_tick < 1:
         raise ValueError(f"iterations_per_tick must be >= 1, got {iterations_per_tick}")
+    PipelineSettings(run_id=run_id, artifacts=artifacts)  # a run id that is a path is refused before the lock
     with run_lock(artifacts, run_id) as held:
         if not held:
             msg = (f"run '{run_id}' is busy (another rl_continue tick holds {lock_path(artifacts, run_id)}); "

@@ -50,7 +50,9 @@ def _trend(points: list[tuple[int, float]], key: str) -> dict | None:
 def run_status(artifacts: str, run_id: str) -> dict:
     """The summary of run ``run_id`` (JSON-able). Raises ``RunNotFound`` when nothing of it exists."""
     from k3core.artifacts import ArtifactStore
+    from k3core.settings import PipelineSettings
 
+    PipelineSettings(run_id=run_id)  # a run id that is a path (``../..``) is refused: SettingsError, exit status 2
     store = ArtifactStore(artifacts)
     pre = f"runs/{run_id}"
     latest = _read_json(store, f"{pre}/latest.json")

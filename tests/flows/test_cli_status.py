@@ -126,6 +126,16 @@ def test_bad_input_exits_2_before_any_work(argv, capsys):
     assert err.startswith("k3rl: error:") and "Traceback" not in err and len(err.strip().splitlines()) <= 2
 
 
+def test_a_run_id_that_is_a_path_is_refused(tmp_path, capsys):
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "latest.json").write_text("{}")
+    root = tmp_path / "root"
+    assert main(["status", "--run-id", "../../outside", "--artifacts", str(root)]) == 2
+    assert "--run-id '../../outside'" in capsys.readouterr().err
+    assert main(["run", "--run-id", "../victim", "--artifacts", str(root)]) == 2
+    assert not root.exists()
+
+
 def test_every_bad_setting_is_listed_in_one_error(capsys):
     argv = ["run", "--preset", "nope", "--iterations", "-1", "--top-p", "2", "--run-id", "../x", "--lr", "-1"]
     assert main(argv) == 2
