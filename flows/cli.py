@@ -182,6 +182,9 @@ EXAMPLES = {
   k3rl checkpoint validate ckpt/tiny --report report.json
   k3rl checkpoint quantize ckpt/tiny ckpt/tiny-mxfp4""",
     "quantize": "example:\n  k3rl checkpoint quantize ckpt/tiny ckpt/tiny-mxfp4",
+    "rollout-server": """examples:
+  k3rl rollout-server --checkpoint ckpt/tiny --port 30000
+  k3rl rollout-server --checkpoint ckpt/tiny-mxfp4 --dtype bfloat16 --max-batch 64   # W4A8 experts""",
     "validate": """examples:
   k3rl checkpoint validate ckpt/tiny --roundtrip --write-pin tiny.pin.json
   k3rl checkpoint validate ckpt/copy --pin tiny.pin.json --json""",
@@ -191,6 +194,7 @@ MAIN_EPILOG = """start here:
   k3rl run --preset small --iterations 30 --run-id demo      a full RL run (Prefect embedded mode)
   k3rl status --run-id demo                                  what that run has done
   k3rl serve  (or: k3rl deploy; k3rl worker)                 the deployments of prefect.yaml, scheduled
+  k3rl rollout-server --checkpoint DIR                       a checkpoint behind the SGLang-style HTTP API
   k3rl <command> --help                                      options and examples of one command
 exit status: 0 ok, 1 the work failed, 2 bad usage or input, 130 interrupted"""
 
@@ -235,24 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--artifacts", default="./artifacts", help="artifact root: a path or fsspec URL (default ./artifacts)")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     st.set_defaults(fn=cmd_status)
-    try:
-        from k3core.checkpoint.cli import add_checkpoint_subcommands
-
-        add_checkpoint_subcommands(sub)
-    except ImportError:
-        pass
+    from flows.cli_checkpoint import add_checkpoint_subcommands
+    from flows.cli_plan import add_plan_subcommand
+    from flows.cli_serve import add_rollout_server_subcommand, refuse_checkpoint_on_serve
     from flows.deploy import add_deploy_subcommands
 
+    add_checkpoint_subcommands(sub)
     add_deploy_subcommands(sub)
-    try:
-        from flows.cli_plan import add_plan_subcommand
-
-        add_plan_subcommand(sub)
-    except ImportError:
-        pass
-    from flows.cli_serve import add_serve_parser  # after deploy: extends its `serve` with --checkpoint
-
-    add_serve_parser(sub)
+    refuse_checkpoint_on_serve(sub)  # `serve` is the deployments; the rollout server has its own name
+    add_plan_subcommand(sub)
+    add_rollout_server_subcommand(sub)
     _add_examples(sub)
     return p
 

@@ -99,16 +99,3 @@ def run_plan(args: argparse.Namespace, out=None, err=None) -> int:
     else:
         out.write(format_plan(result, config_name=name) + "\n")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m flows.cli_plan ...``) until the lead wires ``k3rl plan``."""
-    parser = argparse.ArgumentParser(prog="k3rl")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_plan_subcommand(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

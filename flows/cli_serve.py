@@ -1,41 +1,111 @@
-"""``k3rl serve --checkpoint DIR``: the rollout engine behind its SGLang-compatible HTTP API.
+"""``k3rl rollout-server``: a checkpoint served by the rollout engine behind its SGLang-compatible HTTP API.
 
-  k3rl serve --checkpoint DIR [--host 127.0.0.1] [--port 30000] [--dtype float32] [--max-batch 256]
-             [--max-queue 4096] [--experts auto|float] [--weight-version 0]
+  k3rl rollout-server --checkpoint DIR [--host 127.0.0.1] [--port 30000] [--dtype float32] [--max-batch 256]
+                      [--max-queue 4096] [--experts auto|float] [--weight-version 0] [--log-level warning]
 
-``k3rl serve`` without ``--checkpoint`` keeps its other meaning (serving the Prefect deployments of
-prefect.yaml, ``flows/deploy.py``): this module adds the engine's options to that subcommand when it
-exists and dispatches on ``--checkpoint``. The server itself is ``k3core.rollout.server``.
+The HTTP API is ``k3core.rollout.server``, the engine built from the checkpoint
+``k3core.rollout.checkpoints.engine_from_checkpoint``. ``k3rl serve`` is another command (the Prefect
+deployments of prefect.yaml, ``flows/deploy.py``); given ``--checkpoint`` it refuses and names this
+one. ``launch`` starts this command in a subprocess and waits until it answers (tests, benchmarks).
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-def add_serve_parser(sub) -> None:
-    """Register (or extend) the ``serve`` subcommand with the rollout server's options."""
-    from k3core.rollout.server import add_arguments
+__all__ = ["add_rollout_server_subcommand", "refuse_checkpoint_on_serve", "add_arguments", "cmd_rollout_server",
+           "launch"]
 
-    s = sub.choices.get("serve")
-    if s is None:
-        s = sub.add_parser("serve", help="serve a checkpoint with the rollout engine's HTTP API (SGLang-compatible)",
-                           epilog="example: k3rl serve --checkpoint ckpt/ --port 30000")
-        s.set_defaults(fn=cmd_serve, serve_other=None)
-    else:
-        s.set_defaults(serve_other=s.get_default("fn"), fn=cmd_serve)
-        s.description = ("With --checkpoint: serve that checkpoint with the rollout engine's SGLang-compatible HTTP "
-                         "API. Without: serve the Prefect deployments of prefect.yaml.")
-        s.epilog = ("examples: k3rl serve --checkpoint ckpt/ --port 30000 (rollout engine); "
-                    + (s.epilog or "").removeprefix("example: ") + " (deployments)")
-    add_arguments(s)
+COMMAND = "rollout-server"
 
 
-def cmd_serve(args) -> int:
-    if getattr(args, "checkpoint", None):
-        from k3core.rollout.server import serve
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The rollout server's options (light: nothing heavy is imported to build them)."""
+    from k3core.rollout.checkpoints import DTYPES, EXPERTS
+    from k3core.rollout.server import DEFAULT_PORT
 
-        return serve(args)
-    other = getattr(args, "serve_other", None)
-    if other is None:
-        raise ValueError("--checkpoint is required (a checkpoint directory in the public layout, "
-                         "e.g. from `k3rl checkpoint init`)")
-    return other(args)
+    p.add_argument("--checkpoint", required=True, help="checkpoint directory in the public layout (bf16 or MXFP4)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: there is no authentication)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default {DEFAULT_PORT}, as SGLang)")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations (default float32)")
+    p.add_argument("--max-batch", dest="max_batch", type=int, default=256, help="most sequences decoded together")
+    p.add_argument("--max-queue", dest="max_queue", type=int, default=4096,
+                   help="most waiting sequences; beyond it /generate answers 503")
+    p.add_argument("--experts", default="auto", choices=EXPERTS,
+                   help="auto: an MXFP4 checkpoint runs W4A8 experts; float: dequantise them")
+    p.add_argument("--weight-version", dest="weight_version", type=int, default=0, help="version of the loaded weights")
+    p.add_argument("--log-level", dest="log_level", default="warning")
+
+
+def add_rollout_server_subcommand(sub) -> argparse.ArgumentParser:
+    """Register ``rollout-server`` on an argparse subparsers object; returns its parser."""
+    p = sub.add_parser(COMMAND, help="serve a checkpoint with the rollout engine's HTTP API (SGLang-compatible)",
+                       description="Serve a checkpoint with the rollout engine behind the part of SGLang's native "
+                                   "HTTP API that RL uses (/generate, /update_weights_from_disk, "
+                                   "/update_weights_from_tensor, /health, /get_model_info).")
+    add_arguments(p)
+    p.set_defaults(fn=cmd_rollout_server)
+    return p
+
+
+class _CheckpointMovedToRolloutServer(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise argparse.ArgumentError(self, f"`k3rl serve` serves the Prefect deployments of prefect.yaml; to serve a "
+                                           f"checkpoint with the rollout engine use `k3rl {COMMAND} --checkpoint DIR`")
+
+
+def refuse_checkpoint_on_serve(sub) -> None:
+    """Make ``k3rl serve --checkpoint ...`` (which once started the rollout server) a usage error that
+    names ``k3rl rollout-server``, instead of an unrecognised option. Needs ``serve`` registered."""
+    serve = sub.choices["serve"]
+    serve.add_argument("--checkpoint", action=_CheckpointMovedToRolloutServer, nargs="?", help=argparse.SUPPRESS)
+
+
+def cmd_rollout_server(args: argparse.Namespace) -> int:
+    """Load the checkpoint and serve until interrupted."""
+    import uvicorn
+
+    from k3core.rollout.checkpoints import engine_from_checkpoint
+    from k3core.rollout.server import create_app, tokenizer_for
+
+    if not (Path(args.checkpoint) / "config.json").is_file():
+        raise FileNotFoundError(f"{args.checkpoint}: no config.json; point --checkpoint at a checkpoint directory in "
+                                "the public layout (e.g. one made by `k3rl checkpoint init`)")
+    engine = engine_from_checkpoint(args.checkpoint, args.dtype, args.experts, args.weight_version,
+                                    args.max_batch, args.max_queue)
+    app = create_app(engine, tokenizer_for(engine.config), str(args.checkpoint))
+    print(f"k3rl: serving {args.checkpoint} (weight version {engine.weight_version}) on http://{args.host}:{args.port}",
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def launch(checkpoint: str | Path, *args: str, log_path: str | Path, env: dict | None = None,
+           ready_timeout: float = 90.0, **client_kw):
+    """Start ``k3rl rollout-server --checkpoint CHECKPOINT --port P ARGS`` (this interpreter) on a free
+    loopback port, wait until ``/health`` answers, and return ``(process, RolloutClient)``. Output
+    goes to ``log_path``; a server that exits or stays silent past ``ready_timeout`` raises with its
+    log. The caller terminates the process."""
+    from k3core.rollout.client import RolloutClient
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", COMMAND, "--checkpoint", str(checkpoint),
+                                 "--port", str(port), *args], env={**os.environ, **(env or {})},
+                                stdout=log, stderr=subprocess.STDOUT)
+    client = RolloutClient(f"http://127.0.0.1:{port}", **client_kw)
+    deadline = time.monotonic() + ready_timeout
+    while not client.health():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"rollout server did not start (exit {proc.wait()}):\n{Path(log_path).read_text()}")
+        time.sleep(0.2)
+    return proc, client

@@ -1,5 +1,5 @@
 """One client for rollouts, wherever the engine runs: ``local`` (the in-process ``RolloutEngine``) or a
-URL (``k3rl serve``, or a real SGLang server serving K3: only SGLang's native fields are sent).
+URL (``k3rl rollout-server``, or a real SGLang server serving K3: only SGLang's native fields are sent).
 
 ``RolloutClient.generate(prompts, params, pad_id=None, expected_version=None)`` has the engine's
 signature and returns the same ``Completion`` objects, so the pipeline's rollout code does not care
@@ -31,7 +31,9 @@ from urllib.parse import urlparse
 
 import torch
 
+from k3core.rollout.checkpoints import checkpoint_state_for
 from k3core.rollout.engine import Completion, RolloutEngine, SamplingParams, derive_seed
+from k3core.transfer import load_payload
 
 _MASK63 = (1 << 63) - 1
 
@@ -140,8 +142,8 @@ class RolloutClient:
                                          f"{timeout or self.timeout:.0f} s") from e
                 if attempt == self.retries:
                     raise ServerUnavailable(f"rollout server at {self.url} is not reachable ({reason}) after "
-                                            f"{self.retries + 1} attempts: is it running (k3rl serve --checkpoint DIR "
-                                            "--port P)?") from e
+                                            f"{self.retries + 1} attempts: is it running (k3rl rollout-server --checkpoint "
+                                            "DIR --port P)?") from e
             time.sleep(min(10.0, self.backoff * 2 ** attempt))
         raise AssertionError("unreachable")
 
@@ -193,8 +195,6 @@ class RolloutClient:
 
     def update_weights_from_disk(self, model_path: str, weight_version) -> dict:
         if self.is_local:
-            from k3core.rollout.server import checkpoint_state_for
-
             sd, declared = checkpoint_state_for(self.engine, model_path)
             if declared is not None and not _same_version(declared, weight_version):
                 raise WeightUpdateRefused(f"{model_path} declares weight version {declared}, the caller says "
@@ -206,8 +206,6 @@ class RolloutClient:
 
     def update_weights_from_tensor(self, payload: dict) -> dict:
         if self.is_local:
-            from k3core.transfer import load_payload
-
             return {"success": True, "weight_version": load_payload(self.engine, payload)}
         return self._ok("POST", "/update_weights_from_tensor", payload, refused=WeightUpdateRefused)
 

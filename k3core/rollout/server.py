@@ -36,27 +36,31 @@ and ``Retry-After``), and the end-of-sequence default of SGLang (stop at the tok
 Decoding runs on the engine's one background thread; handlers only enqueue and await its futures, and
 weight loads run in a worker thread, so ``/generate`` keeps answering during an update (requests
 queued meanwhile wait for the swap; requests in flight finish on the old version and say so).
-Binds 127.0.0.1 unless told otherwise: there is no authentication.
+There is no authentication: bind it to loopback unless the network is trusted. The command line
+that serves a checkpoint is ``k3rl rollout-server`` (``flows/cli_serve.py``); engines and weight
+updates from checkpoints are ``checkpoints.py``.
 """
 
+# no ``from __future__ import annotations``: FastAPI reads the handlers' annotations (``Request``,
+# imported inside ``create_app``) as objects, not as strings to resolve in this module's globals
 
-import argparse
 import asyncio
 import base64
 import logging
 import time
 import uuid
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch and fastapi are imported where used, so building the CLI parser stays light
+from k3core.rollout.checkpoints import checkpoint_state_for
+
+if TYPE_CHECKING:  # torch and fastapi are imported where used: importing this module stays light
     from k3core.rollout.engine import RolloutEngine
+
+__all__ = ["DEFAULT_PORT", "BadRequest", "create_app", "stop_string_checker", "tokenizer_for"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 30000  # SGLang's default
-DTYPES = ("float32", "bfloat16", "float16")
-EXPERTS = ("auto", "float")
 
 _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "n", "seed",
                   "sampling_seed", "ignore_eos", "no_stop_trim"}
@@ -71,87 +75,6 @@ _REQUEST_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "retu
 
 class BadRequest(ValueError):
     """A request the server refuses as malformed (HTTP 400)."""
-
-
-# ------------------------------------------------------------------ engines from checkpoints
-def _torch_dtype(name: str):
-    import torch
-
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
-    return getattr(torch, name)
-
-
-def engine_from_checkpoint(path: str | Path, dtype: str = "float32", experts: str = "auto", weight_version: int = 0,
-                           max_batch: int = 256, max_queue: int = 4096) -> "RolloutEngine":
-    """An engine over the public-layout checkpoint at ``path``. ``experts`` "auto": an MXFP4
-    checkpoint runs the W4A8 engine (packed expert bytes as stored, FP8 activations: the pipeline's
-    rollout path), a bf16 one a float engine; "float": MXFP4 pairs are dequantised on load."""
-    from k3core.checkpoint.files import CONFIG_NAME
-    from k3core.checkpoint.hf import checkpoint_target, load_model
-    from k3core.config import K3Config
-    from k3core.rollout.engine import RolloutEngine
-
-    if experts not in EXPERTS:
-        raise ValueError(f"experts must be one of {EXPERTS}, got {experts!r}")
-    path = Path(path)
-    if not (path / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{path}: no {CONFIG_NAME}; point --checkpoint at a checkpoint directory "
-                                "(e.g. one made by `k3rl checkpoint init`)")
-    config = K3Config.from_json_file(path / CONFIG_NAME)
-    if experts == "auto" and checkpoint_target(config) == "mxfp4":
-        from k3core.rollout.quantized import load_w4a8_model
-
-        model = load_w4a8_model(path, _torch_dtype(dtype))
-    else:
-        model = load_model(path, dtype=_torch_dtype(dtype))
-    return RolloutEngine(model, weight_version, max_batch=max_batch, max_queue=max_queue)
-
-
-def checkpoint_state_for(engine: "RolloutEngine", path: str | Path) -> tuple[dict, int | None]:
-    """(the state dict ``engine.load_weights`` takes, the version the directory declares or None),
-    read from the public checkpoint at ``path``, shapes and dtypes checked against the engine's config
-    while reading. A directory published by ``k3core.transfer.write_disk`` (``weight_version.json``
-    beside it) goes through ``read_disk``: every stored tensor's digest is checked first. A W4A8
-    engine gets packed expert bytes (as stored in an MXFP4 checkpoint, quantised from a bf16 one); a
-    float engine gets native tensors (MXFP4 pairs dequantised) in its own dtype (``load_hf``)."""
-    from k3core.checkpoint.files import CONFIG_NAME
-    from k3core.checkpoint.hf import checkpoint_target, load_hf
-    from k3core.config import K3Config
-    from k3core.rollout.quantized import W4A8Experts, expert_format, load_w4a8_model, packed_expert_state
-
-    path = Path(path)
-    if not (path / CONFIG_NAME).is_file():
-        raise FileNotFoundError(f"{path}: no {CONFIG_NAME} (model_path must be a checkpoint directory in the public layout)")
-    _check_same_architecture(engine, path)
-    dtype = engine.model.lm_head.weight.dtype
-    packed = expert_format(engine.model) in ("w4a8", "w4a16")
-    mxfp4 = checkpoint_target(K3Config.from_json_file(path / CONFIG_NAME)) == "mxfp4"
-    try:
-        from k3core.transfer import VERSION_FILE, read_disk
-    except ImportError:  # the transfer package is optional here: plain checkpoints still load
-        VERSION_FILE, read_disk = None, None
-    if VERSION_FILE and (path / VERSION_FILE).is_file():
-        state, version = read_disk(path, packed_experts=packed and mxfp4, dtype=dtype)
-        return (packed_expert_state(state) if packed and not mxfp4 else state), version
-    if packed:
-        act = next(m.act_granularity for m in engine.model.modules() if isinstance(m, W4A8Experts))
-        if mxfp4:
-            return load_w4a8_model(path, dtype, act).state_dict(), None
-        return packed_expert_state(load_hf(path, config=engine.config, dtype=dtype)), None
-    return load_hf(path, config=engine.config, dtype=dtype), None
-
-
-def _check_same_architecture(engine: "RolloutEngine", path: Path) -> None:
-    from k3core.checkpoint.files import CONFIG_NAME
-    from k3core.config import K3Config
-
-    theirs = K3Config.from_json_file(path / CONFIG_NAME).replace(quantization_config=None).to_hf_dict()
-    ours = engine.config.replace(quantization_config=None).to_hf_dict()
-    if theirs != ours:
-        diff = sorted(k for k in set(theirs["text_config"]) | set(ours["text_config"])
-                      if theirs["text_config"].get(k) != ours["text_config"].get(k))
-        raise ValueError(f"{path} holds another architecture than the one served (differs in {diff[:5]})")
 
 
 # ------------------------------------------------------------------ request parsing
@@ -423,73 +346,3 @@ def tokenizer_for(config):
         return ByteTokenizer(config)
     except ValueError:
         return None
-
-
-# ------------------------------------------------------------------ command line
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", help="checkpoint directory in the public layout (bf16 or MXFP4)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: there is no authentication)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default {DEFAULT_PORT}, as SGLang)")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations (default float32)")
-    p.add_argument("--max-batch", dest="max_batch", type=int, default=256, help="most sequences decoded together")
-    p.add_argument("--max-queue", dest="max_queue", type=int, default=4096,
-                   help="most waiting sequences; beyond it /generate answers 503")
-    p.add_argument("--experts", default="auto", choices=EXPERTS,
-                   help="auto: an MXFP4 checkpoint runs W4A8 experts; float: dequantise them")
-    p.add_argument("--weight-version", dest="weight_version", type=int, default=0, help="version of the loaded weights")
-    p.add_argument("--log-level", dest="log_level", default="warning")
-
-
-def serve(args: argparse.Namespace) -> int:
-    """Load the checkpoint and serve until interrupted."""
-    import uvicorn
-
-    if not args.checkpoint:
-        raise ValueError("--checkpoint is required (a checkpoint directory in the public layout)")
-    engine = engine_from_checkpoint(args.checkpoint, args.dtype, args.experts, args.weight_version,
-                                    args.max_batch, args.max_queue)
-    app = create_app(engine, tokenizer_for(engine.config), str(args.checkpoint))
-    print(f"k3rl: serving {args.checkpoint} (weight version {engine.weight_version}) on http://{args.host}:{args.port}",
-          flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
-
-
-def launch(checkpoint: str | Path, *args: str, log_path: str | Path, env: dict | None = None,
-           ready_timeout: float = 90.0, **client_kw):
-    """Start ``python -m k3core.rollout.server --checkpoint CHECKPOINT --port P ARGS`` on a free
-    loopback port, wait until ``/health`` answers, and return ``(process, RolloutClient)``. Output
-    goes to ``log_path``; a server that exits or stays silent past ``ready_timeout`` raises with its
-    log. The caller terminates the process."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    from k3core.rollout.client import RolloutClient
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "k3core.rollout.server", "--checkpoint", str(checkpoint),
-                                 "--port", str(port), *args], env={**os.environ, **(env or {})},
-                                stdout=log, stderr=subprocess.STDOUT)
-    client = RolloutClient(f"http://127.0.0.1:{port}", **client_kw)
-    deadline = time.monotonic() + ready_timeout
-    while not client.health():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"rollout server did not start (exit {proc.wait()}):\n{Path(log_path).read_text()}")
-        time.sleep(0.2)
-    return proc, client
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3core.rollout.server", description=__doc__.split("\n")[0])
-    add_arguments(p)
-    return serve(p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -36,8 +36,9 @@ from k3core.transfer.delta import DeltaTracker
 from k3core.transfer.digest import ALGOS, available_algos, default_algo, tensor_digest
 from k3core.transfer.disk import VERSION_FILE, load_disk, read_disk, read_version, write_disk
 from k3core.transfer.inprocess import engine_tensors, push_inprocess
-from k3core.transfer.receive import forget_mappings, load_payload, receive
-from k3core.transfer.shm import SHM_PREFIX, SentTransfer, ShmPool, live_segments, send_cuda_ipc, send_shm
+from k3core.transfer.receive import load_payload, receive
+from k3core.transfer.shm import (SHM_PREFIX, SentTransfer, ShmPool, forget_mappings, live_segments, send_cuda_ipc,
+                                 send_shm)
 from k3core.transfer.stream import StreamedSend, receive_stream, send_shm_stream
 from k3core.transfer.wire import DEFAULT_BUCKET_BYTES, FORMAT, TransferError, TransferReport, iter_wire, wire_nbytes
 

@@ -41,8 +41,9 @@ import torch
 from torch import nn
 
 from k3core.transfer.digest import check_algo, default_algo, tensor_digest
-from k3core.transfer.wire import (FORMAT, TransferError, TransferReport, bucket_digest, content_sha256, dtype_name,
-                                  parse_dtype)
+from k3core.transfer.inprocess import engine_tensors
+from k3core.transfer.wire import (FORMAT, ROUTED_EXPERT_SUFFIXES, TransferError, TransferReport, bucket_digest,
+                                  content_sha256, dtype_name, holds_packed_experts, parse_dtype)
 
 __all__ = ["VERSION_FILE", "write_disk", "read_disk", "read_version", "load_disk"]
 
@@ -205,7 +206,7 @@ def read_disk(path: str | os.PathLike, *, current_version: int | None = None, pa
     state: dict[str, torch.Tensor] = {}
     for k, s in layout.native.items():
         keep_fp32 = public_dtype(k) == torch.float32
-        if packed_experts and k.endswith((".experts.w13", ".experts.w2")):
+        if packed_experts and k.endswith(ROUTED_EXPERT_SUFFIXES):
             state[k + "_packed"] = torch.empty((*s[:-1], s[-1] // 2), dtype=torch.uint8)
             state[k + "_scale"] = torch.empty((*s[:-1], s[-1] // mxfp4.BLOCK), dtype=torch.uint8)
         else:
@@ -229,17 +230,15 @@ def read_disk(path: str | os.PathLike, *, current_version: int | None = None, pa
 
 
 def load_disk(engine, path: str | os.PathLike) -> int:
-    """``read_disk`` for ``engine`` (its version as ``current_version``, packed experts for a W4A8
-    engine, its float dtype), then ``engine.load_weights``. Returns the new version; raises
-    ``TransferError`` with the engine untouched."""
+    """``read_disk`` for ``engine`` (its version as ``current_version``, packed experts when the engine
+    holds its experts as MXFP4 bytes, its float dtype), then ``engine.load_weights``. Returns the new
+    version; raises ``TransferError`` with the engine untouched."""
     from k3core.checkpoint.names import public_dtype
-    from k3core.rollout.quantized import expert_format
-    from k3core.transfer.inprocess import engine_tensors
 
     own = engine_tensors(engine)
     dtype = next((t.dtype for k, t in own.items() if t.is_floating_point() and public_dtype(k) != torch.float32), None)
     state, version = read_disk(path, current_version=engine.weight_version, dtype=dtype,
-                               packed_experts=expert_format(engine.model) in ("w4a8", "w4a16"))
+                               packed_experts=holds_packed_experts(own))
     try:
         engine.load_weights(state, version)
     except ValueError as e:

@@ -3,7 +3,9 @@
 Owns the sending side: ``send_shm`` and ``send_cuda_ipc`` write a trainer state into buckets of at
 most ``bucket_bytes`` (a tensor larger than that gets a bucket of its own) and return a
 ``SentTransfer`` whose ``payload`` is a JSON-serialisable manifest; the receiving process calls
-``k3core.transfer.receive(payload)`` (``receive.py``). Payload::
+``k3core.transfer.receive(payload)`` (``receive.py``). Also the segments themselves, for both ends:
+their names, creating them (``create_segment``, ``ShmPool``) and the receiver's read-only mapping
+(``map_segment``, used by ``receive.py`` and ``stream.py``). Payload::
 
     {"format": "k3rl.weights/1", "transport": "shm" | "cuda_ipc", "weight_version": int,
      "base_version": int | None, "hash": "xxh3_128" | "sha256" | "sum64", "content_sha256": hex,
@@ -42,6 +44,8 @@ from __future__ import annotations
 
 import base64
 import os
+import re
+import threading
 import time
 import uuid
 import weakref
@@ -53,13 +57,16 @@ import torch
 
 from k3core.transfer.delta import DeltaTracker
 from k3core.transfer.digest import check_algo, default_algo, tensor_digest
-from k3core.transfer.wire import (DEFAULT_BUCKET_BYTES, FORMAT, ROUTED_EXPERT_SUFFIXES, TransferReport, align_up,
-                                  bucket_digest, content_sha256, dtype_name, item_digest, iter_wire)
+from k3core.transfer.wire import (DEFAULT_BUCKET_BYTES, FORMAT, ROUTED_EXPERT_SUFFIXES, TransferError, TransferReport,
+                                  align_up, bucket_digest, content_sha256, dtype_name, item_digest, iter_wire)
 
-__all__ = ["SHM_PREFIX", "SHM_DIR", "SentTransfer", "ShmPool", "send_shm", "send_cuda_ipc", "live_segments"]
+__all__ = ["SHM_PREFIX", "SHM_DIR", "SEGMENT_NAME", "SentTransfer", "ShmPool", "send_shm", "send_cuda_ipc",
+           "live_segments", "create_segment", "check_shm_dir", "release_segments", "map_segment", "keep_mappings",
+           "forget_mappings"]
 
 SHM_PREFIX = "k3xfer-"
 SHM_DIR = "/dev/shm"
+SEGMENT_NAME = re.compile(rf"^{re.escape(SHM_PREFIX)}[0-9A-Za-z-]{{1,200}}$")  # the only names a receiver maps
 
 
 def live_segments(prefix: str = SHM_PREFIX) -> list[str]:
@@ -70,7 +77,8 @@ def live_segments(prefix: str = SHM_PREFIX) -> list[str]:
         return []
 
 
-def _create_segment(name: str, nbytes: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+def create_segment(name: str, nbytes: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+    """A new segment ``name`` of ``nbytes`` (at least 1), and this process's mapping of it."""
     seg = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
     seg.close()
     try:
@@ -92,7 +100,8 @@ def _unlink(handles: list) -> None:
     handles.clear()
 
 
-def _check_shm_dir() -> None:
+def check_shm_dir() -> None:
+    """Refuse (``OSError``) a host without POSIX shared memory under ``SHM_DIR``."""
     if not os.path.isdir(SHM_DIR):
         raise OSError(f"{SHM_DIR} not found: the shared-memory transport needs Linux POSIX shared memory")
 
@@ -111,7 +120,7 @@ class ShmPool:
     its own copies). New segments are at least ``segment_bytes`` long."""
 
     def __init__(self, segment_bytes: int = DEFAULT_BUCKET_BYTES):
-        _check_shm_dir()
+        check_shm_dir()
         self.segment_bytes = segment_bytes
         self.tag = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._handles: list[shared_memory.SharedMemory] = []
@@ -133,7 +142,7 @@ class ShmPool:
         fits = [i for i, (_, b) in enumerate(self._free) if b.numel() >= nbytes]
         if fits:
             return self._free.pop(min(fits, key=lambda i: self._free[i][1].numel()))
-        seg, buf = _create_segment(f"{self.tag}-{len(self._handles)}", max(nbytes, self.segment_bytes))
+        seg, buf = create_segment(f"{self.tag}-{len(self._handles)}", max(nbytes, self.segment_bytes))
         self._handles.append(seg)
         return seg, buf
 
@@ -152,6 +161,15 @@ class ShmPool:
         self.close()
 
 
+def release_segments(pool: ShmPool | None, handles: list, buffers: list[torch.Tensor]) -> None:
+    """The sender is done with these segments: back to ``pool``, or unlinked without one."""
+    if pool is not None:
+        pool.give(list(zip(handles, buffers)))
+        handles.clear()
+    buffers.clear()
+    _unlink(handles)
+
+
 class _ShmBuckets:
     """POSIX shared-memory segments for one transfer (fresh ones, or borrowed from a pool), each
     mapped once here as a uint8 tensor."""
@@ -159,7 +177,7 @@ class _ShmBuckets:
     transport = "shm"
 
     def __init__(self, pool: ShmPool | None = None):
-        _check_shm_dir()
+        check_shm_dir()
         self.pool = pool
         self.tag = f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.handles: list[shared_memory.SharedMemory] = []
@@ -169,7 +187,7 @@ class _ShmBuckets:
         if self.pool is not None:
             seg, buf = self.pool.take(nbytes)
         else:
-            seg, buf = _create_segment(f"{self.tag}-{len(self.handles)}", nbytes)
+            seg, buf = create_segment(f"{self.tag}-{len(self.handles)}", nbytes)
         self.handles.append(seg)
         self.buffers.append(buf)
         return {"shm": seg.name}, buf
@@ -177,13 +195,57 @@ class _ShmBuckets:
     def finish(self, descriptors: list[dict]) -> None:
         pass
 
-    @staticmethod
-    def release(pool: ShmPool | None, handles: list, buffers: list[torch.Tensor]) -> None:
-        if pool is not None:
-            pool.give(list(zip(handles, buffers)))
-            handles.clear()
-        buffers.clear()
-        _unlink(handles)
+    release = staticmethod(release_segments)
+
+
+# ------------------------------------------------------------------ the receiving end's mappings
+# Mappings of pooled segments (a sender's ShmPool refills the same segments every transfer), kept
+# between transfers so steady-state receives do not fault every page in again: name -> (identity of
+# the file, its mapping). Dropped for segments a payload no longer names, or by forget_mappings().
+_POOLED: dict[str, tuple[tuple[int, int, int], torch.Tensor]] = {}
+_POOLED_LOCK = threading.Lock()  # a server may receive from several threads
+
+
+def forget_mappings() -> None:
+    """Drop the cached mappings of pooled segments (they pin the segments' memory until dropped)."""
+    with _POOLED_LOCK:
+        _POOLED.clear()
+
+
+def keep_mappings(names: set) -> None:
+    """Drop the cached mappings of pooled segments not in ``names`` (the sender no longer uses them)."""
+    with _POOLED_LOCK:
+        for name in set(_POOLED) - names:
+            del _POOLED[name]
+
+
+def map_segment(name, nbytes: int, pooled: bool) -> torch.Tensor:
+    """The receiver's read-only view of the sender's segment ``name`` (at least ``nbytes`` long), as a
+    uint8 tensor; ``pooled``: keep the mapping for the next transfer that names the same file.
+    Refuses (``TransferError``) a name not of the ``k3xfer-*`` form, a missing or short segment."""
+    if not (isinstance(name, str) and SEGMENT_NAME.match(name)):
+        raise TransferError(f"malformed payload: shared-memory name {name!r} is not a k3xfer-* segment name")
+    path = os.path.join(SHM_DIR, name)
+    try:
+        st = os.stat(path)
+        ident = (st.st_dev, st.st_ino, st.st_size)
+        with _POOLED_LOCK:
+            hit = _POOLED.get(name) if pooled else None
+        if hit is not None and hit[0] == ident:
+            buf = hit[1]
+        else:
+            # MAP_PRIVATE, opened read-only: the receiver can never write into the sender's bucket
+            # (a write would only diverge its own copy, which the next digest check then refuses)
+            buf = torch.from_file(path, shared=False, size=max(st.st_size, 1), dtype=torch.uint8)
+            if pooled:
+                with _POOLED_LOCK:
+                    _POOLED[name] = (ident, buf)
+    except (OSError, RuntimeError) as e:
+        raise TransferError(f"shared-memory segment {name} is missing (did the sender close the transfer before "
+                            f"the receiver loaded it?): {e}") from None
+    if buf.numel() < nbytes:
+        raise TransferError(f"shared-memory segment {name} has {buf.numel()} bytes, the payload declares {nbytes}")
+    return buf
 
 
 def _b64(b: bytes | None) -> str | None:

@@ -70,7 +70,9 @@ import torch
 
 from k3core.transfer.delta import DeltaTracker
 from k3core.transfer.digest import ALGOS, available_algos, bytes_view, check_algo, default_algo, tensor_digest
-from k3core.transfer.shm import SHM_PREFIX, ShmPool, _check_shm_dir, _create_segment, _ShmBuckets
+from k3core.transfer.shm import (SEGMENT_NAME, SHM_PREFIX, ShmPool, check_shm_dir, create_segment, keep_mappings,
+                                 map_segment, release_segments)
+from k3core.transfer.verify import as_int, as_shape, check_expected, check_unchanged, expected_spec, need
 from k3core.transfer.wire import (FORMAT, TransferError, TransferReport, align_up, content_sha256, dtype_name,
                                   item_digest, iter_wire, parse_dtype)
 
@@ -155,7 +157,7 @@ class StreamedSend:
 
         if ring < 1 or bucket_bytes < 1 or timeout <= 0:
             raise ValueError(f"ring, bucket_bytes and timeout must be positive, got {ring}, {bucket_bytes}, {timeout}")
-        _check_shm_dir()
+        check_shm_dir()
         check_algo(algo)
         self._tensors, self._quantize, self._w4a8, self._algo = named_tensors, quantize_experts, w4a8, algo
         self._tracker, self._timeout = tracker, timeout
@@ -169,7 +171,7 @@ class StreamedSend:
                                            self._slots)
         try:
             for k in range(ring):
-                seg, buf = pool.take(self.slot_bytes) if pool is not None else _create_segment(f"{tag}-{k}", self.slot_bytes)
+                seg, buf = pool.take(self.slot_bytes) if pool is not None else create_segment(f"{tag}-{k}", self.slot_bytes)
                 self._handles.append(seg)
                 self._slots.append(buf)
             self._listener.bind(_abstract(f"{tag}-control"))
@@ -193,7 +195,7 @@ class StreamedSend:
     @staticmethod
     def _release(listener: socket.socket, pool: ShmPool | None, handles: list, slots: list) -> None:
         listener.close()
-        _ShmBuckets.release(pool, handles, slots)  # back to the pool, or unlinked
+        release_segments(pool, handles, slots)  # back to the pool, or unlinked
 
     @property
     def segment_names(self) -> list[str]:
@@ -393,18 +395,16 @@ def send_shm_stream(named_tensors: Mapping[str, torch.Tensor], version: int, *, 
 
 # ------------------------------------------------------------------ receiver
 def _header(payload: dict) -> tuple[int, str, list[str], int, float]:
-    from k3core.transfer.receive import _SHM_NAME, _int, _need
-
-    version = _int(payload.get("weight_version"), "weight_version", -(2**63))
+    version = as_int(payload.get("weight_version"), "weight_version", -(2**63))
     algo = payload.get("hash")
-    _need(algo in ALGOS, f"malformed payload: hash {algo!r}, expected one of {ALGOS}")
-    _need(algo in available_algos(), f"payload digests use {algo!r}, which needs the 'xxhash' package here")
+    need(algo in ALGOS, f"malformed payload: hash {algo!r}, expected one of {ALGOS}")
+    need(algo in available_algos(), f"payload digests use {algo!r}, which needs the 'xxhash' package here")
     ring = payload.get("ring")
-    _need(isinstance(ring, list) and ring and all(isinstance(n, str) and _SHM_NAME.match(n) for n in ring),
-          f"malformed payload: 'ring' must list k3xfer-* segment names, got {ring!r}")
-    slot_bytes = _int(payload.get("bucket_bytes"), "bucket_bytes", 1)
+    need(isinstance(ring, list) and ring and all(isinstance(n, str) and SEGMENT_NAME.match(n) for n in ring),
+         f"malformed payload: 'ring' must list k3xfer-* segment names, got {ring!r}")
+    slot_bytes = as_int(payload.get("bucket_bytes"), "bucket_bytes", 1)
     timeout = payload.get("timeout_s", DEFAULT_TIMEOUT_S)
-    _need(isinstance(timeout, (int, float)) and 0 < timeout <= 3600, f"malformed payload: timeout_s {timeout!r}")
+    need(isinstance(timeout, (int, float)) and 0 < timeout <= 3600, f"malformed payload: timeout_s {timeout!r}")
     return version, algo, ring, slot_bytes, float(timeout)
 
 
@@ -412,11 +412,9 @@ class _Staged:
     """One wire item on the receiving side: its parts copied out of the ring, then verified."""
 
     def __init__(self, decl: dict, expected, staging: dict | None):
-        from k3core.transfer.receive import _expected_spec, _int, _need, _shape
-
-        _need(isinstance(decl, dict) and isinstance(decl.get("name"), str), f"malformed stream: item {decl!r}")
+        need(isinstance(decl, dict) and isinstance(decl.get("name"), str), f"malformed stream: item {decl!r}")
         self.name = decl["name"]
-        self.dtype, self.shape = parse_dtype(decl.get("dtype")), _shape(decl.get("shape"), self.name)
+        self.dtype, self.shape = parse_dtype(decl.get("dtype")), as_shape(decl.get("shape"), self.name)
         self.codec = decl.get("codec", "raw")
         numel = math.prod(self.shape)
         if self.codec == "raw":
@@ -424,22 +422,22 @@ class _Staged:
         elif self.codec == "mxfp4":
             from k3core.ops import mxfp4
 
-            _need(len(self.shape) >= 1 and self.shape[-1] % mxfp4.BLOCK == 0 and self.dtype.is_floating_point,
-                  f"{self.name}: MXFP4 entry needs a float dtype and a last dim divisible by {mxfp4.BLOCK}")
+            need(len(self.shape) >= 1 and self.shape[-1] % mxfp4.BLOCK == 0 and self.dtype.is_floating_point,
+                 f"{self.name}: MXFP4 entry needs a float dtype and a last dim divisible by {mxfp4.BLOCK}")
             sizes = [numel // 2, numel // mxfp4.BLOCK]
         else:
             raise TransferError(f"{self.name}: unknown codec {self.codec!r}")
         parts = decl.get("parts")
-        _need(isinstance(parts, list) and [_int(p, f"{self.name} part size") for p in parts] == sizes,
-              f"{self.name}: part sizes {parts!r}, but {self.codec} {dtype_name(self.dtype)} {list(self.shape)} "
-              f"needs {sizes}")
+        need(isinstance(parts, list) and [as_int(p, f"{self.name} part size") for p in parts] == sizes,
+             f"{self.name}: part sizes {parts!r}, but {self.codec} {dtype_name(self.dtype)} {list(self.shape)} "
+             f"needs {sizes}")
         if expected is not None:
-            _need(self.name in expected, f"{self.name}: not a tensor of the receiver: refused")
-            shape, dtype = _expected_spec(expected[self.name])
-            _need(self.shape == tuple(shape), f"{self.name}: shape {list(self.shape)}, the receiver expects "
-                                              f"{list(shape)}: refused")
-            _need(self.dtype == dtype, f"{self.name}: dtype {dtype_name(self.dtype)}, the receiver expects "
-                                       f"{dtype_name(dtype)}: refused")
+            need(self.name in expected, f"{self.name}: not a tensor of the receiver: refused")
+            shape, dtype = expected_spec(expected[self.name])
+            need(self.shape == tuple(shape), f"{self.name}: shape {list(self.shape)}, the receiver expects "
+                                             f"{list(shape)}: refused")
+            need(self.dtype == dtype, f"{self.name}: dtype {dtype_name(self.dtype)}, the receiver expects "
+                                      f"{dtype_name(dtype)}: refused")
         if self.codec == "raw":  # staged straight into the tensor the engine gets
             kept = staging.get(self.name) if staging is not None else None
             if kept is None or tuple(kept.shape) != self.shape or kept.dtype != self.dtype:
@@ -455,15 +453,13 @@ class _Staged:
         self.digest: str | None = None
 
     def verify(self, digests, algo: str) -> None:
-        from k3core.transfer.receive import _need
-
-        _need(self.got == [p.numel() for p in self.parts],
-              f"{self.name}: digests sent after {self.got} of {[p.numel() for p in self.parts]} bytes")
-        _need(isinstance(digests, list) and len(digests) == len(self.parts), f"malformed stream: {self.name} digests")
+        need(self.got == [p.numel() for p in self.parts],
+             f"{self.name}: digests sent after {self.got} of {[p.numel() for p in self.parts]} bytes")
+        need(isinstance(digests, list) and len(digests) == len(self.parts), f"malformed stream: {self.name} digests")
         for what, p, want in zip(("", " (scale)"), self.parts, digests):
             got = tensor_digest(p, algo)
-            _need(got == want, f"{self.name}{what}: {algo} digest {got} does not match the sender's {want} "
-                               "(corrupt bucket): refused")
+            need(got == want, f"{self.name}{what}: {algo} digest {got} does not match the sender's {want} "
+                              "(corrupt bucket): refused")
         if self.codec == "mxfp4":
             from k3core.ops import mxfp4
 
@@ -493,13 +489,11 @@ def receive_stream(payload: dict, *, current_version: int | None = None,
     than the copy), at the price of one standing copy; the returned tensors are then overwritten by
     the next transfer that uses the same dict. Raises ``TransferError``; the sender is told why.
     """
-    from k3core.transfer.receive import _check_expected, _check_unchanged, _int, _keep_mappings, _map_shm, _need
-
-    _need(isinstance(payload, dict) and payload.get("format") == FORMAT and payload.get("transport") == TRANSPORT,
-          f"malformed payload: expected a {FORMAT} {TRANSPORT} object")
+    need(isinstance(payload, dict) and payload.get("format") == FORMAT and payload.get("transport") == TRANSPORT,
+         f"malformed payload: expected a {FORMAT} {TRANSPORT} object")
     control, token = payload.get("control"), payload.get("token")
-    _need(isinstance(control, str) and control.startswith("k3xfer-") and isinstance(token, str),
-          "malformed payload: 'control' must name the sender's k3xfer-* control socket and 'token' be a string")
+    need(isinstance(control, str) and control.startswith("k3xfer-") and isinstance(token, str),
+         "malformed payload: 'control' must name the sender's k3xfer-* control socket and 'token' be a string")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(DEFAULT_TIMEOUT_S)
@@ -517,15 +511,15 @@ def receive_stream(payload: dict, *, current_version: int | None = None,
             raise TransferError(f"weight version {version} is not newer than the receiver's {current_version}: refused")
         base_version = payload.get("base_version")
         if base_version is not None:
-            base_version = _int(base_version, "base_version", -(2**63))
-            _need(base is not None, f"delta payload (base version {base_version}): pass base= (the receiver's "
-                                    "current tensors)")
-            _need(current_version is None or base_version == current_version,
-                  f"delta computed against version {base_version}, but the receiver holds {current_version}: refused")
+            base_version = as_int(base_version, "base_version", -(2**63))
+            need(base is not None, f"delta payload (base version {base_version}): pass base= (the receiver's "
+                                   "current tensors)")
+            need(current_version is None or base_version == current_version,
+                 f"delta computed against version {base_version}, but the receiver holds {current_version}: refused")
         pooled = payload.get("pooled") is True
         if pooled:
-            _keep_mappings(set(ring))
-        slots = [_map_shm({"shm": name}, slot_bytes, pooled) for name in ring]
+            keep_mappings(set(ring))
+        slots = [map_segment(name, slot_bytes, pooled) for name in ring]
         items: dict[int, _Staged] = {}
         seq = 0
         while True:
@@ -535,48 +529,48 @@ def receive_stream(payload: dict, *, current_version: int | None = None,
                 raise TransferError(f"the sender aborted the transfer: {msg.get('error')}")
             if op == "end":
                 break
-            _need(op == "bucket" and msg.get("seq") == seq and msg.get("slot") == seq % len(ring),
-                  f"malformed stream: expected bucket {seq} in slot {seq % len(ring)}, got {str(msg)[:200]}")
+            need(op == "bucket" and msg.get("seq") == seq and msg.get("slot") == seq % len(ring),
+                 f"malformed stream: expected bucket {seq} in slot {seq % len(ring)}, got {str(msg)[:200]}")
             for decl in msg.get("items") or []:
                 idx = decl.get("idx") if isinstance(decl, dict) else None
-                _need(isinstance(idx, int) and idx not in items, f"malformed stream: item {str(decl)[:200]}")
-                _need(all(s.name != decl.get("name") for s in items.values()), f"malformed payload: {decl.get('name')} sent twice")
+                need(isinstance(idx, int) and idx not in items, f"malformed stream: item {str(decl)[:200]}")
+                need(all(s.name != decl.get("name") for s in items.values()), f"malformed payload: {decl.get('name')} sent twice")
                 items[idx] = _Staged(decl, expected, staging)
             buf = slots[seq % len(ring)]
             for c in msg.get("chunks") or []:
-                _need(isinstance(c, list) and len(c) == 5 and all(isinstance(x, int) and x >= 0 for x in c),
-                      f"malformed stream: chunk {c!r}")
+                need(isinstance(c, list) and len(c) == 5 and all(isinstance(x, int) and x >= 0 for x in c),
+                     f"malformed stream: chunk {c!r}")
                 idx, part, at, off, n = c
                 s = items.get(idx)
-                _need(s is not None and part < len(s.parts) and at == s.got[part] and at + n <= s.parts[part].numel()
-                      and off + n <= slot_bytes, f"malformed stream: chunk {c!r} out of order or out of bounds")
+                need(s is not None and part < len(s.parts) and at == s.got[part] and at + n <= s.parts[part].numel()
+                     and off + n <= slot_bytes, f"malformed stream: chunk {c!r} out of order or out of bounds")
                 s.parts[part][at: at + n].copy_(buf[off: off + n])
                 s.got[part] += n
             ch.send({"op": "consumed", "seq": seq})  # the slot is free: the sender refills it while we hash
             done = msg.get("digests") or {}
-            _need(isinstance(done, dict), "malformed stream: 'digests' must be an object")
+            need(isinstance(done, dict), "malformed stream: 'digests' must be an object")
             for key, ds in done.items():
                 s = items.get(int(key)) if key.isdigit() else None
-                _need(s is not None and s.digest is None, f"malformed stream: digests for item {key}")
+                need(s is not None and s.digest is None, f"malformed stream: digests for item {key}")
                 s.verify(ds, algo)
             seq += 1
         del slots
         out: dict[str, torch.Tensor] = {}
         rows = []
         for s in items.values():
-            _need(s.digest is not None, f"{s.name}: the stream ended before its digests arrived: refused")
+            need(s.digest is not None, f"{s.name}: the stream ended before its digests arrived: refused")
             out[s.name] = s.tensor
             rows.append((s.name, dtype_name(s.dtype), list(s.shape), s.codec, s.digest))
         unchanged = msg.get("unchanged") or []
-        _need(isinstance(unchanged, list), "malformed stream: 'unchanged' must be a list")
-        _need(not unchanged or base_version is not None, "malformed stream: unchanged tensors without a base version")
+        need(isinstance(unchanged, list), "malformed stream: 'unchanged' must be a list")
+        need(not unchanged or base_version is not None, "malformed stream: unchanged tensors without a base version")
         for u in unchanged:
-            _check_unchanged(u, base, algo, out, rows, base_version)
-        _need(len(rows) == msg.get("num_tensors"), f"stream carried {len(rows)} tensors, the sender says "
-                                                   f"{msg.get('num_tensors')}")
-        _need(content_sha256(rows, algo) == msg.get("content_sha256"), "content digest does not match the entries: refused")
+            check_unchanged(u, base, algo, out, rows, base_version)
+        need(len(rows) == msg.get("num_tensors"), f"stream carried {len(rows)} tensors, the sender says "
+                                                  f"{msg.get('num_tensors')}")
+        need(content_sha256(rows, algo) == msg.get("content_sha256"), "content digest does not match the entries: refused")
         if expected is not None:
-            _check_expected(out, expected)
+            check_expected(out, expected)
         if apply is not None:
             try:
                 apply(out, version)

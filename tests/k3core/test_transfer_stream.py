@@ -161,14 +161,14 @@ def test_stream_peak_shared_memory_is_the_ring_not_the_model(worker, monkeypatch
     ring_bytes = RING * BUCKET
     assert _nbytes(sd) > 8 * ring_bytes
     created = []
-    real_create = shm_module._create_segment
+    real_create = shm_module.create_segment
 
     def counting_create(name, nbytes):
         created.append(nbytes)
         return real_create(name, nbytes)
 
-    monkeypatch.setattr(shm_module, "_create_segment", counting_create)
-    monkeypatch.setattr(stream_module, "_create_segment", counting_create)
+    monkeypatch.setattr(shm_module, "create_segment", counting_create)
+    monkeypatch.setattr(stream_module, "create_segment", counting_create)
 
     def peak_while(run) -> int:
         """Most bytes this process's segments held in /dev/shm, sampled while ``run()`` runs."""
@@ -352,7 +352,8 @@ def test_stream_through_the_server_update_weights_from_tensor(tmp_path):
     """The HTTP server as a real subprocess takes a streamed payload on /update_weights_from_tensor."""
     from k3core.checkpoint.hf import init_checkpoint, load_model
     from k3core.rollout.engine import SamplingParams
-    from k3core.rollout.server import engine_from_checkpoint, launch
+    from flows.cli_serve import launch
+    from k3core.rollout.checkpoints import engine_from_checkpoint
 
     init_checkpoint("tiny", tmp_path / "a", seed=0)
     init_checkpoint("tiny", tmp_path / "b", seed=1)

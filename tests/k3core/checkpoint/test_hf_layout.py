@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from flows.cli_checkpoint import add_checkpoint_subcommands
 from k3core.checkpoint.files import sha256_file
-from k3core.checkpoint.cli import add_checkpoint_subcommands
 from k3core.checkpoint.hf import (CheckpointFormatError, INDEX_NAME, init_checkpoint, load_hf, load_model,
                                   quantize_checkpoint, read_index, save_hf)
 from k3core.checkpoint.names import materialize, meta_model, native_shapes, native_to_public, public_layout

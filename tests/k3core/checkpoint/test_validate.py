@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from k3core.checkpoint.cli import add_checkpoint_subcommands
+from flows.cli_checkpoint import add_checkpoint_subcommands
 from k3core.checkpoint.hf import INDEX_NAME, init_checkpoint, load_model, read_index, save_hf
 from k3core.checkpoint.pin import make_pin
 from k3core.checkpoint.validate import CheckpointValidationError, validate_checkpoint

@@ -16,12 +16,13 @@ import urllib.request
 import pytest
 import torch
 
+from flows.cli_serve import launch
 from k3core.checkpoint.hf import init_checkpoint, load_model
 from k3core.config import K3Config
+from k3core.rollout.checkpoints import engine_from_checkpoint
 from k3core.rollout.client import (RequestRefused, RolloutClient, ServerOverloaded, ServerUnavailable,
                                    WeightUpdateRefused, WeightVersionMismatch)
 from k3core.rollout.engine import SamplingParams
-from k3core.rollout.server import engine_from_checkpoint, launch
 
 TINY = K3Config.preset("tiny")
 PROMPTS = [[256, 72, 105], [256, 1, 2, 3, 4, 5, 6, 7], [256, 9]]

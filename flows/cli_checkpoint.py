@@ -1,4 +1,4 @@
-"""``k3rl checkpoint init|fetch|validate|quantize``: argparse wiring for k3core.checkpoint.
+"""``k3rl checkpoint init|fetch|validate|quantize``: the command line of ``k3core.checkpoint``.
 
     k3rl checkpoint init --preset tiny --out ckpt/ [--format bf16|mxfp4] [--seed N]
     k3rl checkpoint fetch URL DIR [--pin pin.json] [--workers 8]
