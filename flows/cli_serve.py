@@ -61,8 +61,8 @@ class _CheckpointMovedToRolloutServer(argparse.Action):
 
 
 def refuse_checkpoint_on_serve(sub) -> None:
-    """Make ``k3rl serve --checkpoint ...`` (which once started the rollout server) a usage error that
-    names ``k3rl rollout-server``, instead of an unrecognised option. Needs ``serve`` registered."""
+    """Make ``k3rl serve --checkpoint ...`` a usage error that names ``k3rl rollout-server`` (the
+    command that serves a checkpoint) rather than an unrecognised option. Needs ``serve`` registered."""
     serve = sub.choices["serve"]
     serve.add_argument("--checkpoint", action=_CheckpointMovedToRolloutServer, nargs="?", help=argparse.SUPPRESS)
 

@@ -16,8 +16,8 @@ parallel layout (TP, EP, PP, CP, DP, FSDP) and its validation, and pure function
   stage boundary carries.
 
 Does not own: parameter counting (``k3core.model.info.model_info`` builds the model on the meta
-device; this module only distributes its per-kind counts over layers), measurement (the GPU
-calibration is the lead's), the CLI (``flows/cli_plan.py``).
+device; this module only distributes its per-kind counts over layers), measurement
+(``benchmarks/plan_calibration.py`` checks the estimates on a GPU), the CLI (``flows/cli_plan.py``).
 
 Units: bytes (``int``/``float``) everywhere inside; GB = 1e9 bytes in printed tables.
 
@@ -116,7 +116,7 @@ class Hardware:
 HARDWARE: dict[str, Hardware] = {
     "h200": Hardware(
         name="h200", gpus_per_node=8,
-        hbm_bytes=143771 * MiB,  # measured (nvidia-smi, docs machines.md); marketed "141 GB"
+        hbm_bytes=143771 * MiB,  # measured (nvidia-smi); marketed "141 GB"; sources: docs/planner.md
         host_ram_bytes=2e12, nvlink_gbps=900.0, pcie_gbps=55.0, network_gbps=8 * 400 / 8,
         filesystem_gbps=5.5,
         notes="8 x H200 (143771 MiB HBM each, measured; marketed 141 GB), 2 TB host RAM, NVLink 4 "

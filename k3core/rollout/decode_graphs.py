@@ -4,9 +4,9 @@ Owns: capturing and replaying ``decode_step`` over one ``StaticDecodeState`` (``
 the bucket sizes (``bucket``). Does not own: the decode state (``k3core.model.cache``), sampling or
 which sequence sits in which slot (``k3core.rollout.engine``).
 
-A decode step is a few thousand small kernels; launched one by one from Python it is host-bound
-(~70-95 ms for a 2B model whose weights take ~1 ms to read). A captured graph replays them with one
-launch. A graph stores addresses, not tensors, so everything it reads must keep its storage:
+A decode step is a few thousand small kernels; launched one by one from Python it is host-bound:
+the launches take far longer than reading the weights (docs/results/rollout_decode.md). A captured
+graph replays them with one launch. A graph stores addresses, not tensors, so everything it reads must keep its storage:
 - the decode state's buffers (fixed for the life of one ``StaticDecodeState``; a resized state gets
   new graphs);
 - the weights: ``RolloutEngine.load_weights`` copies into the existing parameters and

@@ -27,15 +27,13 @@ storage, no host sync. The state grows (slots to the next bucket, length to the 
 that holds every running sequence's prompt + ``max_new_tokens``) when admission needs it. "graph":
 "static" with each bucket's step captured once as a CUDA graph and replayed
 (``k3core.rollout.decode_graphs``); sampling stays outside the graph. "auto" (default): "dynamic".
-"graph" is opt-in: on the H200 (2026-12-01) it decoded 5.4x faster than "dynamic" at batch 64 and
-its fixed-batch replay matched the eager step across a weight swap, but the engine-level test with
-joins and leaves (tests/k3core/rollout/test_cuda_graph_decode.py) failed in 2 of 3 runs in fp32
-(first-step logits off by up to 0.8 against "static"); in a fourth run (third GPU session) the
-first two steps' logits agreed within 1e-3 but a greedy token differed at step 1 between two of the
-three modes. Not explained yet: either a state bug, or a near-tie flipped by run-to-run rounding
-(the MoE combine's ``index_add_`` is atomic on CUDA, and two eager bf16 runs of one step differed by
-2.24 there); the test now compares the modes pairwise and reports the top-2 margin at the first
-differing token and where routing first parts, which tells the two apart. W4A8 experts tile on the host and cannot be captured. Prefill is the same eager forward in every mode.
+"graph" is opt-in until its engine-level GPU test with joins and leaves
+(tests/k3core/rollout/test_cuda_graph_decode.py) passes: the modes have parted on a greedy token,
+which is either a state bug or a near-tie flipped by run-to-run rounding (the MoE combine's
+``index_add_`` is atomic on CUDA, so two eager runs of one step differ too). The test compares the
+modes pairwise and reports the top-2 margin at the first differing token and where routing first
+parts, which tells the two apart. Speeds and the test's GPU outcomes: docs/results/rollout_decode.md.
+W4A8 experts tile on the host and cannot be captured. Prefill is the same eager forward in every mode.
 
 Sampling. ``logprobs`` are ``log softmax(logits / temperature)`` of the sampled token, before top-k /
 top-p truncation: the distribution the trainer re-computes (temperature 0: greedy, log-probs at

@@ -6,11 +6,12 @@ default choice, and ``sum64_reference`` (the slow, obviously-right version of th
 checksum). Does not own: what a digest is compared against (the transports do that).
 
 Algorithms:
-- ``"xxh3_128"``: xxHash3, 128 bit (the ``xxhash`` package). Not cryptographic; about 9 GB/s on one
-  core of the 2-core dev CPU, faster than a memcpy there, so checking does not halve a transfer.
-  The default on CPU when ``xxhash`` is importable.
-- ``"sha256"``: hashlib (OpenSSL; about 1.6 GB/s on that CPU with SHA-NI). Always available; the
-  default on CPU without ``xxhash``.
+- ``"xxh3_128"``: xxHash3, 128 bit (the ``xxhash`` package). Not cryptographic; on one core it
+  hashes about as fast as memory copies, so checking does not halve a transfer. The default on CPU
+  when ``xxhash`` is importable.
+- ``"sha256"``: hashlib (OpenSSL). Several times slower than xxh3, so it caps a transfer's speed.
+  Always available; the default on CPU without ``xxhash``.
+Rates on the development CPU: docs/results/weight_transfer.md.
 - ``"sum64"``: a positional checksum computed with torch ops on the tensor's own device (no copy to
   the host; used for CUDA IPC buckets). Bytes are zero-padded to a multiple of 8 and read as
   little-endian int64 words ``w_0..w_{n-1}``; the digest is ``S1 = sum_i w_i * (2i + 1)`` and
