@@ -24,40 +24,34 @@ import os
 import sys
 
 
-def _prefect_env() -> None:
-    """Prefect's environment is set when ``flows`` is imported (see flows/__init__.py)."""
+def _settings_from_args(a: argparse.Namespace):
+    """``RLSettings`` from the run flags given (the rest keep their defaults); every problem of every
+    section in one ``SettingsError`` (a ``ValueError``: exit status 2)."""
+    from k3core.settings import RLSettings, section_fields
 
-
-def _settings_from_args(a):
-    from flows.pipeline import RLSettings
-
-    fields = {f.name for f in dataclasses.fields(RLSettings)}
-    kw = {k: v for k, v in vars(a).items() if k in fields and v is not None}
-    if "source" not in kw:
-        kw["source"] = f"init:{kw.get('preset', 'small')}:{kw.get('seed', 0)}"
-    return RLSettings(**kw)
+    nested: dict[str, dict] = {}
+    for sec, f in section_fields():
+        value = getattr(a, f"{sec}__{f.name}", None)
+        if value is not None:
+            nested.setdefault(sec, {})[f.name] = value
+    return RLSettings.from_dict(nested)
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:
-    from flows.pipeline import RLSettings
+    """One flag per setting, grouped by section (``k3rl run --help`` shows the sections)."""
+    from k3core.settings import section_fields
 
-    d = RLSettings()
-    p.add_argument("--preset", default=d.preset, help="model preset (tiny, small, medium, full)")
-    p.add_argument("--source", default=None, help="checkpoint URL (file://, memory://, s3://, hf://) or init:PRESET[:SEED] "
-                   "(default: a fresh seeded checkpoint of --preset)")
-    p.add_argument("--env", default=d.env, help="built-in environment (add, reverse) or module.path:factory")
-    p.add_argument("--artifacts", default=d.artifacts, help="artifact root: a path or fsspec URL")
-    p.add_argument("--run-id", dest="run_id", default=d.run_id, help="re-using a run id resumes that run")
-    for f in dataclasses.fields(RLSettings):
-        if f.name in ("preset", "source", "env", "artifacts", "run_id"):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):  # --qat alone means true; --qat false|true|0|1|no|yes also parse
-            p.add_argument(flag, dest=f.name, type=_bool, nargs="?", const=True, default=None,
-                           help=f"(default {str(f.default).lower()})")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for sec, f in section_fields():
+        g = groups.get(sec) or groups.setdefault(sec, p.add_argument_group(f"{sec} settings"))
+        flag, kind = "--" + f.metadata["flag"], f.metadata["kind"]
+        dest = f"{sec}__{f.name}"
+        default = f.default if f.default != "" else "init:PRESET:SEED"
+        text = f"{f.metadata['help']} (default {str(default).lower() if kind == 'bool' else default})"
+        if kind == "bool":  # --qat alone means true; --qat false|true|0|1|no|yes also parse
+            g.add_argument(flag, dest=dest, type=_bool, nargs="?", const=True, default=None, help=text)
         else:
-            typ = {"int": int, "float": float}.get(str(f.type), str)
-            p.add_argument(flag, dest=f.name, type=typ, default=None, help=f"(default {f.default})")
+            g.add_argument(flag, dest=dest, type={"int": int, "float": float}.get(kind, str), default=None, help=text)
 
 
 def _bool(text: str) -> bool:
@@ -68,37 +62,29 @@ def _bool(text: str) -> bool:
 
 
 def check_settings(s) -> None:
-    """Bad input found before any work starts (ValueError, exit status 2): an unknown preset or
-    environment, an environment module that does not import, negative counts, ``--qat`` on a preset
-    whose expert widths MXFP4 blocks cannot tile."""
-    from k3core.config import K3Config
+    """Bad input found before any work starts (``ValueError``, exit status 2): the sections validated
+    themselves when built; here the environment is loaded (a module that does not import, a factory
+    that returns no environment)."""
     from k3core.rl.envs import load_env
 
-    config = K3Config.preset(s.preset)
-    if s.qat:  # MXFP4 blocks of 32 must tile the expert widths
-        config.replace(qat_routed_experts=True)
-    load_env(s.env)
-    for name in ("iterations", "prompts_per_iteration", "samples_per_prompt", "max_new_tokens", "warmup_steps",
-                 "eval_prompts", "eval_every"):
-        if getattr(s, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(s, name)}")
+    load_env(s.pipeline.env)
 
 
 def cmd_run(a) -> int:
-    _prefect_env()
     s = _settings_from_args(a)
     check_settings(s)
     from flows.pipeline import rl_run
 
-    print(f"k3rl: RL run '{s.run_id}' on preset '{s.preset}', env '{s.env}', {s.iterations} iterations, "
-          f"artifacts at {s.artifacts}", flush=True)
+    run_id = s.pipeline.run_id
+    print(f"k3rl: RL run '{run_id}' on preset '{s.model.preset}', env '{s.pipeline.env}', "
+          f"{s.pipeline.iterations} iterations, artifacts at {s.pipeline.artifacts}", flush=True)
     try:
         summary = rl_run(s)
     except KeyboardInterrupt:
-        print(f"k3rl: interrupted; run the same command again to resume run '{s.run_id}'", file=sys.stderr)
+        print(f"k3rl: interrupted; run the same command again to resume run '{run_id}'", file=sys.stderr)
         return 130
     except Exception as e:  # the failing stage has logged its traceback through Prefect
-        print(f"k3rl: run '{s.run_id}' failed: {type(e).__name__}: {e}\n"
+        print(f"k3rl: run '{run_id}' failed: {type(e).__name__}: {e}\n"
               f"k3rl: finished stages are kept; fix the cause and run the same command to resume", file=sys.stderr)
         return 1
     print(json.dumps(summary, indent=2) if a.json else _format_summary(summary))
@@ -121,7 +107,6 @@ def _f(x) -> str:
 
 
 def cmd_prepare(a) -> int:
-    _prefect_env()
     s = _settings_from_args(a)
     check_settings(s)
     from flows.pipeline import prepare
@@ -131,9 +116,9 @@ def cmd_prepare(a) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
-        print(f"k3rl: prepare of run '{s.run_id}' failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"k3rl: prepare of run '{s.pipeline.run_id}' failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(out, indent=2, default=str))
+    print(json.dumps(dataclasses.asdict(out), indent=2, default=str))
     return 0
 
 
