@@ -104,8 +104,8 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
         mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
                                      s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
-        scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt)
-        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout.temperature)
+        scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages)
+        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout.temperature, s.rollout.max_new_tokens)
         checkpoint = save_checkpoint(run, iteration, trained)
         engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized)
     metrics = reports.iteration_metrics(iteration, weights, rollouts, scored, trained, engine, heldout, mismatch, seconds)

@@ -19,8 +19,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EvalSettings", "GRPOSettings", "ModelSettings", "PipelineSettings", "RLSettings", "RolloutSettings",
-           "SettingsError", "WarmupSettings"]
+__all__ = ["EvalSettings", "GRPOSettings", "LOSS_AGGREGATIONS", "ModelSettings", "PipelineSettings", "RLSettings",
+           "RolloutSettings", "SettingsError", "WarmupSettings"]
 
 # pydantic (through Prefect) reads this attribute of stdlib dataclasses: refuse unknown keys.
 _FORBID_EXTRA = {"extra": "forbid"}
@@ -40,7 +40,7 @@ def _flag(name: str, help: str) -> dict:
     return {"flag": name, "help": help}
 
 
-def _check(problems: list[str], section: "_Section") -> None:
+def _check(problems: list[str], section: _Section) -> None:
     """Type and sign checks shared by every section: ints are ints (not bools), floats are numbers,
     bools are bools, strings are strings, and fields marked ``min`` are at least that."""
     for f in dataclasses.fields(section):
@@ -140,6 +140,10 @@ class RolloutSettings(_Section):
         return out
 
 
+# How the per-token GRPO losses of a minibatch add up (k3core.rl.grpo.loss_weights).
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-sum")
+
+
 @dataclass
 class GRPOSettings(_Section):
     """The trainer's update: GRPO with asymmetric PPO clipping, truncated importance sampling against
@@ -154,9 +158,24 @@ class GRPOSettings(_Section):
     routing_replay: bool = _bool(True, "routing-replay", "train through the experts the rollout engine chose")
     qat: bool = _bool(False, "qat", "MXFP4 fake-quantised routed experts in the trainer (straight-through); saved "
                       "with each trainer state, and a resume with the other setting is refused")
+    ppo_epochs: int = _int(1, "ppo-epochs", "passes over each rollout batch (logp_old is taken once, before the "
+                           "first update, so later updates are off-policy and the PPO clip engages)", min=1)
+    minibatches: int = _int(1, "minibatches", "optimizer steps per pass: the rollout batch is shuffled and split into "
+                            "this many minibatches (updates per iteration = ppo-epochs x minibatches)", min=1)
+    micro_batch_tokens: int = _int(0, "micro-batch-tokens", "token budget of one forward/backward (sequences x "
+                                   "padded length); gradients accumulate over a minibatch's micro-batches, so the "
+                                   "update does not depend on it (0: a whole minibatch at once)")
+    loss_aggregation: str = _str("token-mean", "loss-aggregation", "token-mean (every token counts the same, DAPO), "
+                                 "seq-mean-token-mean (every sequence counts the same) or seq-sum (token sum over "
+                                 "sequences x --max-new-tokens, Dr. GRPO)")
+    scale_advantages: bool = _bool(True, "scale-advantages", "divide advantages by their group's reward std (GRPO); "
+                                   "false: reward minus the group mean only (Dr. GRPO)")
 
     def problems(self) -> list[str]:
         out = super().problems()
+        if isinstance(self.loss_aggregation, str) and self.loss_aggregation not in LOSS_AGGREGATIONS:
+            out.append(f"--loss-aggregation: unknown mode {self.loss_aggregation!r}; choose one of "
+                       f"{', '.join(LOSS_AGGREGATIONS)}")
         if isinstance(self.tis_cap, (int, float)) and not self.tis_cap > 0:
             out.append(f"--tis-cap must be > 0, got {self.tis_cap!r}")
         if isinstance(self.clip_eps_low, (int, float)) and self.clip_eps_low >= 1:
@@ -239,7 +258,7 @@ class RLSettings:
 
     # ----------------------------------------------------------------------------- building
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None = None) -> "RLSettings":
+    def from_dict(cls, data: dict[str, Any] | None = None) -> RLSettings:
         """From nested sections (``{"rollout": {"temperature": 0.7}}``, as deployments pass them) or
         flat field names / flags (``{"temperature": 0.7}``, ``{"rollout-url": ...}``), or both. Every
         problem of every section is reported in one ``SettingsError``."""
@@ -274,7 +293,7 @@ class RLSettings:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
-    def replace(self, **flat: Any) -> "RLSettings":
+    def replace(self, **flat: Any) -> RLSettings:
         """A copy with settings changed by flat name (``s.replace(iterations=3, run_id="x")``)."""
         d = self.to_dict()
         index = flag_index()

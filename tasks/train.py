@@ -1,7 +1,8 @@
-"""train_step: one GRPO update (PPO clipping, TIS correction, routing replay) of the trainer state
-on a scored batch; the new trainer state (model, optimizer, RNG, data cursor) is written with
-torch.distributed.checkpoint through the O_DIRECT writer into a staged directory that
-save_checkpoint then commits. The trained model stays live in this process (``tasks.trainers``)."""
+"""train_step: the GRPO updates (``ppo_epochs`` x ``minibatches``, PPO clipping, TIS correction,
+routing replay, micro-batches) of the trainer state on a scored batch; the new trainer state
+(model, optimizer, RNG, data cursor) is written with torch.distributed.checkpoint through the
+O_DIRECT writer into a staged directory that save_checkpoint then commits. The trained model stays
+live in this process (``tasks.trainers``)."""
 
 from __future__ import annotations
 
@@ -44,8 +45,10 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
        outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))],
        inputs=lambda state, scored, **_: [state.uri, scored.uri])
 def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, settings: GRPOSettings,
-               temperature: float) -> Artifact:
-    """``temperature``: the rollouts' sampling temperature (the trainer's log-probabilities use it)."""
+               temperature: float, max_new_tokens: int | None = None) -> Artifact:
+    """``temperature``: the rollouts' sampling temperature (the trainer's log-probabilities use it);
+    ``max_new_tokens``: the completion length cap (the constant of ``seq-sum`` loss aggregation).
+    Per-update statistics go into the trainer state's ``extra.json`` (``metrics.per_update``)."""
     import pyarrow.parquet as pq
 
     from k3core.rl.train import train_on_table
@@ -57,14 +60,16 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
     def build(tmp):
         model, opt = _trainer(run, state, settings)
         metrics = train_on_table(model, opt, pq.read_table(scored.path), settings, ByteTokenizer(model.config).pad_id,
-                                 temperature=temperature)
+                                 temperature=temperature, seq_sum_norm=max_new_tokens)
         extra = {"iteration": iteration + 1, "data_cursor": {"next_iteration": iteration + 1},
                  "parent": state.uri, "scored": scored.uri, "metrics": metrics}
         save_trainer_state(tmp / "state", model, opt, extra, storage_writer_factory=_writer_factory())
         extra = json.loads((tmp / "state" / "extra.json").read_text())
         trainers.put(run.run_id, trainers.LiveTrainer(iteration + 1, model, opt, extra, rng_state()))
-        get_run_logger().info(f"iteration {iteration}: loss {metrics.get('loss', 0):.4f} "
-                              f"grad norm {metrics.get('grad_norm', 0):.3f}")
+        get_run_logger().info(f"iteration {iteration}: {metrics.get('updates', 0)} updates, loss "
+                              f"{metrics.get('loss', 0):.4f}, grad norm {metrics.get('grad_norm', 0):.3f}, clip fraction "
+                              f"{metrics.get('clip_fraction', 0):.3f}, approx KL {metrics.get('approx_kl', 0):.2e}, "
+                              f"{metrics.get('groups_dropped', 0)} of {metrics.get('groups', 0)} groups uniform (dropped)")
 
     local = run.store.publish_once(rel, build, is_dir=True) / "state"
     extra = json.loads((local / "extra.json").read_text())

@@ -7,34 +7,82 @@ Three log-probabilities per generated token:
   ``logp_rollout``  the rollout engine's (other kernels, MXFP4 experts)
 
   A_i      = (r_i - mean(r_group)) / (std(r_group) + eps)          group-normalised, population std
+             (r_i - mean(r_group))                                   with ``scale=False`` (Dr. GRPO)
   ratio    = exp(logp - logp_old)
   w_tis    = min(exp(logp_old - logp_rollout), tis_cap)             detached: corrects the sampler
   loss_tok = -w_tis * min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
-  loss     = sum(loss_tok * mask) / sum(mask)                        token-level (DAPO) aggregation
+  loss     = sum(loss_tok * weight)                                  weight: ``loss_weights``
+
+Loss aggregation (``loss_weights``; ``n`` sequences and ``N`` generated tokens in the minibatch the
+update averages over, ``|y_i|`` the length of completion i, ``C`` a constant):
+  token-mean            weight = 1 / N                  every token counts the same (DAPO)
+  seq-mean-token-mean   weight = 1 / (n |y_i|)          every sequence counts the same (GRPO paper)
+  seq-sum               weight = 1 / (n C)              unnormalised token sum over a constant (Dr. GRPO;
+                                                        C = the completion length cap)
+The weights of a minibatch are fixed by the whole minibatch, so a minibatch split into micro-batches
+gives the same loss and gradient as the unsplit one (up to float rounding).
+
 KL(rollout || trainer) is estimated on the rollout's own samples with k3 = (rho - 1) - log rho,
 rho = p_trainer / p_rollout (unbiased, non-negative), and k1 = log p_rollout - log p_trainer.
+The update's own drift, ``approx_kl`` = mean((ratio - 1) - log ratio), is the k3 estimate of
+KL(old || new) on the same samples: zero on an on-policy update, growing over PPO epochs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import torch
 
+from k3core.settings import LOSS_AGGREGATIONS
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """rewards ``[G * group_size]`` (groups contiguous) -> advantages, same shape, fp32."""
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """rewards ``[G * group_size]`` (groups contiguous) -> advantages, same shape, fp32: reward minus
+    the group's mean, divided by the group's population std (+ eps) when ``scale``."""
     r = rewards.float()
     if r.numel() % group_size:
         raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
     g = r.view(-1, group_size)
-    mean = g.mean(1, keepdim=True)
-    std = g.std(1, unbiased=False, keepdim=True)
-    return ((g - mean) / (std + eps)).view(-1)
+    centred = g - g.mean(1, keepdim=True)
+    if scale:
+        centred = centred / (g.std(1, unbiased=False, keepdim=True) + eps)
+    return centred.view(-1)
+
+
+def uniform_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``[G]`` bool: the groups whose rewards are all equal (zero advantage whatever the scaling: no
+    signal for GRPO; dynamic sampling drops them)."""
+    g = rewards.float().view(-1, group_size)
+    return g.amax(1) == g.amin(1)
+
+
+def loss_weights(mask: torch.Tensor, mode: str = "token-mean", *, tokens: int | None = None,
+                 sequences: int | None = None, norm: float | None = None) -> torch.Tensor:
+    """Per-token weights ``[B, T]`` (zero off ``mask``) that aggregate per-token losses into the
+    minibatch loss (module docstring). ``tokens`` / ``sequences``: the minibatch's generated tokens
+    and sequences when ``mask`` is only part of it (a micro-batch; default: ``mask`` is the whole
+    minibatch); ``norm``: the constant C of ``seq-sum``."""
+    m = mask.float()
+    if mode == "token-mean":
+        n = float(m.sum()) if tokens is None else float(tokens)
+        return m / max(n, 1.0)
+    n_seq = float(m.shape[0] if sequences is None else sequences)
+    if mode == "seq-mean-token-mean":
+        return m / m.sum(1, keepdim=True).clamp_min(1.0) / max(n_seq, 1.0)
+    if mode == "seq-sum":
+        if norm is None or not norm > 0:
+            raise ValueError(f"seq-sum aggregation needs a positive constant norm (the completion length cap), got {norm!r}")
+        return m / (max(n_seq, 1.0) * float(norm))
+    raise ValueError(f"unknown loss aggregation {mode!r}: choose one of {', '.join(LOSS_AGGREGATIONS)}")
 
 
 @dataclass
 class GRPOStats:
+    """Statistics of one loss evaluation; every field but ``loss``, ``tokens`` and the ratio's range
+    is a mean over the ``tokens`` masked tokens (``merge_stats`` combines parts)."""
+
     loss: float
     clip_fraction: float
     kl_rollout_trainer_k3: float
@@ -42,13 +90,37 @@ class GRPOStats:
     tis_weight_mean: float
     tis_truncated_fraction: float
     tokens: int
+    approx_kl: float = 0.0  # k3 of KL(old || new) on these tokens
+    ratio_mean: float = 1.0
+    ratio_std: float = 0.0
+    ratio_min: float = 1.0
+    ratio_max: float = 1.0
+
+
+def merge_stats(parts: list[GRPOStats]) -> GRPOStats:
+    """The statistics of the union of disjoint parts (micro-batches of one update, or the updates of
+    one pass over the batch): losses add (each part's loss is already its share of the total),
+    means are weighted by tokens, the ratio's spread is pooled, its range is the outer range."""
+    n = sum(p.tokens for p in parts)
+    if n == 0:
+        return GRPOStats(sum(p.loss for p in parts), 0.0, 0.0, 0.0, 0.0, 0.0, 0)
+    means = ("clip_fraction", "kl_rollout_trainer_k3", "kl_rollout_trainer_k1", "tis_weight_mean",
+             "tis_truncated_fraction", "approx_kl", "ratio_mean")
+    out = {k: sum(getattr(p, k) * p.tokens for p in parts) / n for k in means}
+    second = sum((p.ratio_std ** 2 + p.ratio_mean ** 2) * p.tokens for p in parts) / n
+    live = [p for p in parts if p.tokens]
+    out.update(loss=sum(p.loss for p in parts), tokens=n, ratio_std=math.sqrt(max(second - out["ratio_mean"] ** 2, 0.0)),
+               ratio_min=min(p.ratio_min for p in live), ratio_max=max(p.ratio_max for p in live))
+    return GRPOStats(**{f.name: out[f.name] for f in fields(GRPOStats)})
 
 
 def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, clip_eps_low: float = 0.2, clip_eps_high: float = 0.28,
-              tis_cap: float | None = 2.0) -> tuple[torch.Tensor, GRPOStats]:
+              tis_cap: float | None = 2.0, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, GRPOStats]:
     """Token tensors ``[B, T]``; advantages ``[B]`` (per sequence) or ``[B, T]``; mask ``[B, T]`` of
-    generated (trained) tokens. Returns the scalar loss and detached statistics."""
+    generated (trained) tokens; ``weights`` ``[B, T]``: the aggregation weights (``loss_weights``;
+    default token-mean over ``mask``). Returns the scalar loss ``sum(loss_tok * weights)`` and
+    detached statistics (means over the masked tokens)."""
     if not (logp.shape == logp_old.shape == logp_rollout.shape == mask.shape):
         raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, logp_old {tuple(logp_old.shape)}, "
                          f"logp_rollout {tuple(logp_rollout.shape)}, mask {tuple(mask.shape)}")
@@ -66,15 +138,29 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Te
     rho = torch.exp(log_rho)
     w = rho if tis_cap is None else rho.clamp(max=tis_cap)
     per_tok = -w * torch.minimum(unclipped, clipped)
-    loss = (per_tok * m).sum() / n
+    if weights is None:
+        weights = loss_weights(mask)
+    elif weights.shape != mask.shape:
+        raise ValueError(f"weights have shape {tuple(weights.shape)}, the mask {tuple(mask.shape)}")
+    loss = (per_tok * weights.to(per_tok.dtype) * m).sum()
     with torch.no_grad():
         clip_frac = (((clipped < unclipped).float()) * m).sum() / n
         k3 = ((rho - 1.0 - log_rho) * m).sum() / n
         k1 = ((-log_rho) * m).sum() / n
         trunc = (((rho > tis_cap).float() if tis_cap is not None else torch.zeros_like(rho)) * m).sum() / n
+        r = ratio.detach()
+        log_r = (logp.detach().float() - logp_old).masked_fill(m == 0, 0.0)
+        approx_kl = ((r - 1.0 - log_r) * m).sum() / n
+        r_mean = (r * m).sum() / n
+        r_std = ((((r - r_mean) ** 2) * m).sum() / n).sqrt()
+        on = m > 0
+        any_on = bool(on.any())
         stats = GRPOStats(loss=float(loss), clip_fraction=float(clip_frac), kl_rollout_trainer_k3=float(k3),
                           kl_rollout_trainer_k1=float(k1), tis_weight_mean=float((w * m).sum() / n),
-                          tis_truncated_fraction=float(trunc), tokens=int(m.sum()))
+                          tis_truncated_fraction=float(trunc), tokens=int(m.sum()), approx_kl=float(approx_kl),
+                          ratio_mean=float(r_mean) if any_on else 1.0, ratio_std=float(r_std),
+                          ratio_min=float(r[on].min()) if any_on else 1.0,
+                          ratio_max=float(r[on].max()) if any_on else 1.0)
     return loss, stats
 
 

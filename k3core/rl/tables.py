@@ -32,8 +32,10 @@ def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str],
     return pa.table(rows, schema=ROLLOUT_SCHEMA)
 
 
-def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int) -> tuple[pa.Table, dict]:
-    """Rewards (checked: finite, in [0, 1]) and GRPO group-normalised advantages."""
+def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int,
+                scale_advantages: bool = True) -> tuple[pa.Table, dict]:
+    """Rewards (checked: finite, in [0, 1]) and GRPO advantages: reward minus the group mean, divided
+    by the group's std when ``scale_advantages``."""
     if rollouts.num_rows == 0:
         raise ValueError("no rollouts to score: the rollout table is empty")
     prompts, comps = rollouts.column("prompt").to_pylist(), rollouts.column("completion").to_pylist()
@@ -42,7 +44,7 @@ def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int) -> tupl
                                                             rollouts["sample_index"][i].as_py()))
     rollouts = rollouts.take(order)
     rewards = rewards[order]
-    adv = group_advantages(rewards, group_size)
+    adv = group_advantages(rewards, group_size, scale=scale_advantages)
     table = rollouts.append_column("reward", pa.array(rewards.tolist(), pa.float32()))
     table = table.append_column("advantage", pa.array(adv.tolist(), pa.float32())).cast(SCORED_SCHEMA)
     lens = [len(x) for x in table.column("output_ids").to_pylist()]

@@ -1,4 +1,9 @@
-"""One RL train step (GRPO + TIS, optional routing replay) and the supervised warm-up step.
+"""The RL train step (GRPO + PPO clip + TIS, optional routing replay) and the supervised warm-up step.
+
+One train step per rollout batch: ``ppo_epochs`` passes over the batch, each split into
+``minibatches`` shuffled minibatches, one optimizer step each; ``logp_old`` is taken once before the
+first update. Each minibatch runs as micro-batches under a token budget (``micro_batch_tokens``)
+with gradient accumulation: the same code on CPU and GPU, and the same update whatever the split.
 
 Sequences arrive as token lists (prompt, completion) with per-token rollout log-probabilities, a
 sequence advantage and, for routing replay, the expert ids the rollout engine chose at every input
@@ -74,33 +79,138 @@ def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = Fal
             "advantages": adv, "routing": routing}
 
 
-def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs: list[RLSequence],
-                    cfg: GRPOSettings, pad_id: int, temperature: float = 1.0) -> dict:
-    """One optimizer step on a batch. The first (only) update is on-policy, so ``logp_old`` is the
-    detached current ``logp``; TIS corrects the rollout engine's mismatch."""
-    t0 = time.perf_counter()
-    dev = next(model.parameters()).device
-    batch = pack_sequences(seqs, pad_id, with_routing=cfg.routing_replay)
-    model.train()
-    model.use_inference_caches = False
+def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices into ``lengths`` (input positions per sequence) grouped into micro-batches whose padded
+    size (sequences x longest input) stays within ``budget`` tokens; longest first, so similar lengths
+    share a micro-batch. A sequence longer than the budget alone gets a micro-batch of its own
+    (a sequence is never split). ``budget`` 0: everything in one micro-batch, in order."""
+    if budget <= 0:
+        return [list(range(len(lengths)))] if lengths else []
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    out: list[list[int]] = []
+    for i in order:
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _input_len(s: RLSequence) -> int:
+    return len(s.prompt_ids) + len(s.output_ids) - 1
+
+
+def _forward_logp(model: K3ForCausalLM, batch: dict, temperature: float, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainer log-probabilities of the targets ``[b, L]`` and the tempered logits."""
     out = model(batch["input_ids"].to(dev), batch["valid"].to(dev),
                 forced_routing=None if batch["routing"] is None else batch["routing"].to(dev))
     logits = out.logits.float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"].to(dev).unsqueeze(-1)).squeeze(-1)
-    mask = batch["gen_mask"].to(dev)
-    loss, st = grpo_loss(logp, logp.detach(), batch["rollout_logprobs"].to(dev), batch["advantages"].to(dev),
-                         mask, cfg.clip_eps_low, cfg.clip_eps_high, cfg.tis_cap)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                     cfg.max_grad_norm))
-    if not math.isfinite(grad_norm):
-        raise FloatingPointError(f"non-finite gradient norm {grad_norm}: the step was not applied")
-    optimizer.step()
+    return logp, logits
+
+
+@torch.no_grad()
+def old_logprobs(model: K3ForCausalLM, seqs: list[RLSequence], cfg: GRPOSettings, pad_id: int,
+                 temperature: float = 1.0) -> list[torch.Tensor]:
+    """``logp_old``: the trainer's log-probability of every generated token (one 1-D tensor per
+    sequence) before any update of this batch, in micro-batches of ``cfg.micro_batch_tokens``."""
+    dev = next(model.parameters()).device
+    model.train()
+    model.use_inference_caches = False
+    out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+    for idx in micro_batches([_input_len(s) for s in seqs], cfg.micro_batch_tokens):
+        batch = pack_sequences([seqs[i] for i in idx], pad_id, with_routing=cfg.routing_replay)
+        logp, _ = _forward_logp(model, batch, temperature, dev)
+        for row, i in enumerate(idx):
+            out[i] = logp[row][batch["gen_mask"][row].to(dev)].float().cpu()
+    return out
+
+
+_PER_UPDATE = ("loss", "clip_fraction", "approx_kl", "ratio_mean", "ratio_std", "ratio_min", "ratio_max", "grad_norm",
+               "tokens", "sequences", "micro_batches")
+
+
+def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs: list[RLSequence],
+                    cfg: GRPOSettings, pad_id: int, temperature: float = 1.0,
+                    seq_sum_norm: float | None = None) -> dict:
+    """GRPO updates of ``model`` on one rollout batch: ``cfg.ppo_epochs`` passes, each over
+    ``cfg.minibatches`` shuffled minibatches, one optimizer step per minibatch; each minibatch runs in
+    micro-batches of at most ``cfg.micro_batch_tokens`` padded tokens whose gradients accumulate
+    (weights of ``cfg.loss_aggregation`` fixed by the whole minibatch, so the split changes nothing
+    but rounding). ``logp_old`` is the trainer's before the first update (no gradient): computed by
+    one extra forward pass when there are several updates, and the detached ``logp`` itself when
+    there is one (that update is on-policy: ratio 1, no clipping). TIS corrects the rollout engine's
+    mismatch against ``logp_old``. ``seq_sum_norm``: the constant of ``seq-sum`` (the completion
+    length cap; default the longest completion of the batch).
+
+    Returns flat metrics: the batch's rollout-mismatch statistics (over every token, first pass),
+    per-update statistics aggregated (``<name>`` the mean over updates, ``<name>_first`` /
+    ``<name>_last``, the ratio's outer range), and ``per_update``, a list with one dict per update."""
+    from k3core.rl.grpo import loss_weights, merge_stats
+
+    t0 = time.perf_counter()
+    dev = next(model.parameters()).device
+    if not seqs:
+        raise ValueError("empty batch: no sequences to train on")
+    n_mb = min(cfg.minibatches, len(seqs))
+    n_updates = cfg.ppo_epochs * n_mb
+    if cfg.loss_aggregation == "seq-sum" and seq_sum_norm is None:
+        seq_sum_norm = max(len(s.output_ids) for s in seqs)
+    old = old_logprobs(model, seqs, cfg, pad_id, temperature) if n_updates > 1 else None
+    forwarded = sum(_input_len(s) for s in seqs) if old is not None else 0
+    model.train()
+    model.use_inference_caches = False
+    first_pass: list = []  # stats of every micro-batch of the first pass: each token once, logp_old fixed
+    ent_sum, ent_n = 0.0, 0
+    updates: list[dict] = []
+    for epoch in range(cfg.ppo_epochs):
+        order = torch.randperm(len(seqs)).tolist() if n_mb > 1 else list(range(len(seqs)))
+        for mb in (order[k * len(order) // n_mb:(k + 1) * len(order) // n_mb] for k in range(n_mb)):
+            mseqs = [seqs[i] for i in mb]
+            tokens = sum(len(s.output_ids) for s in mseqs)
+            optimizer.zero_grad(set_to_none=True)
+            parts = []
+            micro = micro_batches([_input_len(s) for s in mseqs], cfg.micro_batch_tokens)
+            for idx in micro:
+                batch = pack_sequences([mseqs[j] for j in idx], pad_id, with_routing=cfg.routing_replay)
+                logp, logits = _forward_logp(model, batch, temperature, dev)
+                mask = batch["gen_mask"].to(dev)
+                if old is None:
+                    logp_old = logp.detach()
+                else:
+                    logp_old = torch.zeros_like(logp)
+                    logp_old[mask] = torch.cat([old[mb[j]] for j in idx]).to(dev)
+                w = loss_weights(mask, cfg.loss_aggregation, tokens=tokens, sequences=len(mseqs), norm=seq_sum_norm)
+                loss, st = grpo_loss(logp, logp_old, batch["rollout_logprobs"].to(dev), batch["advantages"].to(dev),
+                                     mask, cfg.clip_eps_low, cfg.clip_eps_high, cfg.tis_cap, weights=w)
+                loss.backward()
+                parts.append(st)
+                forwarded += int(batch["valid"].sum())
+                if epoch == 0:
+                    first_pass.append(st)
+                    ent_sum += masked_entropy(logits, mask) * st.tokens
+                    ent_n += st.tokens
+                del logits, logp, loss
+            grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                                             cfg.max_grad_norm))
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm {grad_norm} in update {len(updates) + 1} of "
+                                         f"{n_updates}: that update was not applied")
+            optimizer.step()
+            u = asdict(merge_stats(parts))
+            u.update(grad_norm=grad_norm, sequences=len(mseqs), micro_batches=len(micro))
+            updates.append({k: u[k] for k in _PER_UPDATE})
     dt = time.perf_counter() - t0
-    m = asdict(st)
-    m.update(grad_norm=grad_norm, entropy=masked_entropy(logits, mask), train_seconds=dt,
-             train_tokens_per_s=float(batch["valid"].sum()) / dt)
+    batch_stats = merge_stats(first_pass)
+    m = {k: getattr(batch_stats, k) for k in ("kl_rollout_trainer_k3", "kl_rollout_trainer_k1", "tis_weight_mean",
+                                              "tis_truncated_fraction", "tokens")}
+    for k in ("loss", "clip_fraction", "approx_kl", "ratio_std", "grad_norm"):
+        vals = [u[k] for u in updates]
+        m.update({k: sum(vals) / len(vals), f"{k}_first": vals[0], f"{k}_last": vals[-1]})
+    m.update(ratio_min=min(u["ratio_min"] for u in updates), ratio_max=max(u["ratio_max"] for u in updates),
+             updates=len(updates), ppo_epochs=cfg.ppo_epochs, minibatches=n_mb,
+             micro_batches=sum(u["micro_batches"] for u in updates), entropy=ent_sum / max(ent_n, 1),
+             train_seconds=dt, train_tokens_per_s=forwarded / dt, per_update=updates)
     return m
 
 
@@ -129,14 +239,22 @@ def table_to_sequences(table: pa.Table, n_moe: int, top_k: int) -> list[RLSequen
 
 
 def train_on_table(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, table: pa.Table, cfg: GRPOSettings,
-                   pad_id: int, temperature: float = 1.0) -> dict:
-    """One GRPO step over the whole scored batch (sequences with zero advantage carry no signal and
-    are skipped; a batch where every group is uniform is a no-op step)."""
+                   pad_id: int, temperature: float = 1.0, seq_sum_norm: float | None = None) -> dict:
+    """GRPO updates on a scored batch (``grpo_train_step``). Dynamic sampling: groups (rows sharing a
+    ``prompt_index``) whose rewards are all equal carry no signal and are dropped before the batch is
+    split and before the loss is normalised; ``groups`` and ``groups_dropped`` report them. A batch
+    where every group is uniform is a no-op step (``skipped`` 1)."""
     n_moe, k = len(model.moe_layer_ids), model.config.num_experts_per_token
-    seqs = [s for s in table_to_sequences(table, n_moe, k) if s.advantage != 0.0]
-    if not seqs:
-        return {"skipped": 1.0, "sequences": 0}
-    m = grpo_train_step(model, optimizer, seqs, cfg, pad_id, temperature)
-    m["sequences"] = len(seqs)
-    m["skipped"] = 0.0
+    seqs = table_to_sequences(table, n_moe, k)
+    groups: dict[int, list[int]] = {}
+    for i, g in enumerate(table.column("prompt_index").to_pylist()):
+        groups.setdefault(g, []).append(i)
+    rewards = table.column("reward").to_pylist()
+    uniform = {g for g, rows in groups.items() if len({rewards[i] for i in rows}) == 1}
+    kept = [s for s, g in zip(seqs, table.column("prompt_index").to_pylist()) if g not in uniform]
+    counts = {"groups": len(groups), "groups_dropped": len(uniform), "sequences": len(kept)}
+    if not kept:
+        return {"skipped": 1.0, **counts}
+    m = grpo_train_step(model, optimizer, kept, cfg, pad_id, temperature, seq_sum_norm=seq_sum_norm)
+    m.update(counts, skipped=0.0)
     return m

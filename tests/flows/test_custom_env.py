@@ -94,6 +94,12 @@ def test_documented_env_through_rollout_and_the_scoring_stage(env_module, tmp_pa
     g = want.float().view(-1, group)
     torch.testing.assert_close(adv, (g - g.mean(1, keepdim=True)) / (g.std(1, unbiased=False, keepdim=True) + 1e-6))
     assert out.info["reward_mean"] == pytest.approx(float(want.mean()))
+    # --scale-advantages false (Dr. GRPO): the reward minus its group's mean, not divided by the std
+    out = score_rewards.fn(Run(str(tmp_path / "artifacts"), "c-unscaled", env=SPEC), 0, _rollouts(path), group,
+                           scale_advantages=False)
+    adv = torch.tensor([r["advantage"] for r in pq.read_table(out.path).to_pylist()]).view(-1, group)
+    torch.testing.assert_close(adv, g - g.mean(1, keepdim=True))
+    assert float(g.std(1).max()) > 0  # some group's rewards differ, so the two scalings are told apart
 
 
 def test_a_reward_outside_0_1_fails_scoring_with_the_prompt(env_module, tmp_path, monkeypatch):

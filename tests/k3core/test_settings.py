@@ -6,8 +6,16 @@ import dataclasses
 
 import pytest
 
-from k3core.settings import (GRPOSettings, ModelSettings, PipelineSettings, RLSettings, RolloutSettings,
-                             SettingsError, flag_index, section_fields)
+from k3core.settings import (
+    GRPOSettings,
+    ModelSettings,
+    PipelineSettings,
+    RLSettings,
+    RolloutSettings,
+    SettingsError,
+    flag_index,
+    section_fields,
+)
 
 
 def test_defaults_live_in_the_sections():
@@ -89,3 +97,23 @@ def test_prefect_parameter_validation_gives_the_same_messages():
 def test_settings_are_plain_dataclasses():
     s = RLSettings()
     assert dataclasses.is_dataclass(s) and all(dataclasses.is_dataclass(getattr(s, n)) for n in s.to_dict())
+
+
+def test_update_settings_defaults_flags_and_checks():
+    """The minibatch-update settings: today's single on-policy update by default, one flag each, bad
+    values listed together."""
+    g = GRPOSettings()
+    assert (g.ppo_epochs, g.minibatches, g.micro_batch_tokens, g.loss_aggregation, g.scale_advantages) == \
+        (1, 1, 0, "token-mean", True)
+    s = RLSettings.from_dict({"ppo-epochs": 2, "minibatches": 4, "micro_batch_tokens": 2048,
+                              "loss-aggregation": "seq-sum", "scale-advantages": False})
+    assert (s.grpo.ppo_epochs, s.grpo.minibatches, s.grpo.micro_batch_tokens, s.grpo.loss_aggregation,
+            s.grpo.scale_advantages) == (2, 4, 2048, "seq-sum", False)
+    with pytest.raises(SettingsError) as e:
+        GRPOSettings(ppo_epochs=0, minibatches=0, micro_batch_tokens=-1, loss_aggregation="sum",
+                     scale_advantages="no")
+    msg = str(e.value)
+    for needle in ("--ppo-epochs must be >= 1, got 0", "--minibatches must be >= 1, got 0",
+                   "--micro-batch-tokens must be >= 0, got -1", "--loss-aggregation: unknown mode 'sum'",
+                   "--scale-advantages must be true or false"):
+        assert needle in msg, needle

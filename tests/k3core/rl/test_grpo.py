@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from k3core.rl.grpo import grpo_loss, group_advantages
+from k3core.rl.grpo import group_advantages, grpo_loss, loss_weights, merge_stats, uniform_groups
 
 
 def test_group_advantages_hand_computed():
@@ -15,6 +15,72 @@ def test_group_advantages_hand_computed():
     torch.testing.assert_close(a, torch.tensor([1.0, -1.0, -1.0, 1.0, 0, 0, 0, 0]), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="groups of 3"):
         group_advantages(r, 3)
+
+
+def test_group_advantages_unscaled_and_uniform_groups():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.6, 0.5, 0.5, 0.5, 0.5])
+    # scale off (Dr. GRPO): reward minus the group mean only; group 1 mean 0.4
+    torch.testing.assert_close(group_advantages(r, 4, scale=False),
+                               torch.tensor([0.6, -0.4, -0.4, 0.2, 0, 0, 0, 0]), atol=1e-6, rtol=0)
+    # scaled: divided by the population std sqrt(mean((r - 0.4)^2)) = sqrt(0.56 / 4)
+    std = math.sqrt((0.36 + 0.16 + 0.16 + 0.04) / 4)
+    torch.testing.assert_close(group_advantages(r, 4)[:4], torch.tensor([0.6, -0.4, -0.4, 0.2]) / (std + 1e-6))
+    assert uniform_groups(r, 4).tolist() == [False, True]
+    assert uniform_groups(torch.tensor([0.0, 0.0, 1.0, 1.0, 0.0, 1.0]), 2).tolist() == [True, True, False]
+
+
+def test_loss_weights_follow_their_definitions():
+    """Three sequences of 2, 3 and 1 generated tokens (6 in all)."""
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 1, 0]], dtype=torch.bool)
+    m = mask.float()
+    torch.testing.assert_close(loss_weights(mask, "token-mean"), m / 6)
+    per_seq = torch.tensor([[1 / 2], [1 / 3], [1 / 1]]) / 3  # 1 / (n |y_i|)
+    torch.testing.assert_close(loss_weights(mask, "seq-mean-token-mean"), m * per_seq)
+    torch.testing.assert_close(loss_weights(mask, "seq-sum", norm=4), m / (3 * 4))  # 1 / (n C)
+    # a micro-batch (rows 1-2) of a minibatch of 6 tokens and 3 sequences weighs its tokens as the whole does
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-sum"):
+        whole = loss_weights(mask, mode, norm=4)
+        part = loss_weights(mask[1:], mode, tokens=6, sequences=3, norm=4)
+        torch.testing.assert_close(part, whole[1:])
+    with pytest.raises(ValueError, match="seq-sum"):
+        loss_weights(mask, "seq-sum")
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        loss_weights(mask, "sum")
+
+
+def test_merge_stats_equals_the_whole_batch():
+    """grpo_loss on two parts of a batch (with the whole batch's weights) gives the whole batch's loss,
+    gradient and statistics once merged: the algebra of micro-batch accumulation."""
+    torch.manual_seed(0)
+    B, T = 5, 4
+    old = -torch.rand(B, T) * 3
+    logp = (old + 0.4 * torch.randn(B, T)).requires_grad_(True)  # ratios spread around 1, some clipped
+    roll = old + 0.3 * torch.randn(B, T)
+    adv = torch.randn(B)
+    mask = torch.rand(B, T) > 0.3
+    mask[:, 0] = True
+    w = loss_weights(mask, "seq-mean-token-mean")
+    loss, whole = grpo_loss(logp, old, roll, adv, mask, weights=w)
+    (g_whole,) = torch.autograd.grad(loss, logp)
+    parts, grads = [], torch.zeros_like(logp)
+    for rows in (slice(0, 2), slice(2, 5)):
+        lp = logp.detach()[rows].clone().requires_grad_(True)
+        part_loss, st = grpo_loss(lp, old[rows], roll[rows], adv[rows], mask[rows], weights=w[rows])
+        part_loss.backward()
+        grads[rows] = lp.grad
+        parts.append(st)
+    merged = merge_stats(parts)
+    torch.testing.assert_close(grads, g_whole)
+    assert 0 < whole.clip_fraction < 1 and whole.ratio_std > 0.1
+    for f in ("loss", "clip_fraction", "kl_rollout_trainer_k3", "kl_rollout_trainer_k1", "tis_weight_mean",
+              "tis_truncated_fraction", "approx_kl", "ratio_mean", "ratio_std", "ratio_min", "ratio_max"):
+        assert getattr(merged, f) == pytest.approx(getattr(whole, f), rel=1e-5, abs=1e-7), f
+    assert merged.tokens == whole.tokens == int(mask.sum())
+    # the ratio's statistics by hand
+    r = torch.exp(logp.detach() - old)[mask]
+    assert whole.ratio_min == pytest.approx(float(r.min())) and whole.ratio_max == pytest.approx(float(r.max()))
+    assert whole.ratio_std == pytest.approx(float(r.std(unbiased=False)), rel=1e-5)
+    assert whole.approx_kl == pytest.approx(float((r - 1 - r.log()).mean()), rel=1e-5)
 
 
 def test_loss_hand_computed_example():
@@ -29,6 +95,7 @@ def test_loss_hand_computed_example():
     r1 = math.exp(0.2)       # 1.2214 > 1.2 -> clipped for A=+1: min(1.2214, 1.2) = 1.2
     r2 = 1.0                 # ratio 1, w = min(exp(0.5), 2) = 1.6487
     r3 = math.exp(-0.4)      # 0.6703, A=-2: min(-1.3406, -1.6) = -1.6 (clipped at 0.8)
+    assert r1 > 1.2 and r3 < 0.8  # both outside the clip range, on the side their advantage pushes
     terms = [-(1.0) * 1.2 * 1.0, -math.exp(0.5) * r2 * 1.0, -(1.0) * (0.8 * -2.0)]
     assert float(loss) == pytest.approx(sum(terms) / 3, rel=1e-6)
     assert st.clip_fraction == pytest.approx(2 / 3)

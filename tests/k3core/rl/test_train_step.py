@@ -47,12 +47,13 @@ def _train():
     return train
 
 
-def _step(model, optimizer, seqs, *, temperature, **settings):
+def _step(model, optimizer, seqs, *, temperature, seq_sum_norm=None, **settings):
     """``grpo_train_step`` with routing replay and these GRPO settings."""
     from k3core.settings import GRPOSettings
 
     settings["routing_replay"] = True
-    return _train().grpo_train_step(model, optimizer, seqs, GRPOSettings(**settings), PAD, temperature=temperature)
+    return _train().grpo_train_step(model, optimizer, seqs, GRPOSettings(**settings), PAD, temperature=temperature,
+                                    seq_sum_norm=seq_sum_norm)
 
 
 def _routing(n: int, seed: int) -> torch.Tensor:
@@ -167,21 +168,28 @@ def _generated(logits, prompt, out, temperature):
     return logp, entropy
 
 
-def _reference_loss(logps, rollouts, advs, eps_low, eps_high, cap):
-    """GRPO with PPO clipping and TIS, token-mean over all generated tokens of the batch (DAPO):
+def _agg_weights(agg, norm=None):
+    """The weight of each token of A and of B in the batch loss, from the definitions: token-mean
+    1 / #tokens (7); seq-mean-token-mean 1 / (#sequences * |completion|); seq-sum 1 / (#sequences * C)."""
+    la, lb = len(OUT_A), len(OUT_B)
+    return {"token-mean": (1 / (la + lb), 1 / (la + lb)), "seq-mean-token-mean": (1 / (2 * la), 1 / (2 * lb)),
+            "seq-sum": (1 / (2 * norm), 1 / (2 * norm)) if norm else None}[agg]
+
+
+def _reference_loss(logps, rollouts, advs, eps_low, eps_high, cap, weights=(1 / 7, 1 / 7)):
+    """GRPO with PPO clipping and TIS, by default token-mean over all generated tokens of the batch (DAPO):
     ratio = exp(logp - logp_old), logp_old = logp detached (first, on-policy update);
-    w = min(exp(logp_old - logp_rollout), cap); loss = -sum_tokens w * min(ratio A, clip(ratio) A) / #tokens."""
-    total, count = 0.0, 0
-    for logp, roll, a in zip(logps, rollouts, advs):
+    w = min(exp(logp_old - logp_rollout), cap); loss = -sum_seq weight_seq * sum_tokens w * min(ratio A, clip(ratio) A)."""
+    total = 0.0
+    for logp, roll, a, k in zip(logps, rollouts, advs, weights):
         old = logp.detach()
         ratio = torch.exp(logp - old)
         w = torch.exp(old - roll)
         if cap is not None:
             w = torch.clamp(w, max=cap)
         surrogate = torch.min(ratio * a, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * a)
-        total = total + (-(w * surrogate)).sum()
-        count += logp.numel()
-    return total / count
+        total = total + k * (-(w * surrogate)).sum()
+    return total
 
 
 def test_forced_routing_is_honoured():
@@ -198,8 +206,10 @@ def test_forced_routing_is_honoured():
         assert (logits - free.logits[0]).abs().max() > 1e-3
 
 
-def _run_case(max_grad_norm_factor, temperature, lr=1.0, cap=2.0, eps=(0.2, 0.28)):
-    """Reference gradient and loss, then one grpo_train_step on the same model; returns everything to compare."""
+def _run_case(max_grad_norm_factor, temperature, lr=1.0, cap=2.0, eps=(0.2, 0.28), agg="token-mean", micro=0,
+              norm=None):
+    """Reference gradient and loss, then one grpo_train_step on the same model (loss aggregation ``agg``,
+    micro-batches of ``micro`` tokens, seq-sum constant ``norm``); returns everything to compare."""
     tr = _train()
     m = _model()
     ra, rb = _routing(len(PROMPT_A) + len(OUT_A) - 1, 1), _routing(len(PROMPT_B) + len(OUT_B) - 1, 2)
@@ -209,15 +219,16 @@ def _run_case(max_grad_norm_factor, temperature, lr=1.0, cap=2.0, eps=(0.2, 0.28
     logps, entropy = [lp_a, lp_b], float(torch.cat([ent_a, ent_b]).mean())
     rollouts = [logps[0].detach() + torch.tensor(DELTA_A), logps[1].detach() + torch.tensor(DELTA_B)]
     advs = [ADV_A, ADV_B]
-    loss = _reference_loss(logps, rollouts, advs, eps[0], eps[1], cap)
+    weights = _agg_weights(agg, norm)
+    loss = _reference_loss(logps, rollouts, advs, eps[0], eps[1], cap, weights)
     # layer 0's attention AttnRes mixes nothing (frozen, requires_grad False): it must not move
     names = [n for n, p in m.named_parameters() if p.requires_grad]
     params = [p for p in m.parameters() if p.requires_grad]
     frozen = [n for n, p in m.named_parameters() if not p.requires_grad]
     grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
-    # on the single on-policy update ratio == 1, inside the clip range: d loss = -sum w A d logp / #tokens
+    # on the single on-policy update ratio == 1, inside the clip range: d loss = -sum weight w A d logp
     ws = [torch.clamp(torch.exp(-torch.tensor(d)), max=cap) for d in (DELTA_A, DELTA_B)]
-    pg = -sum((w * a * lp).sum() for w, a, lp in zip(ws, advs, logps)) / 7
+    pg = -sum(k * (w * a * lp).sum() for w, a, lp, k in zip(ws, advs, logps, weights))
     grads_pg = torch.autograd.grad(pg, params, allow_unused=True)
     for n, g, h in zip(names, grads, grads_pg):
         assert (g is None) == (h is None), n
@@ -231,7 +242,7 @@ def _run_case(max_grad_norm_factor, temperature, lr=1.0, cap=2.0, eps=(0.2, 0.28
             tr.RLSequence(PROMPT_B, OUT_B, rollouts[1].tolist(), ADV_B, rb)]
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     metrics = _step(m, opt, seqs, temperature=temperature, clip_eps_low=eps[0], clip_eps_high=eps[1], tis_cap=cap,
-                    max_grad_norm=max_norm)
+                    max_grad_norm=max_norm, loss_aggregation=agg, micro_batch_tokens=micro, seq_sum_norm=norm)
     after = {n: p.detach().clone() for n, p in m.named_parameters()}
     grads = dict(zip(names, grads), **{n: None for n in frozen})
     return dict(loss=float(loss.detach()), entropy=entropy, grads=grads, total_norm=total_norm, max_norm=max_norm,
@@ -293,3 +304,224 @@ def test_grpo_train_step_clips_the_gradient_norm():
     coef = r["max_norm"] / (r["total_norm"] + 1e-6)  # torch.nn.utils.clip_grad_norm_'s coefficient
     assert coef < 0.26
     _check_update(r, coef=coef)
+
+
+# ------------------------------------------------- loss aggregation, micro-batches, PPO epochs, minibatches
+
+@pytest.mark.parametrize("agg,micro", [("token-mean", 7), ("seq-mean-token-mean", 0), ("seq-mean-token-mean", 7),
+                                       ("seq-sum", 0), ("seq-sum", 7)])
+def test_aggregation_modes_and_micro_batches_match_the_reference(agg, micro):
+    """Each aggregation mode against its formula (``_agg_weights``), unsplit and in micro-batches of 7
+    tokens (A's 6 positions and B's 7 cannot share one: two micro-batches, gradients accumulated)."""
+    r = _run_case(max_grad_norm_factor=1e3, temperature=1.0, agg=agg, micro=micro, norm=5 if agg == "seq-sum" else None)
+    m = r["metrics"]
+    assert m["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7)
+    assert m["grad_norm"] == pytest.approx(r["total_norm"], rel=1e-5)
+    assert m["entropy"] == pytest.approx(r["entropy"], rel=1e-5)
+    assert m["micro_batches"] == (2 if micro else 1) and m["updates"] == 1 and m["tokens"] == 7
+    # the on-policy loss is -sum_seq weight * sum_tokens w A: a number independent of the model
+    wa, wb = _agg_weights(agg, 5)
+    w = [min(math.exp(-d), 2.0) for d in DELTA_A + DELTA_B]
+    want = -(wa * ADV_A * sum(w[:4]) + wb * ADV_B * sum(w[4:]))
+    assert r["loss"] == pytest.approx(want, rel=1e-5)
+    _check_update(r, coef=1.0)
+
+
+def test_micro_batches_group_by_padded_tokens():
+    mb = _train().micro_batches
+    lengths = [5, 9, 3, 9, 2]
+    # longest first; a micro-batch holds n sequences while n x its longest <= budget
+    assert mb(lengths, 20) == [[1, 3], [0, 2, 4]]
+    assert mb(lengths, 4) == [[1], [3], [0], [2], [4]]  # longer than the budget: alone, never split
+    assert mb(lengths, 0) == [[0, 1, 2, 3, 4]]
+    assert mb([], 8) == []
+
+
+class _Recording(torch.optim.SGD):
+    """SGD that keeps, at every step, the parameters it is about to change and their gradients."""
+
+    def __init__(self, named, lr):
+        self.names = [n for n, p in named if p.requires_grad]
+        params = [p for n, p in named if p.requires_grad]
+        super().__init__(params, lr=lr)
+        self.params_before, self.grads = [], []
+
+    def step(self, closure=None):
+        ps = self.param_groups[0]["params"]
+        self.params_before.append({n: p.detach().clone() for n, p in zip(self.names, ps)})
+        self.grads.append({n: None if p.grad is None else p.grad.detach().clone() for n, p in zip(self.names, ps)})
+        return super().step(closure)
+
+
+def test_second_epoch_gradient_is_zero_for_clipped_tokens():
+    """Two PPO epochs on one minibatch. The first update is on-policy (logp_old from the pass before
+    it: ratio 1, nothing clipped). The second sees ratio = p_theta1 / p_theta0, computed here from two
+    unpacked forwards: a token whose ratio left the clip range on the side its advantage pushes
+    (A > 0 and ratio > 1 + eps_high, or A < 0 and ratio < 1 - eps_low) contributes no gradient, every
+    other token -w A ratio d logp / #tokens. The step's gradient, clip fraction, approx-KL and the
+    ratio's range must be these."""
+    eps_low, eps_high, cap, lr = 0.2, 0.28, 2.0, 5e-5
+    m = _model()
+    ra, rb = _routing(len(PROMPT_A) + len(OUT_A) - 1, 1), _routing(len(PROMPT_B) + len(OUT_B) - 1, 2)
+    m.train()
+
+    def logps(model):
+        return [_generated(_forced_alone(model, p, o, r), p, o, 1.0)[0] for p, o, r in
+                ((PROMPT_A, OUT_A, ra), (PROMPT_B, OUT_B, rb))]
+
+    with torch.no_grad():
+        old = logps(m)  # theta0
+    rollouts = [old[0] + torch.tensor(DELTA_A), old[1] + torch.tensor(DELTA_B)]
+    seqs = [_train().RLSequence(PROMPT_A, OUT_A, rollouts[0].tolist(), ADV_A, ra),
+            _train().RLSequence(PROMPT_B, OUT_B, rollouts[1].tolist(), ADV_B, rb)]
+    opt = _Recording(list(m.named_parameters()), lr)
+    metrics = _step(m, opt, seqs, temperature=1.0, ppo_epochs=2, clip_eps_low=eps_low, clip_eps_high=eps_high,
+                    tis_cap=cap, max_grad_norm=1e9)
+    assert metrics["updates"] == 2 and len(opt.grads) == 2
+    first, second = metrics["per_update"]
+    assert first["clip_fraction"] == 0.0 and first["approx_kl"] < 1e-9
+    assert abs(first["ratio_min"] - 1) < 1e-5 and abs(first["ratio_max"] - 1) < 1e-5
+
+    # the reference at theta1 (the parameters the second step started from)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n in opt.params_before[1]:
+                p.copy_(opt.params_before[1][n])
+    new = logps(m)
+    ratios = [torch.exp(lp - o) for lp, o in zip(new, old)]
+    advs = [ADV_A, ADV_B]
+    clipped = [(r > 1 + eps_high) if a > 0 else (r < 1 - eps_low) for r, a in zip(ratios, advs)]
+    r_all = torch.cat([r.detach() for r in ratios])
+    n_clipped = int(sum(c.sum() for c in clipped))
+    assert 0 < n_clipped < 7, "the case must clip some tokens and not others"
+    bounds = torch.tensor([1 - eps_low, 1 + eps_high])
+    assert float((r_all.unsqueeze(1) - bounds).abs().min()) > 1e-3, "no ratio on a clip boundary (rounding)"
+    ws = [torch.clamp(torch.exp(-torch.tensor(d)), max=cap) for d in (DELTA_A, DELTA_B)]
+    pg = -sum((w * a * r * ~c).sum() for w, a, r, c in zip(ws, advs, ratios, clipped)) / 7
+    names = [n for n, p in m.named_parameters() if p.requires_grad]
+    params = [p for p in m.parameters() if p.requires_grad]
+    want = dict(zip(names, torch.autograd.grad(pg, params, allow_unused=True)))
+    for n in names:
+        got, g = opt.grads[1][n], want[n]
+        if g is None or float(g.abs().max()) == 0:
+            assert got is None or float(got.abs().max()) < 1e-6 * max(float(x.abs().max()) for x in want.values()
+                                                                       if x is not None), n
+            continue
+        torch.testing.assert_close(got, g, rtol=1e-3, atol=1e-4 * float(g.abs().max()), msg=lambda s: f"{n}: {s}")
+    # the clipped tokens' terms are constants: the loss by hand, and the statistics
+    loss = -sum((w * torch.where(c, r.detach().clamp(1 - eps_low, 1 + eps_high), r.detach()) * a).sum()
+                for w, a, r, c in zip(ws, advs, ratios, clipped)) / 7
+    assert second["loss"] == pytest.approx(float(loss), rel=1e-4)
+    assert second["clip_fraction"] == pytest.approx(n_clipped / 7)
+    assert second["approx_kl"] == pytest.approx(float((r_all - 1 - r_all.log()).mean()), rel=1e-3)
+    assert second["ratio_min"] == pytest.approx(float(r_all.min()), rel=1e-4)
+    assert second["ratio_max"] == pytest.approx(float(r_all.max()), rel=1e-4)
+    assert second["ratio_std"] == pytest.approx(float(r_all.std(unbiased=False)), rel=1e-3)
+    # step metrics: means over updates, first / last, the outer range; the batch's TIS statistics
+    assert metrics["clip_fraction"] == pytest.approx(n_clipped / 14)
+    assert metrics["clip_fraction_last"] == second["clip_fraction"] and metrics["clip_fraction_first"] == 0.0
+    assert metrics["ratio_max"] == second["ratio_max"]
+    assert metrics["tis_truncated_fraction"] == pytest.approx(2 / 7)
+
+
+def _batch(n=6, seed=0):
+    """``n`` sequences of different prompt and completion lengths, seeded tokens, advantages, rollout
+    logprobs and routing."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n):
+        p = [256] + torch.randint(0, 256, (1 + i % 3,), generator=g).tolist()
+        o = torch.randint(0, 256, (2 + (i * 2) % 5,), generator=g).tolist()
+        roll = (-5.0 + torch.rand(len(o), generator=g)).tolist()
+        adv = float(torch.randn(1, generator=g))
+        seqs.append(_train().RLSequence(p, o, roll, adv, _routing(len(p) + len(o) - 1, 10 + i)))
+    return seqs
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-sum"])
+def test_minibatch_updates_do_not_depend_on_the_micro_batch_split(agg):
+    """2 PPO epochs x 2 minibatches (4 optimizer steps, logp_old once before the first): the same
+    shuffle (seeded), once with whole minibatches and once in micro-batches of at most 12 padded
+    tokens. Parameters and every update's statistics agree up to float rounding."""
+    seqs = _batch()
+    runs = []
+    for budget in (0, 12):
+        m = _model()
+        opt = torch.optim.SGD(m.parameters(), lr=2e-5)
+        torch.manual_seed(123)
+        met = _step(m, opt, seqs, temperature=1.0, ppo_epochs=2, minibatches=2, micro_batch_tokens=budget,
+                    loss_aggregation=agg, max_grad_norm=1e9, seq_sum_norm=6)
+        runs.append((m, met))
+    (m0, a), (m1, b) = runs
+    assert a["updates"] == b["updates"] == 4
+    assert a["micro_batches"] == 4 and b["micro_batches"] >= 8  # every minibatch split
+    # each pass sees every sequence once, split 3 + 3
+    assert [u["sequences"] for u in a["per_update"]] == [3, 3, 3, 3]
+    tokens = sum(len(s.output_ids) for s in seqs)
+    assert sum(u["tokens"] for u in a["per_update"][:2]) == tokens == a["tokens"]
+    assert a["approx_kl_last"] > 1e-4 and a["ratio_std_last"] > 1e-3  # the later updates are off-policy
+    for ua, ub in zip(a["per_update"], b["per_update"]):
+        # Rounding differences (summation order) grow over the four steps of this peaky model (gradient
+        # norms 10-300): seen up to 1e-4 relative by the last update. A normaliser taken per micro-batch
+        # instead of per minibatch, or a lost micro-batch, changes these by O(1).
+        for k in ("loss", "grad_norm", "approx_kl", "ratio_mean", "ratio_std", "ratio_min", "ratio_max"):
+            assert ub[k] == pytest.approx(ua[k], rel=1e-3, abs=1e-5), k
+        assert ub["clip_fraction"] == pytest.approx(ua["clip_fraction"], rel=1e-6)  # same tokens clipped
+    assert max(u["clip_fraction"] for u in a["per_update"]) > 0  # the split is checked where clipping acts
+    start = dict(_model().named_parameters())
+    for (n, p), q in zip(m0.named_parameters(), m1.parameters()):
+        step = float((p - start[n]).abs().max())
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-4 * step + 1e-6, msg=lambda s: f"{n}: {s}")
+
+
+def _scored_table(groups):
+    """A scored table (the columns ``train_on_table`` reads) from ``groups``: one list of rewards per
+    prompt; advantages group-normalised as the score stage computes them."""
+    import pyarrow as pa
+
+    from k3core.rl.grpo import group_advantages
+
+    rows = {k: [] for k in ("prompt_index", "sample_index", "prompt_ids", "output_ids", "logprobs", "routing",
+                            "reward", "advantage")}
+    seqs = _batch(sum(len(g) for g in groups), seed=3)
+    i = 0
+    for gi, rewards in enumerate(groups):
+        adv = group_advantages(torch.tensor(rewards), len(rewards)).tolist()
+        for j, (r, a) in enumerate(zip(rewards, adv)):
+            s = seqs[i]
+            i += 1
+            rows["prompt_index"].append(gi)
+            rows["sample_index"].append(j)
+            rows["prompt_ids"].append(s.prompt_ids)
+            rows["output_ids"].append(s.output_ids)
+            rows["logprobs"].append(s.rollout_logprobs)
+            rows["routing"].append(s.routing.reshape(-1).tolist())
+            rows["reward"].append(r)
+            rows["advantage"].append(a)
+    return pa.table(rows)
+
+
+def test_dynamic_sampling_drops_uniform_groups():
+    """Groups whose rewards are all equal are dropped and counted; the update equals a step on the
+    other groups alone, with their zero-advantage members kept (they count in the loss's normaliser)."""
+    from k3core.settings import GRPOSettings
+
+    tr = _train()
+    table = _scored_table([[0.5, 0.5, 0.5], [0.0, 0.5, 1.0], [1.0, 1.0, 1.0]])
+    cfg = GRPOSettings(routing_replay=True, max_grad_norm=1e9)
+    m, ref = _model(), _model()
+    met = tr.train_on_table(m, torch.optim.SGD(m.parameters(), lr=1e-4), table, cfg, PAD)
+    assert (met["groups"], met["groups_dropped"], met["sequences"], met["skipped"]) == (3, 2, 3, 0.0)
+    kept = tr.table_to_sequences(table.slice(3, 3), len(TINY.moe_layers), K)
+    assert [s.advantage for s in kept][1] == 0.0  # the middle reward: zero advantage, still trained on
+    want = tr.grpo_train_step(ref, torch.optim.SGD(ref.parameters(), lr=1e-4), kept, cfg, PAD)
+    assert met["tokens"] == want["tokens"] and met["loss"] == want["loss"]
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    # every group uniform: nothing to train on, nothing moves
+    m2 = _model()
+    met = tr.train_on_table(m2, torch.optim.SGD(m2.parameters(), lr=1e-4), _scored_table([[0.0, 0.0], [1.0, 1.0]]),
+                            cfg, PAD)
+    assert (met["skipped"], met["groups"], met["groups_dropped"], met["sequences"]) == (1.0, 2, 2, 0)
+    for p, q in zip(m2.parameters(), _model().parameters()):
+        assert torch.equal(p, q)
