@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,9 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest tests $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) build *.egg-info

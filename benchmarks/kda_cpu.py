@@ -134,7 +134,7 @@ def cpu(args):
     rows = {n: (statistics.median(f), statistics.median(b)) for n, (f, b) in times.items()}
     rows["ours, general Gram path (all g = -20)"] = (statistics.median(steep[0]), statistics.median(steep[1]))
     rows_table("CPU, median seconds", rows, "ours: kda (chunked torch)")
-    for name, (f, b) in times.items():
+    for name, (f, _) in times.items():
         print(f"  {name}: {len(f)} run(s)")
 
 

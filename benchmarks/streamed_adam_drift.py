@@ -102,7 +102,7 @@ class K3Task:
             from k3core.config import K3Config
             from k3core.model import K3ForCausalLM
         except ImportError as e:  # the model issue has not landed in this tree
-            raise SystemExit(f"--model k3-{preset} needs k3core.config and k3core.model: {e}")
+            raise SystemExit(f"--model k3-{preset} needs k3core.config and k3core.model: {e}") from e
         self.K3Config, self.K3ForCausalLM = K3Config, K3ForCausalLM
         self.batch, self.seq, self.preset = batch, seq, preset
         gen = torch.Generator().manual_seed(1234)

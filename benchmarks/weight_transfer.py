@@ -199,7 +199,7 @@ class ShmPeak:
             self.peak = max(self.peak, self._held())
             time.sleep(self.every_s)
 
-    def __enter__(self) -> "ShmPeak":
+    def __enter__(self) -> ShmPeak:
         self._before = set(self.live(self.prefix))
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 
 
@@ -240,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = getattr(args, "fn", None) or getattr(args, "func")
+    handler = getattr(args, "fn", None) or args.func
     try:
         return handler(args) or 0
     except (ValueError, FileNotFoundError, NotImplementedError) as e:  # bad input, found before the work

@@ -14,7 +14,7 @@ import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 
 def lock_path(artifacts: str, run_id: str) -> Path:

@@ -17,7 +17,8 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -173,7 +174,7 @@ class ArtifactStore:
                 build(tmp)
         return self.open_local(rel)
 
-    def handle(self, rel: str, kind: str, version: int | None = None, inner: str = "", **info: Any) -> "Artifact":
+    def handle(self, rel: str, kind: str, version: int | None = None, inner: str = "", **info: Any) -> Artifact:
         """The ``Artifact`` for published ``rel`` (``inner``: the sub-path the consumer reads, e.g. the
         checkpoint directory inside a published directory); sha256 of the file or the whole tree."""
         local = self.open_local(rel)
@@ -225,7 +226,7 @@ class Artifact:
     produced_by: str = ""
     inputs: tuple[str, ...] = ()
 
-    def with_version(self, version: int | None) -> "Artifact":
+    def with_version(self, version: int | None) -> Artifact:
         from dataclasses import replace
 
         return replace(self, version=version)

@@ -273,7 +273,7 @@ class K3Config:
         release): the next multiple of 64 at or above ``kda_num_heads``."""
         return -(-self.kda_num_heads // 64) * 64
 
-    def replace(self, **changes: Any) -> "K3Config":
+    def replace(self, **changes: Any) -> K3Config:
         d = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
         if "num_hidden_layers" in changes and "full_attn_layers" not in changes and "kda_layers" not in changes:
             d["full_attn_layers"] = d["kda_layers"] = None
@@ -282,7 +282,7 @@ class K3Config:
 
     # ------------------------------------------------------------------ presets
     @classmethod
-    def preset(cls, name: str) -> "K3Config":
+    def preset(cls, name: str) -> K3Config:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**copy.deepcopy(PRESETS[name]))
@@ -354,7 +354,7 @@ class K3Config:
         return outer
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "K3Config":
+    def from_hf_dict(cls, d: dict[str, Any]) -> K3Config:
         """Read an outer ``kimi_k3`` config (or a bare ``kimi_linear`` text config). Any other
         model type is refused; vision settings are kept for write-back but never used."""
         if not isinstance(d, dict):
@@ -399,7 +399,7 @@ class K3Config:
         return cls(**kw)
 
     @classmethod
-    def from_json_file(cls, path: str | os.PathLike) -> "K3Config":
+    def from_json_file(cls, path: str | os.PathLike) -> K3Config:
         try:
             with open(path) as f:
                 d = json.load(f)

@@ -39,7 +39,8 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from k3core.config import K3Config
 
@@ -588,7 +589,7 @@ def aligned_stage_layout(num_layers: int, block: int, pp: int) -> list[int]:
         return n
 
     cap = next(c for c in range(max(blocks), num_layers + 1) if stages_needed(c) <= pp)
-    out, cur, i = [], 0, 0
+    out, cur = [], 0
     for j, b in enumerate(blocks):
         remaining_blocks = len(blocks) - j
         remaining_stages = pp - len(out)

@@ -24,7 +24,8 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from prefect import Task
 from prefect.cache_policies import INPUTS, TASK_SOURCE

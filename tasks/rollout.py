@@ -6,6 +6,8 @@ whose rows carry another version is refused, never written."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pyarrow.parquet as pq
 from prefect import get_run_logger
 
@@ -66,13 +68,23 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local"):
     return client
 
 
-def _rel(run: Run, iteration: int) -> str:
-    return run.iter_rel(iteration, "rollouts.parquet")
+def _rel(run: Run, iteration: int, refill: int = 0) -> str:
+    return run.iter_rel(iteration, f"rollouts-refill{refill}.parquet" if refill else "rollouts.parquet")
 
 
-@stage(run_name="rollout-iter{iteration}", outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))],
+def _seed(run: Run, iteration: int, refill: int) -> int:
+    if not refill:
+        return run.seed * 100003 + iteration
+    return int(hashlib.sha256(f"{run.seed}:{iteration}:refill{refill}".encode()).hexdigest()[:8], 16)
+
+
+@stage(run_name="rollout-iter{iteration}",
+       outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
        inputs=lambda weights, **_: [weights.uri])
-def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings) -> Artifact:
+def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, refill: int = 0) -> Artifact:
+    """``settings.prompts_per_iteration`` prompts x ``samples_per_prompt`` completions. ``refill`` > 0
+    (``rollout_refill``): a dynamic-sampling round of new prompts for the same iteration and weights,
+    in a file of its own, its prompts numbered after the earlier rounds'."""
     from k3core.config import K3Config
     from k3core.rl.data import training_prompts
     from k3core.rl.envs import load_env
@@ -85,21 +97,29 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
         client = rollout_client(run.run_id, weights, settings.url)
         client.check_version(weights.version)
         tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
-        prompts = training_prompts(load_env(run.env), run.seed, iteration, settings.prompts_per_iteration, run.env)
+        n = settings.prompts_per_iteration
+        prompts = training_prompts(load_env(run.env), run.seed, iteration, n, run.env, refill=refill)
         params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                 top_p=settings.top_p, stop_token_ids=(tok.eos_id,), n=settings.samples_per_prompt,
-                                seed=run.seed * 100003 + iteration)
-        table = rollout_table(client, tok, prompts, params, iteration)  # the client has generate()'s signature
+                                seed=_seed(run, iteration, refill))
+        # the client has generate()'s signature
+        table = rollout_table(client, tok, prompts, params, iteration, first_prompt_index=refill * n)
         versions = set(table.column("weight_version").to_pylist())
         if versions != {weights.version}:
             raise WeightVersionMismatch(f"rollout {iteration} came back with weight versions {sorted(versions)}, "
                                         f"expected {weights.version} only (the weights changed mid-rollout)")
         pq.write_table(table, tmp)
 
-    path = run.store.publish_once(_rel(run, iteration), build)
+    path = run.store.publish_once(_rel(run, iteration, refill), build)
     table = pq.read_table(path, columns=["output_ids"])
     tokens = sum(len(x) for x in table.column("output_ids").to_pylist())
-    get_run_logger().info(f"iteration {iteration}: {table.num_rows} samples, {tokens} tokens, weight version "
-                          f"{weights.version}, engine {settings.url}")
-    return run.store.handle(_rel(run, iteration), "rollouts", version=weights.version, rows=table.num_rows,
+    get_run_logger().info(f"iteration {iteration}{f' refill {refill}' if refill else ''}: {table.num_rows} samples, "
+                          f"{tokens} tokens, weight version {weights.version}, engine {settings.url}")
+    return run.store.handle(_rel(run, iteration, refill), "rollouts", version=weights.version, rows=table.num_rows,
                             tokens=tokens)
+
+
+# The same stage body for a dynamic-sampling refill round, under a task run name that says which.
+rollout_refill = stage(run_name="rollout-iter{iteration}-refill{refill}",
+                       outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
+                       inputs=lambda weights, **_: [weights.uri])(rollout.fn)

@@ -19,7 +19,7 @@ from typing import Any
 from k3core.artifacts import Artifact
 
 _lock = threading.Lock()
-_live: dict[str, "LiveTrainer"] = {}
+_live: dict[str, LiveTrainer] = {}
 
 
 @dataclass

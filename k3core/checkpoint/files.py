@@ -145,7 +145,7 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def publish_dir(staging: Path, final: str | os.PathLike, keep: "callable | None" = None) -> None:
+def publish_dir(staging: Path, final: str | os.PathLike, keep: callable | None = None) -> None:
     """Make the complete ``staging`` directory appear at ``final`` in one step.
 
     ``final`` absent or empty: one rename. Otherwise the entries of the old ``final`` for which

@@ -14,7 +14,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 

@@ -41,11 +41,11 @@ class KDALayerCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv_q, self.conv_k, self.conv_v, self.state) if t is not None)
 
-    def index_select(self, idx: torch.Tensor) -> "KDALayerCache":
+    def index_select(self, idx: torch.Tensor) -> KDALayerCache:
         return KDALayerCache(*(None if t is None else t.index_select(0, idx) for t in (self.conv_q, self.conv_k, self.conv_v, self.state)))
 
     @staticmethod
-    def concat(parts: list["KDALayerCache"]) -> "KDALayerCache":
+    def concat(parts: list[KDALayerCache]) -> KDALayerCache:
         """Rows of ``parts`` stacked along the batch (every part already prefilled)."""
         fields = ("conv_q", "conv_k", "conv_v", "state")
         if any(getattr(c, f) is None for c in parts for f in fields):
@@ -61,11 +61,11 @@ class MLALayerCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.kv, self.valid) if t is not None)
 
-    def index_select(self, idx: torch.Tensor) -> "MLALayerCache":
+    def index_select(self, idx: torch.Tensor) -> MLALayerCache:
         return MLALayerCache(*(None if t is None else t.index_select(0, idx) for t in (self.kv, self.valid)))
 
     @staticmethod
-    def concat(parts: list["MLALayerCache"]) -> "MLALayerCache":
+    def concat(parts: list[MLALayerCache]) -> MLALayerCache:
         """Rows of ``parts`` stacked along the batch; shorter parts are left-padded to the longest
         with zero latents marked invalid (``valid`` False), so their rows attend exactly as before."""
         if any(c.kv is None for c in parts):
@@ -79,7 +79,7 @@ class MLALayerCache:
             valids.append(torch.cat([c.valid.new_zeros(B, pad), c.valid], 1) if pad else c.valid)
         return MLALayerCache(torch.cat(kvs), torch.cat(valids))
 
-    def trim(self) -> "MLALayerCache":
+    def trim(self) -> MLALayerCache:
         """Drop leading positions that are invalid for every row (left after longer rows left)."""
         if self.valid is None or self.valid.shape[0] == 0:
             return self
@@ -180,7 +180,7 @@ class StaticDecodeState:
         self.lens[start:].zero_()
 
     @torch.no_grad()
-    def resized(self, slots: int, max_len: int, keep: int) -> "StaticDecodeState":
+    def resized(self, slots: int, max_len: int, keep: int) -> StaticDecodeState:
         """A new state of ``slots`` x ``max_len`` holding this one's first ``keep`` slots."""
         if max_len < self.max_len and keep and int(self.lens[:keep].max()) > max_len:
             raise ValueError("cannot shrink max_len below a held sequence")
@@ -207,19 +207,19 @@ class K3Cache:
     seen_tokens: int = 0
 
     @classmethod
-    def empty(cls, config) -> "K3Cache":
+    def empty(cls, config) -> K3Cache:
         return cls([MLALayerCache() if config.layer_type(i) == "mla" else KDALayerCache()
                     for i in range(config.num_hidden_layers)])
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers)
 
-    def index_select(self, idx: torch.Tensor) -> "K3Cache":
+    def index_select(self, idx: torch.Tensor) -> K3Cache:
         """Keep only the sequences ``idx`` (e.g. drop finished ones from a batch)."""
         return K3Cache([c.index_select(idx) for c in self.layers], self.seen_tokens)
 
     @staticmethod
-    def concat(parts: list["K3Cache"]) -> "K3Cache":
+    def concat(parts: list[K3Cache]) -> K3Cache:
         """One cache holding the rows of every part, in order (e.g. the running batch, then new
         joiners prefilled on their own). ``seen_tokens`` is the longest part's."""
         if not parts:
@@ -229,7 +229,7 @@ class K3Cache:
         layers = [type(ls[0]).concat(list(ls)) for ls in zip(*(c.layers for c in parts))]
         return K3Cache(layers, max(c.seen_tokens for c in parts))
 
-    def trim(self) -> "K3Cache":
+    def trim(self) -> K3Cache:
         """Drop MLA positions no row uses any more (KDA state has nothing to trim)."""
         return K3Cache([c.trim() if isinstance(c, MLALayerCache) else c for c in self.layers], self.seen_tokens)
 

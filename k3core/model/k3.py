@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3core.config import K3Config
@@ -162,7 +161,7 @@ class K3ForCausalLM(nn.Module):
             if name.endswith("e_score_correction_bias") and b.device.type != "meta":
                 b.zero_()
 
-    def cast(self, dtype: torch.dtype) -> "K3ForCausalLM":
+    def cast(self, dtype: torch.dtype) -> K3ForCausalLM:
         """Cast floating parameters to ``dtype`` except the ones the release keeps in fp32."""
         for name, p in list(self.named_parameters()) + list(self.named_buffers()):
             if p is None or not p.is_floating_point() or name.endswith(FP32_NAME_SUFFIXES):

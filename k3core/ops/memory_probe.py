@@ -14,7 +14,8 @@ Used by the SiTU-GLU tests and benchmark (and usable for any op): it owns measur
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

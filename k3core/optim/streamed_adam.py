@@ -37,7 +37,8 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -96,7 +97,7 @@ def global_grad_norm(grads: list[torch.Tensor], piece: int = 1 << 22) -> torch.T
         sq = _sum_of_squares_fp32(local, piece)
         mesh, dims = None, ()
         if _is_dtensor(g):
-            for d, pl in enumerate(g.placements):
+            for pl in g.placements:
                 if not isinstance(pl, (Shard, Replicate)):
                     raise ValueError(f"gradient placement {pl} is not supported for clipping")
             mesh, dims = g.device_mesh, tuple(d for d, pl in enumerate(g.placements) if isinstance(pl, Shard))

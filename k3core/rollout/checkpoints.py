@@ -34,7 +34,7 @@ def _torch_dtype(name: str):
 
 
 def engine_from_checkpoint(path: str | Path, dtype: str = "float32", experts: str = "auto", weight_version: int = 0,
-                           max_batch: int = 256, max_queue: int = 4096) -> "RolloutEngine":
+                           max_batch: int = 256, max_queue: int = 4096) -> RolloutEngine:
     """An engine over the public-layout checkpoint at ``path``. ``experts`` "auto": an MXFP4
     checkpoint runs the W4A8 engine (packed expert bytes as stored, FP8 activations: the pipeline's
     rollout path), a bf16 one a float engine; "float": MXFP4 pairs are dequantised on load."""
@@ -58,7 +58,7 @@ def engine_from_checkpoint(path: str | Path, dtype: str = "float32", experts: st
     return RolloutEngine(model, weight_version, max_batch=max_batch, max_queue=max_queue)
 
 
-def checkpoint_state_for(engine: "RolloutEngine", path: str | Path) -> tuple[dict, int | None]:
+def checkpoint_state_for(engine: RolloutEngine, path: str | Path) -> tuple[dict, int | None]:
     """(the state dict ``engine.load_weights`` takes, the version the directory declares or None),
     read from the public checkpoint at ``path``, shapes and dtypes checked against the engine's config
     while reading. A directory published by ``k3core.transfer.write_disk`` (``weight_version.json``
@@ -89,7 +89,7 @@ def checkpoint_state_for(engine: "RolloutEngine", path: str | Path) -> tuple[dic
     return load_hf(path, config=engine.config, dtype=dtype), None
 
 
-def _check_same_architecture(engine: "RolloutEngine", path: Path) -> None:
+def _check_same_architecture(engine: RolloutEngine, path: Path) -> None:
     from k3core.checkpoint.files import CONFIG_NAME
     from k3core.config import K3Config
 

@@ -132,7 +132,7 @@ class RolloutClient:
                     raise ServerOverloaded(f"rollout server at {self.url} is overloaded: {path} answered 503 "
                                            f"{self.retries + 1} times ({_message(payload)}); lower the request rate "
                                            "or raise its --max-queue") from None
-            except (TimeoutError, socket.timeout) as e:
+            except TimeoutError as e:
                 raise RolloutTimeout(f"rollout server at {self.url} did not answer {path} within "
                                      f"{timeout or self.timeout:.0f} s") from e
             except (urllib.error.URLError, ConnectionError, OSError) as e:

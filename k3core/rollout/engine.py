@@ -72,7 +72,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -633,7 +633,7 @@ class RolloutEngine:
     def is_serving(self) -> bool:
         return self._driver is not None and self._driver.is_alive()
 
-    def start(self) -> "RolloutEngine":
+    def start(self) -> RolloutEngine:
         """Run ``step()`` on one background thread whenever there is work."""
         if self.is_serving:
             return self

@@ -64,7 +64,7 @@ class W4A8Experts(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_experts(cls, experts: RoutedExperts, act_granularity: str | None = "token") -> "W4A8Experts":
+    def from_experts(cls, experts: RoutedExperts, act_granularity: str | None = "token") -> W4A8Experts:
         """Quantise a ``RoutedExperts`` stack (MXFP4, the release's scale rule)."""
         w13, w2 = experts.w13.detach(), experts.w2.detach()
         out = cls(experts.num_experts, w13.shape[-1], experts.intermediate_size, experts.beta, experts.linear_beta,

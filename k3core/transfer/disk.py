@@ -35,7 +35,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn

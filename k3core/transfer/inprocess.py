@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import base64
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

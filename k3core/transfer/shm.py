@@ -51,7 +51,7 @@ import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import shared_memory
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -154,7 +154,7 @@ class ShmPool:
         """Unlink every segment. Idempotent; transfers still open must not be used afterwards."""
         self._finalizer()
 
-    def __enter__(self) -> "ShmPool":
+    def __enter__(self) -> ShmPool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -321,7 +321,7 @@ class SentTransfer:
         """Release the buckets (unlink the segments). Idempotent."""
         self._finalizer()
 
-    def __enter__(self) -> "SentTransfer":
+    def __enter__(self) -> SentTransfer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -64,7 +64,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -231,7 +231,7 @@ class StreamedSend:
             thread.join(self._timeout)
         self._finalizer()
 
-    def __enter__(self) -> "StreamedSend":
+    def __enter__(self) -> StreamedSend:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -10,7 +10,7 @@ segments (``shm.py``), the payload formats (``shm.py``, ``stream.py``, ``wire.py
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -37,7 +37,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 from flows.deploy import (DEFAULT_FILE, iterations_done, load_config, lock_path, resolve_settings, run_lock,
                           runner_deployments)
@@ -109,7 +108,7 @@ def test_prefect_yaml_deployments_load_and_validate():
     assert {d.flow_name for d in deps.values()} == {"prepare", "rl_run", "rl_continue"}
     from prefect.flows import load_flow_from_entrypoint
 
-    for name, d in by_name.items():
+    for d in by_name.values():
         fl = load_flow_from_entrypoint(str(DEFAULT_FILE.parent / d["entrypoint"]))
         params = fl.validate_parameters(d["parameters"])  # pydantic coerces the settings dict
         settings = params["settings"]

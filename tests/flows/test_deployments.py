@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
 import pytest
@@ -76,7 +76,7 @@ def _test_yaml(tmp_path: Path, artifacts: str) -> Path:
             d["parameters"]["artifacts"] = artifacts
         for s in d.get("schedules") or []:
             # runs exist at once but none is due during the test
-            s.update(interval=86400, anchor_date=(datetime.now(timezone.utc) + timedelta(hours=2)).isoformat())
+            s.update(interval=86400, anchor_date=(datetime.now(UTC) + timedelta(hours=2)).isoformat())
             s["parameters"] = {"run_id": "scheduled-run"}
     out = tmp_path / "prefect-test.yaml"
     out.write_text(yaml.safe_dump(cfg))

@@ -139,8 +139,8 @@ class Chromium:
             time.sleep(0.5)
 
     def wait_text(self, needles: list[str], what: str) -> str:
-        js = "(() => { const t = document.body ? document.body.innerText : ''; return %s ? t : null })()" % (
-            " && ".join(f"t.includes({json.dumps(n)})" for n in needles))
+        cond = " && ".join(f"t.includes({json.dumps(n)})" for n in needles)
+        js = "(() => { const t = document.body ? document.body.innerText : ''; return " + cond + " ? t : null })()"
         return self.wait_for(js, what)
 
     def screenshot(self, path: Path, settle: float = 1.0) -> None:

@@ -10,7 +10,6 @@ what /dev/shm holds while a state ~9x the ring streams through it.
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -24,7 +23,7 @@ import torch
 from k3core import transfer as T
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
-from k3core.rl.stages import engine_from_model, engine_state
+from k3core.rl.weights import engine_from_model, engine_state
 from k3core.transfer import shm as shm_module
 from k3core.transfer import stream as stream_module
 

@@ -150,7 +150,7 @@ def test_bad_inputs_fail_clearly_and_keep_artifacts(pipeline, tmp_path):
         with pytest.raises(CheckpointValidationError):
             validate_checkpoint.fn(Run(str(tmp_path), "bad"), Artifact("hf", "file:///bad", str(bad), "x"), "tiny")
         assert not (tmp_path / "runs" / "bad" / "source.validation.json").exists()
-        with pytest.raises(Exception):
+        with pytest.raises(CheckpointValidationError):
             validate_checkpoint.fn(Run(str(tmp_path), "m"), Artifact("hf", "file:///m", str(tmp_path / "missing"), "x"),
                                    "tiny")
     # earlier artifacts are intact

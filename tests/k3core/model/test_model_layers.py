@@ -2,7 +2,6 @@
 
 import math
 
-import pytest
 import torch
 
 from k3core.config import K3Config
