@@ -7,6 +7,9 @@
   k3rl plan --preset full --hardware b300 --tokens-per-gpu 100000 [--json]
   k3rl status [--run-id ID] [--artifacts URL]
   k3rl serve | deploy | worker          deployments of prefect.yaml (see flows/deploy.py)
+  k3rl rollout-server --checkpoint DIR  a checkpoint behind the SGLang-style HTTP API (flows/cli_serve.py)
+
+Run settings (``k3rl run --help``) are the sections of ``k3core.settings.RLSettings``, one flag each.
 
 Prefect runs in its embedded mode unless PREFECT_API_URL points at a server; telemetry is off.
 
