@@ -51,31 +51,28 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
     return True
 
 
-def stage_options(result_root: str | None) -> dict[str, Any]:
-    opts: dict[str, Any] = dict(
+def stage_options(result_root: str) -> dict[str, Any]:
+    from tasks.results import StageResultSerializer, TrustedCache
+
+    return dict(
         retries=RETRIES,
         retry_delay_seconds=exponential_backoff(backoff_factor=1),
         retry_jitter_factor=0.5,
         retry_condition_fn=retry_unless_bad_input,
-        cache_policy=INPUTS + TASK_SOURCE,
+        cache_policy=TrustedCache(inner=INPUTS + TASK_SOURCE, root=result_root),
         persist_result=True,
+        result_serializer=StageResultSerializer(),
+        result_storage=Path(result_root),
     )
-    if result_root is not None:
-        opts["result_storage"] = Path(result_root)
-    return opts
 
 
-def result_root_for(artifact_root: str) -> str | None:
-    """Prefect result storage: beside local artifacts; Prefect's default for remote roots."""
-    import fsspec
-    from fsspec.implementations.local import LocalFileSystem
-
-    fs, base = fsspec.core.url_to_fs(artifact_root)
-    if isinstance(fs, LocalFileSystem):
-        p = Path(os.path.abspath(base)) / ".prefect-results"
-        p.mkdir(parents=True, exist_ok=True)
-        return str(p)
-    return None
+def result_root_for(artifact_root: str) -> str:
+    """Where Prefect persists stage results (JSON, ``tasks/results.py``): beside a local artifact root,
+    in this machine's cache of a remote one."""
+    store = ArtifactStore(artifact_root)
+    p = Path(store.base if store.is_local else store.cache) / ".prefect-results"
+    p.mkdir(parents=True, exist_ok=True)
+    return str(p)
 
 
 @dataclass(frozen=True)
