@@ -9,6 +9,9 @@ handles. One iteration N (engine at weight version N):
 
     rollout(engine@N) -> rollouts.parquet -> score -> scored.parquet -> train_step(state N) -> state N+1
     -> save_checkpoint (manifest, latest) -> transfer_weights (MXFP4 experts) -> engine@N+1
+
+With ``--refill-rounds`` (dynamic sampling), rollout and score run again on new prompts
+(``rollouts-refill1.parquet``, ...) while too few groups carry signal, before the train step.
 """
 
 from __future__ import annotations
@@ -27,15 +30,15 @@ from tasks.evaluate import evaluate
 from tasks.fetch import fetch_checkpoint
 from tasks.mismatch import rollout_mismatch
 from tasks.quantize import quantize_mxfp4
-from tasks.rollout import rollout
+from tasks.rollout import rollout, rollout_refill
 from tasks.save import save_checkpoint
-from tasks.score import score_rewards
+from tasks.score import score_refill, score_rewards
 from tasks.train import train_step
 from tasks.transfer import transfer_weights
 from tasks.validate import validate_checkpoint
 from tasks.warmup import warmup
 
-__all__ = ["Iteration", "Prepared", "RLSettings", "check_environment", "prepare", "rl_iteration", "rl_run",
+__all__ = ["Iteration", "Prepared", "RLSettings", "check_environment", "prepare", "refill", "rl_iteration", "rl_run",
            "run_of"]
 
 
@@ -105,12 +108,31 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                                      s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
         scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages)
-        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout.temperature, s.rollout.max_new_tokens)
+        refills = refill(s, run, iteration, weights, scored.info["groups_informative"])
+        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, tuple(sc for _, sc in refills))
         checkpoint = save_checkpoint(run, iteration, trained)
         engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized)
     metrics = reports.iteration_metrics(iteration, weights, rollouts, scored, trained, engine, heldout, mismatch, seconds)
+    metrics["sampling_rounds"] = 1 + len(refills)
     served = dataclasses.replace(checkpoint, info={**checkpoint.info, "quantized": s.rollout.quantized})
-    return Iteration(checkpoint, served, metrics, [rollouts, scored, trained, checkpoint, engine])
+    extra = [a for pair in refills for a in pair]
+    return Iteration(checkpoint, served, metrics, [rollouts, scored, *extra, trained, checkpoint, engine])
+
+
+def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
+           informative: int) -> list[tuple[Artifact, Artifact]]:
+    """Dynamic sampling: while fewer than ``prompts_per_iteration`` groups have rewards that differ
+    (``informative`` so far), one more round of new prompts on the same weights, at most
+    ``refill_rounds``. -> (rollouts, scored) of each round, in order."""
+    out = []
+    for r in range(1, s.grpo.refill_rounds + 1):
+        if informative >= s.rollout.prompts_per_iteration:
+            break
+        rollouts = rollout_refill(run, iteration, weights, s.rollout, r)
+        scored = score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, r)
+        informative += scored.info["groups_informative"]
+        out.append((rollouts, scored))
+    return out
 
 
 @flow(name="rl_run", flow_run_name="{settings.pipeline.run_id}", log_prints=True)

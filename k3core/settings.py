@@ -170,6 +170,9 @@ class GRPOSettings(_Section):
                                  "sequences x --max-new-tokens, Dr. GRPO)")
     scale_advantages: bool = _bool(True, "scale-advantages", "divide advantages by their group's reward std (GRPO); "
                                    "false: reward minus the group mean only (Dr. GRPO)")
+    refill_rounds: int = _int(0, "refill-rounds", "dynamic sampling: groups whose rewards are all equal are always "
+                              "dropped; while fewer than --prompts-per-iteration groups differ, sample up to this many "
+                              "extra rounds of new prompts (0: no refill)")
 
     def problems(self) -> list[str]:
         out = super().problems()

@@ -10,18 +10,28 @@ from k3core.artifacts import Artifact
 from tasks.common import Run, stage
 
 
-def _rel(run: Run, iteration: int) -> str:
-    return run.iter_rel(iteration, "scored.parquet")
+def _rel(run: Run, iteration: int, refill: int = 0) -> str:
+    return run.iter_rel(iteration, f"scored-refill{refill}.parquet" if refill else "scored.parquet")
 
 
 @stage(run_name="score_rewards-iter{iteration}", key="score",
-       outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))], inputs=lambda rollouts, **_: [rollouts.uri])
-def score_rewards(run: Run, iteration: int, rollouts: Artifact, group_size: int,
-                  scale_advantages: bool = True) -> Artifact:
+       outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
+       inputs=lambda rollouts, **_: [rollouts.uri])
+def score_rewards(run: Run, iteration: int, rollouts: Artifact, group_size: int, scale_advantages: bool = True,
+                  refill: int = 0) -> Artifact:
+    """The handle's info has the reward statistics and ``groups`` / ``groups_informative`` (groups
+    whose rewards differ: what dynamic sampling counts). ``refill`` > 0 (``score_refill``): the
+    rollouts of that refill round."""
     from k3core.rl.envs import load_env
     from k3core.rl.tables import score_table
 
     table, stats = score_table(pq.read_table(rollouts.path), load_env(run.env), run.env, group_size,
                                scale_advantages=scale_advantages)
-    run.store.publish_once(_rel(run, iteration), lambda tmp: pq.write_table(table, tmp))
-    return run.store.handle(_rel(run, iteration), "scored", version=rollouts.version, **stats)
+    run.store.publish_once(_rel(run, iteration, refill), lambda tmp: pq.write_table(table, tmp))
+    return run.store.handle(_rel(run, iteration, refill), "scored", version=rollouts.version, **stats)
+
+
+# The same stage body for a dynamic-sampling refill round, under a task run name that says which.
+score_refill = stage(run_name="score_rewards-iter{iteration}-refill{refill}", key="score",
+                     outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
+                     inputs=lambda rollouts, **_: [rollouts.uri])(score_rewards.fn)

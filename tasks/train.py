@@ -11,7 +11,7 @@ import json
 from prefect import get_run_logger
 
 from k3core.artifacts import Artifact
-from k3core.settings import GRPOSettings
+from k3core.settings import GRPOSettings, RolloutSettings
 from tasks import trainers
 from tasks.common import Run, stage
 
@@ -43,12 +43,15 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
 
 @stage(run_name="train_step-iter{iteration}", key="train",
        outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))],
-       inputs=lambda state, scored, **_: [state.uri, scored.uri])
+       inputs=lambda state, scored, refills, **_: [state.uri, scored.uri, *(a.uri for a in refills)])
 def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, settings: GRPOSettings,
-               temperature: float, max_new_tokens: int | None = None) -> Artifact:
-    """``temperature``: the rollouts' sampling temperature (the trainer's log-probabilities use it);
-    ``max_new_tokens``: the completion length cap (the constant of ``seq-sum`` loss aggregation).
-    Per-update statistics go into the trainer state's ``extra.json`` (``metrics.per_update``)."""
+               sampling: RolloutSettings, refills: tuple[Artifact, ...] = ()) -> Artifact:
+    """``sampling``: the settings the rollouts were sampled with (the trainer's log-probabilities use
+    their temperature; ``max_new_tokens`` is the constant of ``seq-sum`` aggregation; at most
+    ``prompts_per_iteration`` informative groups are trained on). ``refills``: the scored tables of
+    dynamic-sampling refill rounds, trained on with ``scored``. Per-update statistics go into the
+    trainer state's ``extra.json`` (``metrics.per_update``)."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     from k3core.rl.train import train_on_table
@@ -59,17 +62,19 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
 
     def build(tmp):
         model, opt = _trainer(run, state, settings)
-        metrics = train_on_table(model, opt, pq.read_table(scored.path), settings, ByteTokenizer(model.config).pad_id,
-                                 temperature=temperature, seq_sum_norm=max_new_tokens)
+        table = pa.concat_tables([pq.read_table(a.path) for a in (scored, *refills)])
+        metrics = train_on_table(model, opt, table, settings, ByteTokenizer(model.config).pad_id,
+                                 temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
+                                 max_groups=sampling.prompts_per_iteration)
         extra = {"iteration": iteration + 1, "data_cursor": {"next_iteration": iteration + 1},
-                 "parent": state.uri, "scored": scored.uri, "metrics": metrics}
+                 "parent": state.uri, "scored": scored.uri, "refills": [a.uri for a in refills], "metrics": metrics}
         save_trainer_state(tmp / "state", model, opt, extra, storage_writer_factory=_writer_factory())
         extra = json.loads((tmp / "state" / "extra.json").read_text())
         trainers.put(run.run_id, trainers.LiveTrainer(iteration + 1, model, opt, extra, rng_state()))
         get_run_logger().info(f"iteration {iteration}: {metrics.get('updates', 0)} updates, loss "
                               f"{metrics.get('loss', 0):.4f}, grad norm {metrics.get('grad_norm', 0):.3f}, clip fraction "
                               f"{metrics.get('clip_fraction', 0):.3f}, approx KL {metrics.get('approx_kl', 0):.2e}, "
-                              f"{metrics.get('groups_dropped', 0)} of {metrics.get('groups', 0)} groups uniform (dropped)")
+                              f"{metrics.get('groups_dropped', 0)} of {metrics.get('groups_sampled', 0)} groups uniform (dropped)")
 
     local = run.store.publish_once(rel, build, is_dir=True) / "state"
     extra = json.loads((local / "extra.json").read_text())

@@ -2,8 +2,9 @@
 
 Prompts are split once, by a stable hash of their text, into a training stream and a held-out
 stream (1 in ``HELDOUT_MOD``): held-out reward is measured on prompts training never sees. Each
-iteration's prompts come from an RNG seeded by (seed, iteration), so the data position is a pure
-function of the iteration (the "data cursor" a resume restores).
+iteration's prompts come from an RNG seeded by (seed, iteration) (and the refill round, for dynamic
+sampling), so the data position is a pure function of the iteration (the "data cursor" a resume
+restores).
 """
 
 from __future__ import annotations
@@ -52,8 +53,12 @@ def _draw(env, rng: random.Random, n: int, want_heldout: bool, spec: str, max_tr
                      f"its prompt space may be too small for a held-out split")
 
 
-def training_prompts(env, seed: int, iteration: int, n: int, spec: str = "?") -> list[str]:
-    return _draw(env, random.Random(f"train:{seed}:{iteration}"), n, False, spec)
+def training_prompts(env, seed: int, iteration: int, n: int, spec: str = "?", refill: int = 0) -> list[str]:
+    """The ``n`` training prompts of ``iteration``; ``refill`` > 0: the prompts of that dynamic-sampling
+    refill round of the iteration (a stream of its own: the first round is the same with or without
+    refills)."""
+    key = f"train:{seed}:{iteration}" + (f":refill{refill}" if refill else "")
+    return _draw(env, random.Random(key), n, False, spec)
 
 
 def heldout_prompts(env, seed: int, n: int, spec: str = "?") -> list[str]:

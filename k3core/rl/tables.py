@@ -8,18 +8,20 @@ import torch
 
 from k3core.rl.data import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from k3core.rl.envs import checked_reward
-from k3core.rl.grpo import group_advantages
+from k3core.rl.grpo import group_advantages, uniform_groups
 from k3core.rollout.engine import RolloutEngine, SamplingParams
 from k3core.tokenizer import ByteTokenizer
 
 
 def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str], params: SamplingParams,
-                  iteration: int) -> pa.Table:
+                  iteration: int, first_prompt_index: int = 0) -> pa.Table:
+    """One row per completion; ``prompt_index`` counts from ``first_prompt_index`` (refill rounds of
+    dynamic sampling number their prompts after the earlier rounds', so groups stay distinct)."""
     comps = engine.generate([tok.encode(p) for p in prompts], params, pad_id=tok.pad_id)
     rows = {f.name: [] for f in ROLLOUT_SCHEMA}
     for c in comps:
         rows["iteration"].append(iteration)
-        rows["prompt_index"].append(c.prompt_index)
+        rows["prompt_index"].append(first_prompt_index + c.prompt_index)
         rows["sample_index"].append(c.sample_index)
         rows["prompt"].append(prompts[c.prompt_index])
         rows["prompt_ids"].append(c.prompt_ids)
@@ -35,7 +37,8 @@ def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str],
 def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int,
                 scale_advantages: bool = True) -> tuple[pa.Table, dict]:
     """Rewards (checked: finite, in [0, 1]) and GRPO advantages: reward minus the group mean, divided
-    by the group's std when ``scale_advantages``."""
+    by the group's std when ``scale_advantages``. Statistics: reward mean / std, solved fraction,
+    mean completion length, ``groups`` and ``groups_informative`` (groups whose rewards differ)."""
     if rollouts.num_rows == 0:
         raise ValueError("no rollouts to score: the rollout table is empty")
     prompts, comps = rollouts.column("prompt").to_pylist(), rollouts.column("completion").to_pylist()
@@ -48,7 +51,9 @@ def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int,
     table = rollouts.append_column("reward", pa.array(rewards.tolist(), pa.float32()))
     table = table.append_column("advantage", pa.array(adv.tolist(), pa.float32())).cast(SCORED_SCHEMA)
     lens = [len(x) for x in table.column("output_ids").to_pylist()]
+    uniform = uniform_groups(rewards, group_size)
     stats = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
              "response_length_mean": sum(lens) / len(lens),
-             "solved_fraction": float((rewards == 1.0).float().mean())}
+             "solved_fraction": float((rewards == 1.0).float().mean()),
+             "groups": int(uniform.numel()), "groups_informative": int((~uniform).sum())}
     return table, stats

@@ -239,20 +239,28 @@ def table_to_sequences(table: pa.Table, n_moe: int, top_k: int) -> list[RLSequen
 
 
 def train_on_table(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, table: pa.Table, cfg: GRPOSettings,
-                   pad_id: int, temperature: float = 1.0, seq_sum_norm: float | None = None) -> dict:
+                   pad_id: int, temperature: float = 1.0, seq_sum_norm: float | None = None,
+                   max_groups: int | None = None) -> dict:
     """GRPO updates on a scored batch (``grpo_train_step``). Dynamic sampling: groups (rows sharing a
     ``prompt_index``) whose rewards are all equal carry no signal and are dropped before the batch is
-    split and before the loss is normalised; ``groups`` and ``groups_dropped`` report them. A batch
-    where every group is uniform is a no-op step (``skipped`` 1)."""
+    split and before the loss is normalised; of the others, the first ``max_groups`` by prompt index
+    are trained on (a batch refilled by extra rollout rounds keeps its size). Reported:
+    ``groups_sampled``, ``groups_dropped`` (uniform), ``groups_unused`` (beyond ``max_groups``),
+    ``groups_trained``, ``sequences``. A batch where every group is uniform is a no-op step
+    (``skipped`` 1)."""
     n_moe, k = len(model.moe_layer_ids), model.config.num_experts_per_token
     seqs = table_to_sequences(table, n_moe, k)
+    index = table.column("prompt_index").to_pylist()
     groups: dict[int, list[int]] = {}
-    for i, g in enumerate(table.column("prompt_index").to_pylist()):
+    for i, g in enumerate(index):
         groups.setdefault(g, []).append(i)
     rewards = table.column("reward").to_pylist()
-    uniform = {g for g, rows in groups.items() if len({rewards[i] for i in rows}) == 1}
-    kept = [s for s, g in zip(seqs, table.column("prompt_index").to_pylist()) if g not in uniform]
-    counts = {"groups": len(groups), "groups_dropped": len(uniform), "sequences": len(kept)}
+    informative = sorted(g for g, rows in groups.items() if len({rewards[i] for i in rows}) > 1)
+    trained = set(informative[:max_groups] if max_groups is not None else informative)
+    kept = [s for s, g in zip(seqs, index) if g in trained]
+    counts = {"groups_sampled": len(groups), "groups_dropped": len(groups) - len(informative),
+              "groups_unused": len(informative) - len(trained), "groups_trained": len(trained),
+              "sequences": len(kept)}
     if not kept:
         return {"skipped": 1.0, **counts}
     m = grpo_train_step(model, optimizer, kept, cfg, pad_id, temperature, seq_sum_norm=seq_sum_norm)

@@ -68,9 +68,23 @@ def test_a_stage_declares_its_lineage_where_it_is_defined(tmp_path):
     scored = Artifact("scored", run.uri(run.iter_rel(3, "scored.parquet")), "/unused", "2" * 64, version=3)
     from k3core.settings import GRPOSettings
 
-    task, name, inputs = train_step.task(run, 3, state, scored, GRPOSettings(), 1.0)
+    task, name, inputs = train_step.task(run, 3, state, scored, GRPOSettings(), RolloutSettings())
     assert name == "train_step-iter3" and inputs == [state.uri, scored.uri]
     assert [a.key for a in task.assets] == [(tmp_path / "runs/r/iter-0003/trainer").as_uri()]
+    # a dynamic-sampling refill round: the same bodies under their own run names, files and inputs
+    from tasks.rollout import rollout_refill
+    from tasks.score import score_refill
+
+    task, name, inputs = rollout_refill.task(run, 3, w, RolloutSettings(), 2)
+    assert name == "rollout-iter3-refill2" and inputs == [w.uri] and task.fn is rollout.fn
+    assert [a.key for a in task.assets] == [(tmp_path / "runs/r/iter-0003/rollouts-refill2.parquet").as_uri()]
+    ro2 = Artifact("rollouts", run.uri(run.iter_rel(3, "rollouts-refill2.parquet")), "/unused", "3" * 64, version=3)
+    task, name, inputs = score_refill.task(run, 3, ro2, 8, True, 2)
+    assert name == "score_rewards-iter3-refill2" and inputs == [ro2.uri]
+    assert [a.key for a in task.assets] == [(tmp_path / "runs/r/iter-0003/scored-refill2.parquet").as_uri()]
+    sc2 = Artifact("scored", run.uri(run.iter_rel(3, "scored-refill2.parquet")), "/unused", "4" * 64, version=3)
+    _, _, inputs = train_step.task(run, 3, state, scored, GRPOSettings(), RolloutSettings(), (sc2,))
+    assert inputs == [state.uri, scored.uri, sc2.uri]
 
 
 def test_a_stage_call_is_stamped_and_timed(tmp_path, prefect_harness):

@@ -103,17 +103,17 @@ def test_update_settings_defaults_flags_and_checks():
     """The minibatch-update settings: today's single on-policy update by default, one flag each, bad
     values listed together."""
     g = GRPOSettings()
-    assert (g.ppo_epochs, g.minibatches, g.micro_batch_tokens, g.loss_aggregation, g.scale_advantages) == \
-        (1, 1, 0, "token-mean", True)
+    assert (g.ppo_epochs, g.minibatches, g.micro_batch_tokens, g.loss_aggregation, g.scale_advantages,
+            g.refill_rounds) == (1, 1, 0, "token-mean", True, 0)
     s = RLSettings.from_dict({"ppo-epochs": 2, "minibatches": 4, "micro_batch_tokens": 2048,
-                              "loss-aggregation": "seq-sum", "scale-advantages": False})
+                              "loss-aggregation": "seq-sum", "scale-advantages": False, "refill-rounds": 3})
     assert (s.grpo.ppo_epochs, s.grpo.minibatches, s.grpo.micro_batch_tokens, s.grpo.loss_aggregation,
-            s.grpo.scale_advantages) == (2, 4, 2048, "seq-sum", False)
+            s.grpo.scale_advantages, s.grpo.refill_rounds) == (2, 4, 2048, "seq-sum", False, 3)
     with pytest.raises(SettingsError) as e:
         GRPOSettings(ppo_epochs=0, minibatches=0, micro_batch_tokens=-1, loss_aggregation="sum",
-                     scale_advantages="no")
+                     scale_advantages="no", refill_rounds=-1)
     msg = str(e.value)
     for needle in ("--ppo-epochs must be >= 1, got 0", "--minibatches must be >= 1, got 0",
                    "--micro-batch-tokens must be >= 0, got -1", "--loss-aggregation: unknown mode 'sum'",
-                   "--scale-advantages must be true or false"):
+                   "--scale-advantages must be true or false", "--refill-rounds must be >= 0, got -1"):
         assert needle in msg, needle

@@ -511,17 +511,28 @@ def test_dynamic_sampling_drops_uniform_groups():
     cfg = GRPOSettings(routing_replay=True, max_grad_norm=1e9)
     m, ref = _model(), _model()
     met = tr.train_on_table(m, torch.optim.SGD(m.parameters(), lr=1e-4), table, cfg, PAD)
-    assert (met["groups"], met["groups_dropped"], met["sequences"], met["skipped"]) == (3, 2, 3, 0.0)
+    assert (met["groups_sampled"], met["groups_dropped"], met["groups_trained"], met["sequences"], met["skipped"]) == \
+        (3, 2, 1, 3, 0.0)
     kept = tr.table_to_sequences(table.slice(3, 3), len(TINY.moe_layers), K)
     assert [s.advantage for s in kept][1] == 0.0  # the middle reward: zero advantage, still trained on
     want = tr.grpo_train_step(ref, torch.optim.SGD(ref.parameters(), lr=1e-4), kept, cfg, PAD)
     assert met["tokens"] == want["tokens"] and met["loss"] == want["loss"]
     for p, q in zip(m.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+    # a refilled batch keeps its size: the first max_groups informative groups by prompt index
+    table = _scored_table([[0.0, 1.0], [0.5, 0.5], [1.0, 0.0], [0.2, 0.3]])
+    m, ref = _model(), _model()
+    met = tr.train_on_table(m, torch.optim.SGD(m.parameters(), lr=1e-4), table, cfg, PAD, max_groups=2)
+    assert (met["groups_sampled"], met["groups_dropped"], met["groups_trained"], met["groups_unused"]) == (4, 1, 2, 1)
+    first_two = tr.table_to_sequences(table.slice(0, 2), len(TINY.moe_layers), K) + \
+        tr.table_to_sequences(table.slice(4, 2), len(TINY.moe_layers), K)
+    tr.grpo_train_step(ref, torch.optim.SGD(ref.parameters(), lr=1e-4), first_two, cfg, PAD)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
     # every group uniform: nothing to train on, nothing moves
     m2 = _model()
     met = tr.train_on_table(m2, torch.optim.SGD(m2.parameters(), lr=1e-4), _scored_table([[0.0, 0.0], [1.0, 1.0]]),
                             cfg, PAD)
-    assert (met["skipped"], met["groups"], met["groups_dropped"], met["sequences"]) == (1.0, 2, 2, 0)
+    assert (met["skipped"], met["groups_sampled"], met["groups_dropped"], met["sequences"]) == (1.0, 2, 2, 0)
     for p, q in zip(m2.parameters(), _model().parameters()):
         assert torch.equal(p, q)
