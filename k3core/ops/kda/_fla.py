@@ -8,22 +8,78 @@ backend to pick instead. Conventions checked against fla 0.6.0's ``fla/ops/kda/c
 L2 norm ``x / sqrt(sum x^2 + 1e-6)`` in kernel, and the in-kernel "safe" gate
 ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`` when ``use_gate_in_kernel`` and
 ``lower_bound`` are set (our ``kda_gate``).
+
+Kernel configs: fla autotunes each Triton kernel on its first call for every new shape (minutes for
+a KDA forward+backward). fla 0.6 can read the winners from a directory instead (``FLA_CACHE_MODE``,
+``FLA_CONFIG_DIR``; ``fla/ops/utils/cache.py``), and k3rl ships them in ``fla_configs/<fla-core
+version>/<GPU name>/`` (made by ``fla_tune.py``). Just before fla is imported, ``_load`` points fla
+there when a directory exists for the installed fla-core and this GPU; a variable the user set is
+left alone. fla reads ``FLA_CACHE_MODE`` once, at import, hence "before".
 """
 
 from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import sys
+from pathlib import Path
 
 import torch
 
 _MODULE = None
 _ERROR: BaseException | None = None
 
+SHIPPED_CONFIGS = Path(__file__).with_name("fla_configs")
+# exact keys only, else fla autotunes as before. fla's "fuzzy" mode would also hand a config tuned at
+# one head dim to another, whose tiles may not fit shared memory; the price of "strict" is that a
+# new batch size re-tunes the one kernel keyed on it (chunk_local_cumsum_vector_kernel, seconds)
+SHIPPED_CACHE_MODE = "strict"
+
 INSTALL_HINT = "pip install --no-deps fla-core==0.6.0 flash-linear-attention==0.6.0 (needs triton)"
+
+
+def gpu_config_name(device: int | None = None) -> str:
+    """The CUDA device's name as a directory name (runs of other characters become one ``_``), the
+    rule fla uses for its own per-GPU config folders: ``NVIDIA H200`` -> ``NVIDIA_H200``."""
+    name = torch.cuda.get_device_name(device)
+    return re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_") or "unknown_gpu"
+
+
+def shipped_config_dir() -> Path | None:
+    """``fla_configs/<fla-core version>/<GPU>/`` when it exists for the installed fla-core and the
+    current CUDA device, else None. Configs of another fla version may name kernel arguments that
+    no longer exist, and another GPU's may not fit its shared memory: neither is used."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        version = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    path = SHIPPED_CONFIGS / version / gpu_config_name()
+    return path if path.is_dir() else None
+
+
+def point_fla_at_shipped_configs() -> dict[str, str]:
+    """Set ``FLA_CACHE_MODE`` and ``FLA_CONFIG_DIR`` for the shipped configs, each only where unset;
+    returns what was set. Nothing is set once fla's cache module is imported (it has read the mode
+    already) or when no directory fits this GPU and fla version."""
+    if "fla.ops.utils.cache" in sys.modules:
+        return {}
+    path = shipped_config_dir()
+    if path is None:
+        return {}
+    wanted = {"FLA_CACHE_MODE": SHIPPED_CACHE_MODE, "FLA_CONFIG_DIR": str(path)}
+    set_now = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(set_now)
+    return set_now
 
 
 def _load():
     global _MODULE, _ERROR
     if _MODULE is None and _ERROR is None:
         try:
+            point_fla_at_shipped_configs()
             import fla.ops.kda as module  # noqa: PLC0415  (lazy: imports triton)
             _MODULE = module
         except Exception as e:  # ImportError without triton; other errors from a broken install

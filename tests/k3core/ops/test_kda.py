@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from k3core.ops.kda import kda, kda_gate, kda_step, naive_kda
-from k3core.ops.kda import _fla
+from k3core.config import K3Config
+from k3core.ops.kda import _fla, kda, kda_gate, kda_step, naive_kda
 from k3core.ops.kda.chunk import _decayed_grams_blocked, _decayed_grams_halving, chunk_kda_torch
+from k3core.ops.kda.fla_tune import packed_lengths
 
 F64 = torch.float64
 GATES = ("lower", "near0", "mixed", "steep")
@@ -408,3 +409,43 @@ def test_gpu_fla_decode_matches_torch(gate_in_kernel):
     assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
     assert rel_err(o1, o_ref[:, 0]) < 1e-4 and rel_err(s1, s_ref) < 1e-4
     assert torch.equal(h0, h0_copy)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@gpu_test
+def test_gpu_fla_matches_torch_chunk_packed_training_shape(dtype):
+    """The trainer's call at a training shape: the medium preset's KDA heads (H=12, K=V=128), 8192
+    tokens packed (``cu_seqlens``) into four sequences whose lengths are not multiples of fla's
+    64-token chunk, each with its own initial state and returning its final state; the model's gate
+    path (g pre-gated, fp32 g and beta, ``lower_bound=-5``: fla's safe-gate kernels). fla against our
+    torch chunk path in fp64 on the same (rounded) inputs: output, final states and the gradients of
+    q, k, v, g, beta and the initial state, by relative RMS error (``rel_err``).
+
+    Bounds (``TOL``): fla takes fp32 dot products in TF32 (10-bit mantissa, one rounding <= 2^-11 ~
+    4.9e-4 relative), so fp32 lands near 1e-3 and 5e-3 leaves headroom; with bf16 inputs fla also
+    keeps its chunk intermediates (w, u, the gated q/k) in bf16 (8-bit mantissa, 2^-9 ~ 2e-3), hence
+    2e-2; gradients go through the recomputed forward and the backward, twice the roundings, 4x."""
+    cfg = K3Config.preset("medium")
+    H, K = cfg.kda_num_heads, cfg.kda_head_dim
+    lens = packed_lengths(8192)
+    assert all(n % 64 for n in lens)
+    T = sum(lens)
+    q, k, v, g, beta, _ = make_inputs(B=1, T=T, H=H, K=K, V=K, dtype=dtype, seed=7, device="cuda")
+    g, beta = g.float(), beta.float()  # the model's gate and beta are fp32 whatever the weights' dtype
+    cu = torch.tensor([0, *lens], device="cuda").cumsum(0)
+    h0 = torch.randn(len(lens), H, K, K, generator=torch.Generator().manual_seed(8)).cuda() * 0.5
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o, s = kda(*leaves[:5], initial_state=leaves[5], output_final_state=True, cu_seqlens=cu,
+               lower_bound=-5.0, backend="fla")
+    assert o.dtype == dtype and s.dtype == torch.float32 and s.shape == (len(lens), H, K, K)
+    (o.float().square().sum() + s.square().sum()).backward()
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o_ref, s_ref = kda(*ref[:5], initial_state=ref[5], output_final_state=True, cu_seqlens=cu,
+                       backend="torch")
+    (o_ref.square().sum() + s_ref.square().sum()).backward()
+    errs = {"o": rel_err(o, o_ref), "final_state": rel_err(s, s_ref)}
+    errs.update({f"d{n}": rel_err(a.grad, b.grad) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"), leaves, ref)})
+    print(f"{dtype} H={H} K=V={K} lens={lens}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+    tol = TOL[dtype]
+    assert errs["o"] < tol and errs["final_state"] < tol, errs
+    assert all(e < 4 * tol for n, e in errs.items() if n.startswith("d")), errs

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Every `-m gpu` test in one go, from a clean checkout, on the device machine (one H200).
+# Usage, from the repository root with the fla wheels in .whl/ (README, Tests):
+#   bash benchmarks/gpu_tests.sh OUTDIR [WORKERS]
+# Installs the carried wheels when fla does not import, starts from an empty Triton cache (what a
+# fresh machine pays: each kernel compiles once; fla autotunes nothing, since k3core points it at
+# the configs shipped in k3core/ops/kda/fla_configs), runs `pytest -m gpu` over every test file that
+# holds a gpu mark, WORKERS processes at a time (pytest-xdist: Triton compiles on one core per
+# process), and writes OUTDIR/gpu_tests.log, OUTDIR/gpu_tests.xml and OUTDIR/gpu_tests.md.
+set -u -o pipefail
+out=${1:?usage: bash benchmarks/gpu_tests.sh OUTDIR [WORKERS]}
+workers=${2:-8}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import fla" 2>/dev/null; then
+  # python3 -m pip: a bare pip on the device machine belongs to another interpreter
+  python3 -m pip install -q --no-index --no-deps --target /tmp/k3rl_site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/k3rl_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
+TRITON_CACHE_DIR=$(mktemp -d /tmp/k3rl_triton.XXXXXX)
+export TRITON_CACHE_DIR
+unset TRITON_CACHE_AUTOTUNING FLA_CACHE_MODE FLA_CONFIG_DIR
+mapfile -t files < <(grep -rlE --include='test_*.py' 'mark\.gpu' tests | sort)
+start=$(date +%s)
+{
+  echo "# bash benchmarks/gpu_tests.sh $out $workers   ($(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import importlib.metadata as m, torch, triton; print("python3", __import__("sys").version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "fla-core", m.version("fla-core"))'
+  echo "files: ${files[*]}"
+} 2>&1 | tee "$out/gpu_tests.log"
+python3 -m pytest -m gpu -p no:cacheprovider -n "$workers" --timeout 400 -rA --durations=15 \
+  --junitxml="$out/gpu_tests.xml" "${files[@]}" 2>&1 | tee -a "$out/gpu_tests.log"
+rc=$?
+python3 benchmarks/gpu_tests_summary.py "$out/gpu_tests.xml" --wall $(( $(date +%s) - start )) \
+  --command "bash benchmarks/gpu_tests.sh OUTDIR $workers" --log "$out/gpu_tests.log" > "$out/gpu_tests.md"
+cat "$out/gpu_tests.md"
+exit $rc
