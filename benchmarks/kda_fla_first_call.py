@@ -1,10 +1,13 @@
 """fla KDA first-call cost on CUDA: times the first and second chunk_kda forward+backward per shape
 (the first pays Triton autotuning). Run on a GPU with fla installed:
-``TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/kda_fla_first_call.py``. Results: docs/results/gpu_h200.md."""
+``TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/kda_fla_first_call.py``. Results: docs/results/gpu_h200.md.
+With k3core's shipped configs and three cases in fresh processes: benchmarks/kda_first_call.py."""
 import time
+
 t0 = time.time()
-import torch
-import fla.ops.kda as m
+import fla.ops.kda as m  # noqa: E402 (the import is what is timed)
+import torch  # noqa: E402
+
 print("import fla", round(time.time() - t0, 1), flush=True)
 dev = "cuda"
 def run(T, H, K, safe, gate_in_kernel, bwd):
@@ -22,9 +25,13 @@ def run(T, H, K, safe, gate_in_kernel, bwd):
     for it in range(2):
         t = time.time()
         o, _ = m.chunk_kda(q=q, k=k, v=v, g=g, beta=beta, scale=K ** -0.5, use_qk_l2norm_in_kernel=True, safe_gate=safe, **kw)
-        torch.cuda.synchronize(); tf = time.time() - t
+        torch.cuda.synchronize()
+        tf = time.time() - t
         if bwd:
-            t = time.time(); o.float().sum().backward(); torch.cuda.synchronize(); tb = time.time() - t
+            t = time.time()
+            o.float().sum().backward()
+            torch.cuda.synchronize()
+            tb = time.time() - t
         else:
             tb = 0
         print(f"T={T} H={H} K={K} safe={safe} gate_in_kernel={gate_in_kernel} it{it}: fwd {tf:.2f}s bwd {tb:.2f}s", flush=True)
