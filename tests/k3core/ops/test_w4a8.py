@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from k3core.ops import mxfp4
-from k3core.ops.w4a8 import (FP8_MAX, dequantize_fp8, fake_quantize_fp8, fp8_e4m3_values, quantize_fp8,
+from k3core.ops.w4a8 import (FP8_MAX, dequantize_fp8, fp8_e4m3_values, quantize_fp8,
                              quantize_fp8_reference, round_to_e4m3_reference, w4a8_grouped_mm, w4a8_linear,
                              w4a8_reference)
 
