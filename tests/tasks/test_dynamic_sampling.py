@@ -91,6 +91,7 @@ def test_train_step_trains_on_every_round_up_to_the_batch_size(rounds):
     assert m["sequences"] == G * trained
     extra = json.loads(Path(tr.path, "extra.json").read_text())
     assert extra["refills"] == [rounds["sc1"].uri] and extra["scored"] == rounds["sc0"].uri
+    assert [u["sequences"] for u in extra["metrics"]["per_update"]] == [G * trained]  # one update, its statistics
 
 
 def test_the_refill_loop_stops_at_the_target_or_the_cap(rounds, prefect_harness):
