@@ -34,6 +34,7 @@ def mxfp4_quantization_config() -> dict[str, Any]:
         "format": "mxfp4-pack-quantized",
         "config_groups": {
             "group_0": {
+                "format": "mxfp4-pack-quantized",  # serving engines (SGLang's K3) read it per group
                 "targets": ["Linear"],
                 "weights": {
                     "num_bits": 4,
@@ -325,7 +326,7 @@ class K3Config:
             "topk_method": self.topk_method,
             "num_expert_group": self.num_expert_group,
             "topk_group": self.topk_group,
-            "use_routed_expert_norm": self.use_routed_expert_norm,
+            "latent_moe_use_norm": self.use_routed_expert_norm,
             "hidden_act": self.hidden_act,
             "activation_situ_beta": self.activation_situ_beta,
             "activation_situ_linear_beta": self.activation_situ_linear_beta,
@@ -340,11 +341,13 @@ class K3Config:
                 "kda_layers": list(self.kda_layers),
             },
         }
+        text.update(WEIGHTS_DTYPE)
         if self.quantization_config is not None:
             text["quantization_config"] = copy.deepcopy(self.quantization_config)
         outer = {
             "model_type": OUTER_MODEL_TYPE,
             "architectures": ["KimiK3ForConditionalGeneration"],
+            **WEIGHTS_DTYPE,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
@@ -366,7 +369,8 @@ class K3Config:
             if not isinstance(text, dict):
                 raise ValueError("config.json of model_type 'kimi_k3' has no 'text_config' object: "
                                  "is this a complete Kimi K3 config?")
-            skip = {"model_type", "architectures", "text_config", "bos_token_id", "eos_token_id", "pad_token_id"}
+            skip = {"model_type", "architectures", "text_config", "bos_token_id", "eos_token_id", "pad_token_id",
+                    *WEIGHTS_DTYPE}
             extra_outer = {k: v for k, v in d.items() if k not in skip}
         elif mt == TEXT_MODEL_TYPE:
             text = d
@@ -375,6 +379,7 @@ class K3Config:
                              f"'{OUTER_MODEL_TYPE}' with a '{TEXT_MODEL_TYPE}' text_config) only")
         if text.get("model_type", TEXT_MODEL_TYPE) != TEXT_MODEL_TYPE:
             raise ValueError(f"text_config.model_type must be '{TEXT_MODEL_TYPE}', got {text.get('model_type')!r}")
+        _refuse_unsupported(text)
         lac = text.get("linear_attn_config") or {}
         kw: dict[str, Any] = {}
         names = {f.name for f in dataclasses.fields(cls)}
@@ -394,6 +399,7 @@ class K3Config:
                 kw[name] = d[name]
             if isinstance(kw.get(name), list):  # HF allows a list of eos ids; K3 has one
                 kw[name] = kw[name][0]
+        kw["use_routed_expert_norm"] = _routed_expert_norm(text)
         kw["quantization_config"] = text.get("quantization_config")
         kw["extra_outer"] = extra_outer
         return cls(**kw)
@@ -416,6 +422,37 @@ class K3Config:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+
+# The dtype of the stored non-expert weights, declared in both configs: without it SGLang's
+# ``--dtype auto`` picks float16 for the model.
+WEIGHTS_DTYPE = {"torch_dtype": "bfloat16", "dtype": "bfloat16"}
+
+# Keys of Kimi/DeepSeek-style configs that change the computation, with the only value k3rl computes.
+# A config that sets one of them otherwise is refused rather than silently computed differently.
+_FIXED_KEYS: dict[str, Any] = {"moe_layer_freq": 1, "rope_scaling": None, "sliding_window": None,
+                               "attention_bias": False, "mlp_bias": False}
+
+
+def _refuse_unsupported(text: dict[str, Any]) -> None:
+    bad = [f"{k}={text[k]!r} (k3rl computes {v!r} only)" for k, v in _FIXED_KEYS.items()
+           if k in text and text[k] != v]
+    if bad:
+        raise ValueError("config.json sets what k3rl's model does not compute: " + "; ".join(bad)
+                         + ". Loading it would run a different model; remove or fix these keys if they are wrong.")
+
+
+def _routed_expert_norm(text: dict[str, Any]) -> bool:
+    """The latent-MoE norm switch: ``latent_moe_use_norm`` (the release's and SGLang's name), or the
+    older ``use_routed_expert_norm``; both given and different is refused."""
+    new, old = text.get("latent_moe_use_norm"), text.get("use_routed_expert_norm")
+    if new is not None and old is not None and bool(new) != bool(old):
+        raise ValueError(f"config.json sets latent_moe_use_norm={new!r} and use_routed_expert_norm={old!r}: "
+                         "they name one switch; keep latent_moe_use_norm")
+    if new is None and old is None:
+        raise ValueError("config.json has no latent_moe_use_norm: the latent-MoE norm switch must be stated "
+                         "(serving engines default it to false)")
+    return bool(new if new is not None else old)
 
 
 # Byte-level vocabulary for the CPU presets: 256 byte values, then the special tokens.

@@ -81,3 +81,44 @@ def test_quantization_config_roundtrip():
 def test_unknown_preset():
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         K3Config.preset("huge")
+
+
+def test_config_json_uses_the_keys_serving_engines_read():
+    """SGLang's K3 reads ``latent_moe_use_norm`` (default false), picks float16 under ``--dtype auto``
+    without a declared dtype, and looks for the MXFP4 ``format`` inside the config group."""
+    c = K3Config.preset("tiny").replace(quantization_config=mxfp4_quantization_config())
+    d = c.to_hf_dict()
+    text = d["text_config"]
+    assert text["latent_moe_use_norm"] is True and "use_routed_expert_norm" not in text
+    assert d["torch_dtype"] == d["dtype"] == text["torch_dtype"] == text["dtype"] == "bfloat16"
+    qc = text["quantization_config"]
+    assert qc["format"] == qc["config_groups"]["group_0"]["format"] == "mxfp4-pack-quantized"
+    from compressed_tensors.quantization import QuantizationConfig  # the peer library accepts the group
+
+    assert QuantizationConfig.model_validate(qc).config_groups["group_0"].format == "mxfp4-pack-quantized"
+    assert K3Config.from_hf_dict(d) == c
+    off = K3Config.preset("tiny").replace(use_routed_expert_norm=False)
+    assert K3Config.from_hf_dict(off.to_hf_dict()).use_routed_expert_norm is False
+
+
+def test_routed_expert_norm_switch_names():
+    d = K3Config.preset("tiny").to_hf_dict()
+    text = d["text_config"]
+    old = dict(text)
+    old["use_routed_expert_norm"] = old.pop("latent_moe_use_norm")  # configs written before the rename
+    assert K3Config.from_hf_dict({**d, "text_config": old}).use_routed_expert_norm is True
+    with pytest.raises(ValueError, match="latent_moe_use_norm=True and use_routed_expert_norm=False"):
+        K3Config.from_hf_dict({**d, "text_config": {**text, "use_routed_expert_norm": False}})
+    missing = {k: v for k, v in text.items() if k != "latent_moe_use_norm"}
+    with pytest.raises(ValueError, match="no latent_moe_use_norm"):
+        K3Config.from_hf_dict({**d, "text_config": missing})
+
+
+@pytest.mark.parametrize("key,value", [("moe_layer_freq", 2), ("rope_scaling", {"type": "yarn", "factor": 4.0}),
+                                       ("sliding_window", 4096), ("attention_bias", True)])
+def test_keys_that_change_the_computation_are_refused(key, value):
+    d = K3Config.preset("tiny").to_hf_dict()
+    with pytest.raises(ValueError, match=f"{key}="):
+        K3Config.from_hf_dict({**d, "text_config": {**d["text_config"], key: value}})
+    ok = K3Config.from_hf_dict({**d, "text_config": {**d["text_config"], "moe_layer_freq": 1, "rope_scaling": None}})
+    assert ok == K3Config.preset("tiny")
