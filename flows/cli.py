@@ -75,6 +75,18 @@ def check_settings(s) -> None:
 def cmd_run(a) -> int:
     s = _settings_from_args(a)
     check_settings(s)
+    from flows.runlock import lock_path, run_lock
+
+    run_id, artifacts = s.pipeline.run_id, s.pipeline.artifacts
+    with run_lock(artifacts, run_id) as held:  # two runs on one id would interleave their stages
+        if not held:
+            print(f"k3rl: error: run '{run_id}' is busy: another `k3rl run` or scheduled tick holds "
+                  f"{lock_path(artifacts, run_id)}; wait for it to finish, or use another --run-id", file=sys.stderr)
+            return 2
+        return _run_locked(a, s)
+
+
+def _run_locked(a, s) -> int:
     from flows.pipeline import rl_run
 
     run_id = s.pipeline.run_id

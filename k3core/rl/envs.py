@@ -116,12 +116,17 @@ def checked_prompts(env, rng: random.Random, n: int, spec: str = "?") -> list[st
     return ps
 
 
+class RewardError(ValueError):
+    """The environment's reward function failed (raised, exited): a bug in its code, which a retry
+    would only repeat (a ``ValueError``, so stages fail at once instead of retrying)."""
+
+
 def checked_reward(env, prompt: str, completion: str, spec: str = "?") -> float:
     try:
         r = env.reward(prompt, completion)
-    except Exception as e:  # the environment's bug, reported with its input
-        raise RuntimeError(f"environment {spec!r} raised {type(e).__name__}: {e} while scoring prompt {prompt!r} "
-                           f"completion {completion!r}") from e
+    except (Exception, SystemExit) as e:  # the environment's bug, reported with its input; an exit is one too
+        raise RewardError(f"environment {spec!r} raised {type(e).__name__}: {e} while scoring prompt {prompt!r} "
+                          f"completion {completion!r}") from e
     try:
         r = float(r)
     except (TypeError, ValueError) as e:

@@ -136,6 +136,18 @@ def test_a_run_id_that_is_a_path_is_refused(tmp_path, capsys):
     assert not root.exists()
 
 
+def test_a_second_run_on_a_busy_run_id_is_refused(tmp_path, capsys):
+    from flows.runlock import run_lock
+
+    root = str(tmp_path)
+    with run_lock(root, "busy") as held:
+        assert held
+        assert main(["run", "--preset", "tiny", "--run-id", "busy", "--artifacts", root]) == 2
+    err = capsys.readouterr().err
+    assert "run 'busy' is busy" in err and "use another --run-id" in err
+    assert sorted(p.name for p in (tmp_path / "runs" / "busy").iterdir()) == [".lock"]  # nothing else was run
+
+
 def test_every_bad_setting_is_listed_in_one_error(capsys):
     argv = ["run", "--preset", "nope", "--iterations", "-1", "--top-p", "2", "--run-id", "../x", "--lr", "-1"]
     assert main(argv) == 2

@@ -69,7 +69,17 @@ def test_bad_environments():
 
     with pytest.raises(ValueError, match="rewards must lie in"):
         checked_reward(NaNEnv(), "p", "c", "nan-env")
-    with pytest.raises(RuntimeError, match="raised KeyError"):
+    class Exiting(NaNEnv):
+        def reward(self, p, c):
+            raise SystemExit(0)  # must not end the pipeline "successfully"
+
+    from k3core.rl.envs import RewardError
+    from tasks.common import NON_RETRYABLE
+
+    with pytest.raises(RewardError, match="raised KeyError"):
         checked_reward(Raising(), "p", "c", "raising")
+    with pytest.raises(RewardError, match="raised SystemExit"):
+        checked_reward(Exiting(), "p", "c", "exiting")
+    assert issubclass(RewardError, NON_RETRYABLE)  # a broken reward fails the stage once, not after retries
     with pytest.raises(ValueError, match="returned no prompts"):
         checked_prompts(NaNEnv(), random.Random(0), 3, "empty")
