@@ -2,8 +2,9 @@
 
 - Retries: 2 with exponential backoff, except for errors retrying cannot fix (bad input, validation
   failures, an environment returning NaN): those fail at once with their message.
-- Caching: ``INPUTS + TASK_SOURCE`` with persisted results under ``<artifact root>/.prefect-results``
-  (not keyed on the flow run id), so a re-run of a run id skips every finished stage.
+- Caching: ``INPUTS + TASK_SOURCE`` with results persisted as JSON under
+  ``<artifact root>/.prefect-results`` (not keyed on the flow run id), so a re-run of a run id skips
+  every finished stage; a record there that is not k3rl's JSON is never read (``tasks/results.py``).
 - Lineage: each stage runs as a Prefect ``MaterializingTask`` whose assets are the URIs it publishes
   and whose ``asset_deps`` are the URIs it read, so the Event Feed records checkpoint -> weights ->
   rollouts -> scores -> checkpoint. The ``Artifact`` a stage returns is stamped with the same facts
