@@ -137,23 +137,33 @@ def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
 
 @flow(name="rl_run", flow_run_name="{settings.pipeline.run_id}", log_prints=True)
 def rl_run(settings: RLSettings = RLSettings()) -> dict:
-    """prepare, then ``iterations`` RL iterations (resuming a run id skips finished stages), then a
-    final held-out evaluation and the run's reports (metrics table, lineage, curves, links)."""
+    """prepare, then ``iterations`` RL iterations, then a final held-out evaluation and the run's
+    reports (metrics table, lineage, curves, links). Re-running a run id continues it: iterations
+    recorded as finished (``metrics.json``, ``lineage.json``, their checkpoint) are not replayed, and
+    within an unfinished iteration the cached stages skip their finished work."""
     log = get_run_logger()
     s, run = settings, run_of(settings)
     t_start = time.perf_counter()
     prep = prepare(s)
+    history, done = reports.finished_iterations(s)  # a continued run starts after its last recorded iteration
     policy, weights = prep.policy, prep.weights
-    history: list[dict] = []
-    lineage: list[Artifact] = prep.lineage()
-    for n in range(s.pipeline.iterations):
+    if done:
+        policy = next(a for a in done[-1] if a.kind == "dcp" and "manifest" in a.info)  # its checkpoint
+        weights = dataclasses.replace(policy, info={**policy.info, "quantized": s.rollout.quantized})
+        log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
+    for n in range(len(done), s.pipeline.iterations):
         it = rl_iteration(s, n, policy, weights)
         policy, weights = it.policy, it.weights
         history.append(it.metrics)
-        lineage += it.lineage
+        done.append(it.lineage)
         log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics))
-        reports.publish_iteration(s, history, lineage)
+        reports.record_lineage(s, prep.lineage(), done)
+        reports.publish_iteration(s, history, _flat(prep, done))
     final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout)
     summary = reports.summary(s, prep.seconds, history, final, time.perf_counter() - t_start)
-    reports.publish_iteration(s, history, lineage, final=summary)
+    reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary
+
+
+def _flat(prep: Prepared, done: list[list[Artifact]]) -> list[Artifact]:
+    return prep.lineage() + [a for it in done for a in it]

@@ -152,6 +152,29 @@ def progress_line(n: int, total: int, m: dict) -> str:
             + (f" held-out {m['heldout_reward']:.3f}" if "heldout_reward" in m else ""))
 
 
+def record_lineage(s: RLSettings, prepared: list[Artifact], iterations: list[list[Artifact]]) -> None:
+    """``lineage.json`` beside ``metrics.json``: the artifacts of prepare and of each finished
+    iteration (what ``finished_iterations`` reads back to continue a run without replaying it)."""
+    doc = {"prepare": [a.to_dict() for a in prepared], "iterations": [[a.to_dict() for a in it] for it in iterations]}
+    ArtifactStore(s.pipeline.artifacts).replace_text(f"runs/{s.pipeline.run_id}/lineage.json", json.dumps(doc, indent=1))
+
+
+def finished_iterations(s: RLSettings) -> tuple[list[dict], list[list[Artifact]]]:
+    """(metrics, artifacts) of the iterations this run has finished and recorded, at most
+    ``iterations`` of them; empty when there are none or the records disagree with the checkpoints
+    (then the run starts at iteration 0, and its cached stages find their published work)."""
+    store = ArtifactStore(s.pipeline.artifacts)
+    pre = f"runs/{s.pipeline.run_id}"
+    if not (store.exists(f"{pre}/metrics.json") and store.exists(f"{pre}/lineage.json")):
+        return [], []
+    history = json.loads(store.read_text(f"{pre}/metrics.json"))
+    lineage = [[Artifact.from_dict(a) for a in it] for it in json.loads(store.read_text(f"{pre}/lineage.json"))["iterations"]]
+    n = min(len(history), len(lineage), s.pipeline.iterations)
+    if n == 0 or not store.exists(f"{pre}/checkpoints/iter-{n:04d}"):
+        return [], []
+    return history[:n], lineage[:n]
+
+
 def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact], final: dict | None = None) -> None:
     """Write ``metrics.json`` and the curves PNG beside the run's artifacts; inside a flow run, also
     publish the UI artifacts listed in the module docstring. ``history``: one metrics dict per

@@ -226,7 +226,11 @@ class Artifact:
     produced_by: str = ""
     inputs: tuple[str, ...] = ()
 
-    def with_version(self, version: int | None) -> Artifact:
-        from dataclasses import replace
+    def to_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
 
-        return replace(self, version=version)
+        return {**asdict(self), "inputs": list(self.inputs)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Artifact:
+        return cls(**{**d, "inputs": tuple(d.get("inputs", ()))})

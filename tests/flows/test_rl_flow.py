@@ -108,6 +108,17 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     assert calls["rollout"] == 2, "finished rollouts were recomputed"
     assert (root_b / "iter-0001" / "rollouts.parquet").stat().st_mtime_ns == rollouts_before
 
+    # run B once more: a finished run is not replayed (no stage body runs, no trainer state is read) and
+    # its records stay as they were
+    metrics_before = (root_b / "metrics.json").read_text()
+    engines.clear()
+    trainers.clear()
+    reads.clear()
+    again = rl_run(_settings(tmp_path / "b", "run-b"))
+    assert reads == [] and calls["rollout"] == 2
+    assert again["heldout_reward_end"] == sb["heldout_reward_end"]
+    assert (root_b / "metrics.json").read_text() == metrics_before
+
     la, ma = _final_model(tmp_path / "a", "run-a")
     lb, mb = _final_model(tmp_path / "b", "run-b")
     assert la["iteration"] == lb["iteration"] == 2
