@@ -227,7 +227,7 @@ def sft_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs: list[
     out.loss.backward()
     gn = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm))
     optimizer.step()
-    return {"loss": float(out.loss), "grad_norm": gn}
+    return {"loss": float(out.loss.detach()), "grad_norm": gn}
 
 
 def table_to_sequences(table: pa.Table, n_moe: int, top_k: int) -> list[RLSequence]:

@@ -3,8 +3,10 @@ loaded with torch.distributed.checkpoint (DCP) as one directory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import warnings
 from pathlib import Path
 
 import torch
@@ -54,7 +56,8 @@ def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: tor
              "rng": {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate())},
              "extra": json.dumps(extra)}
     writer = storage_writer_factory(out_dir) if storage_writer_factory else None
-    dcp.save(state, checkpoint_id=str(out_dir), storage_writer=writer)
+    with _single_process_dcp():
+        dcp.save(state, checkpoint_id=str(out_dir), storage_writer=writer)
     model.config.to_json_file(out_dir / "config.json")
     (out_dir / "extra.json").write_text(json.dumps(extra, indent=2))
 
@@ -72,7 +75,8 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     opt = make_optimizer(model, lr)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "rng": {"torch": torch.get_rng_state(), "python": ""}, "extra": ""}
-    dcp.load(state, checkpoint_id=str(path))
+    with _single_process_dcp():
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(state["rng"]["torch"])
     py = json.loads(state["rng"]["python"])
@@ -90,3 +94,14 @@ def rng_state() -> tuple:
 def set_rng_state(state: tuple) -> None:
     torch.set_rng_state(state[0])
     random.setstate(state[1])
+
+
+@contextlib.contextmanager
+def _single_process_dcp():
+    """DCP warns on every save and load without a process group that it assumes a single process.
+    That is this trainer's case (one process; FSDP runs under torchrun with a group), so the
+    warning is silenced here and nowhere else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
