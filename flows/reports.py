@@ -1,19 +1,19 @@
 """What a run shows in the Prefect UI (the open-source UI has no asset graph, so lineage is shown
 through artifacts), published by the ``rl_run`` flow after every iteration:
 
-- ``rl-metrics`` (table): one row per RL iteration; each publication is a new version of the key, so
-  the artifact's page lists the versions across iterations and runs;
-- ``rl-lineage`` (markdown): every artifact of the run (relative to the artifact root, which it names
+- ``rl-metrics-<run id>`` (table): one row per RL iteration; each publication is a new version of the key, so
+  the artifact's page lists the versions across the run's iterations;
+- ``rl-lineage-<run id>`` (markdown): every artifact of the run (relative to the artifact root, which it names
   once), its kind, content hash, the task run that produced it and its inputs;
-- ``rl-curves`` (markdown): the reward and KL curves as a PNG inside the markdown, as a
+- ``rl-curves-<run id>`` (markdown): the reward and KL curves as a PNG inside the markdown, as a
   ``data:image/png;base64`` URI: both Prefect UIs allow exactly this image source (the v2 UI's
   markdown sanitizer admits ``data:image/`` for ``img`` and http(s) otherwise; the v1 UI renders it
   too), while a ``file://`` path would never load in a browser and an http URL would need a server
   of our own; tests/flows/test_ui_browser.py checks that the image decodes in Chromium;
-- ``rl-checkpoints`` (markdown): the latest checkpoint, every iteration's checkpoint with its
+- ``rl-checkpoints-<run id>`` (markdown): the latest checkpoint, every iteration's checkpoint with its
   manifest hash, and the validation report (http(s) URIs as links; ``file://`` and ``s3://`` as text,
   since the UI strips links it cannot open), with the commands that read them;
-- ``rl-progress`` (progress): iterations done out of those asked for.
+- ``rl-progress-<run id>`` (progress): iterations done out of those asked for.
 
 Also writes the curves as PNG files and the history as ``metrics.json`` beside the run's artifacts,
 and ``summary.json`` at the end (``summary``)."""
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import json
 import statistics
 
@@ -42,6 +43,13 @@ TABLE_COLUMNS = ["iteration", "weight_version", "reward_mean", "reward_std", "so
                  "train_tokens_per_s", "seconds_rollout", "seconds_train", "transfer_seconds"]
 # The progress artifact of each flow run (created on its first publication, then updated).
 _progress_ids: dict = {}
+
+
+def artifact_key(kind: str, run_id: str) -> str:
+    """The Prefect artifact key of one of a run's reports, ``rl-<kind>-<run id>``: keys are global in
+    Prefect, so without the run id one run's reports would supersede another's. Keys allow lowercase
+    letters, digits and dashes only; other characters of the run id become dashes."""
+    return f"rl-{kind}-" + re.sub(r"[^a-z0-9-]", "-", run_id.lower())
 
 
 def _in_flow() -> bool:
@@ -190,15 +198,15 @@ def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact
         return
     rows = [{c: (round(h[c], 5) if isinstance(h.get(c), float) else h.get(c, "")) for c in TABLE_COLUMNS}
             for h in history]
-    create_table_artifact(rows, key="rl-metrics", description=f"run {run_id}: one row per RL iteration")
-    create_markdown_artifact(lineage_markdown(s, lineage), key="rl-lineage",
+    create_table_artifact(rows, key=artifact_key("metrics", run_id), description=f"run {run_id}: one row per RL iteration")
+    create_markdown_artifact(lineage_markdown(s, lineage), key=artifact_key("lineage", run_id),
                              description=f"run {run_id}: where every artifact came from")
     b64 = base64.b64encode(png).decode()
     text = f"### run `{run_id}`: reward and KL\n\n![reward and KL curves](data:image/png;base64,{b64})\n"
     if final:
         text += "\n" + "\n".join(f"- **{k}**: {v}" for k, v in final.items() if not isinstance(v, dict))
-    create_markdown_artifact(text, key="rl-curves", description=f"run {run_id}: reward / KL curves")
-    create_markdown_artifact(checkpoints_markdown(s, lineage), key="rl-checkpoints",
+    create_markdown_artifact(text, key=artifact_key("curves", run_id), description=f"run {run_id}: reward / KL curves")
+    create_markdown_artifact(checkpoints_markdown(s, lineage), key=artifact_key("checkpoints", run_id),
                              description=f"run {run_id}: checkpoints and validation report")
     _publish_progress(s, len(history))
 
@@ -209,7 +217,7 @@ def _publish_progress(s, done: int) -> None:
     pct = 100.0 * done / max(total, 1)
     desc = f"run {s.pipeline.run_id}: {done} of {total} iterations"
     if run_id not in _progress_ids:
-        _progress_ids[run_id] = create_progress_artifact(pct, key="rl-progress", description=desc)
+        _progress_ids[run_id] = create_progress_artifact(pct, key=artifact_key("progress", s.pipeline.run_id), description=desc)
     else:
         update_progress_artifact(_progress_ids[run_id], pct, description=desc)
 

@@ -197,3 +197,10 @@ def test_lineage_and_checkpoint_markdown(tmp_path):
 def test_http_uris_become_links():
     assert reports._link_or_code("https://h/x", "x") == "[x](https://h/x)"
     assert reports._link_or_code("s3://b/k") == "`s3://b/k`"
+
+
+def test_report_keys_are_per_run():
+    """Prefect artifact keys are global: each run's reports carry its id (keys allow [a-z0-9-] only)."""
+    assert reports.artifact_key("metrics", "demo") == "rl-metrics-demo"
+    assert reports.artifact_key("lineage", "Run_1.b") == "rl-lineage-run-1-b"
+    assert reports.artifact_key("metrics", "a") != reports.artifact_key("metrics", "b")

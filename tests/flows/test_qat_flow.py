@@ -88,7 +88,9 @@ def test_qat_setting_reaches_the_trainer_survives_resume_and_stays_out_of_export
         m.qat for m in plain_state.modules() if isinstance(m, RoutedExperts))
 
     # the run's lineage (the rl-lineage artifact) says which trainer states trained with QAT
-    lineage = Artifact.get("rl-lineage").data
+    from flows.reports import artifact_key
+
+    lineage = Artifact.get(artifact_key("lineage", "qat")).data
     assert lineage.count("| trainer state (QAT: MXFP4 routed experts) |") == 2
 
     # a resume asking for the other setting is refused, naming the fix

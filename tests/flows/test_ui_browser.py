@@ -42,6 +42,7 @@ from pathlib import Path
 
 import pytest
 
+from flows import reports
 from flows.deploy import PROJECT_ROOT
 from k3core.artifacts import sha256_file
 
@@ -255,14 +256,15 @@ def test_prefect_ui_shows_run_stages_artifacts_and_lineage(tmp_path):
 
         # the run's artifacts tab
         browser.open(f"{ui}/runs/flow-run/{top['id']}?tab=Artifacts")
-        browser.wait_text(["rl-metrics", "rl-lineage", "rl-curves", "rl-checkpoints"], "the run's artifacts")
+        keys = {k: reports.artifact_key(k, RUN_ID) for k in ("metrics", "lineage", "curves", "checkpoints", "progress")}
+        browser.wait_text([keys[k] for k in ("metrics", "lineage", "curves", "checkpoints")], "the run's artifacts")
         browser.screenshot(shots / "04-rl_run-artifacts.png")
 
         history = json.loads((run_dir / "metrics.json").read_text())
         # the latest version of each key (not GET /artifacts/{key}/latest: its id is the key's collection)
-        latest = {k: _api(api, "/artifacts/filter", {"artifacts": {"key": {"any_": [k]}}, "sort": "CREATED_DESC",
-                                                      "limit": 1})[0]
-                  for k in ("rl-metrics", "rl-lineage", "rl-curves", "rl-checkpoints", "rl-progress")}
+        latest = {f"rl-{k}": _api(api, "/artifacts/filter", {"artifacts": {"key": {"any_": [key]}},
+                                                              "sort": "CREATED_DESC", "limit": 1})[0]
+                  for k, key in keys.items()}
         assert all(a["flow_run_id"] == top["id"] for a in latest.values()), latest
         assert latest["rl-progress"]["data"] == 100.0
 
@@ -308,8 +310,8 @@ def test_prefect_ui_shows_run_stages_artifacts_and_lineage(tmp_path):
         browser.screenshot(shots / "08-rl-checkpoints.png")
 
         # the versions of rl-metrics across iterations (one per publication)
-        browser.open(f"{ui}/artifacts/key/rl-metrics")
-        browser.wait_text(["rl-metrics", top["name"]], "the rl-metrics versions")
+        browser.open(f"{ui}/artifacts/key/{keys['metrics']}")
+        browser.wait_text([keys["metrics"], top["name"]], "the rl-metrics versions")
         browser.screenshot(shots / "09-rl-metrics-versions.png")
         print(f"browser checks done: {time.monotonic() - t0:.0f} s")
     finally:
