@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 __all__ = ["add_checkpoint_subcommands", "cmd_init", "cmd_fetch", "cmd_validate", "cmd_quantize"]
@@ -76,6 +77,8 @@ def cmd_validate(a) -> int:
         config = K3Config.preset(a.preset) if a.preset else None
     except ValueError as e:
         return _err(str(e), 2)
+    if not os.path.isdir(a.dir):  # a wrong path is bad usage, not an invalid checkpoint
+        return _err(f"{a.dir} is not a directory: give the checkpoint's directory (config.json, index, shards)", 2)
     try:
         rep = validate_checkpoint(a.dir, config=config, pin=a.pin, report_path=a.report, roundtrip=a.roundtrip,
                                   workers=a.workers)

@@ -119,11 +119,13 @@ def test_model_info_json_matches_the_library(capsys):
 
 @pytest.mark.parametrize("argv", [["run", "--preset", "nope"], ["run", "--preset", "tiny", "--env", "no_such_module:f"],
                                   ["run", "--preset", "tiny", "--iterations", "-1"], ["prepare", "--env", "bogus"],
-                                  ["model-info", "--preset", "nope"]])
+                                  ["model-info", "--preset", "nope"],
+                                  ["checkpoint", "validate", "/nonexistent-k3rl/ckpt"]])
 def test_bad_input_exits_2_before_any_work(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("k3rl: error:") and "Traceback" not in err and len(err.strip().splitlines()) <= 2
+    first = err.splitlines()[0]
+    assert first.startswith("k3rl") and ": error: " in first and "Traceback" not in err and len(err.strip().splitlines()) <= 2
 
 
 def test_a_run_id_that_is_a_path_is_refused(tmp_path, capsys):
