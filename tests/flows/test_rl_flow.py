@@ -51,7 +51,10 @@ def _final_model(root: Path, run_id: str):
 
 
 @pytest.mark.slow
-def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypatch, prefect_harness):
+@pytest.mark.parametrize("updates", [{}, {"ppo_epochs": 2, "minibatches": 2}], ids=["one-update", "2x2-minibatches"])
+def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypatch, prefect_harness, updates):
+    """With minibatch updates the batch is reshuffled from the trainer's RNG: a resumed run must still
+    draw the same shuffles as an uninterrupted one."""
     (tmp_path / "flaky_env_for_tests.py").write_text(ENV_SRC)
     monkeypatch.syspath_prepend(str(tmp_path))
     marker = tmp_path / "crash-now"
@@ -67,7 +70,7 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     # A: uninterrupted; a continuing run never reads its trainer state back (it stays live in the process)
     engines.clear()
     trainers.clear()
-    sa = rl_run(_settings(tmp_path / "a", "run-a"))
+    sa = rl_run(_settings(tmp_path / "a", "run-a", **updates))
     assert sa["iterations"] == 2
     assert reads == []
 
@@ -87,7 +90,7 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     engines.clear()
     trainers.clear()
     with pytest.raises(Exception, match="injected scorer crash"):
-        rl_run(_settings(tmp_path / "b", "run-b"))
+        rl_run(_settings(tmp_path / "b", "run-b", **updates))
     assert calls["rollout"] == 2
     root_b = tmp_path / "b" / "runs" / "run-b"
     assert (root_b / "iter-0000" / "scored.parquet").exists()
@@ -101,7 +104,7 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     engines.clear()
     trainers.clear()
     reads.clear()
-    sb = rl_run(_settings(tmp_path / "b", "run-b"))
+    sb = rl_run(_settings(tmp_path / "b", "run-b", **updates))
     # the resumed iteration reads its trainer state once (the mismatch metric reads it, the train step
     # takes it over), and nothing else is read back
     assert [Path(r).parent.name for r in reads] == ["iter-0001"], reads
@@ -114,7 +117,7 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     engines.clear()
     trainers.clear()
     reads.clear()
-    again = rl_run(_settings(tmp_path / "b", "run-b"))
+    again = rl_run(_settings(tmp_path / "b", "run-b", **updates))
     assert reads == [] and calls["rollout"] == 2
     assert again["heldout_reward_end"] == sb["heldout_reward_end"]
     assert (root_b / "metrics.json").read_text() == metrics_before
@@ -130,6 +133,8 @@ def test_rl_run_resumes_after_crash_and_matches_uninterrupted(tmp_path, monkeypa
     assert sa["heldout_reward_end"] == sb["heldout_reward_end"]
     metrics = json.loads((root_b / "metrics.json").read_text())
     assert all(m.get("skipped", 1.0) == 0.0 for m in metrics), "an iteration took no optimizer step"
+    want = updates.get("ppo_epochs", 1) * updates.get("minibatches", 1)
+    assert [m["updates"] for m in metrics] == [want, want]
     summary = json.loads((root_b / "summary.json").read_text())
     assert set(summary["seconds_per_stage"]) >= {"rollout", "score", "train", "save", "transfer"}
     ratios = sorted(m["mismatch_kl_ratio"] for m in metrics if m.get("mismatch_kl_ratio") is not None)
