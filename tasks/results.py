@@ -36,7 +36,7 @@ _ARTIFACT_FIELDS = {f.name for f in dataclasses.fields(Artifact)}
 
 def _encode(obj: Any) -> Any:
     if isinstance(obj, Artifact):
-        return {_ARTIFACT_KEY: {f: _encode(getattr(obj, f)) for f in sorted(_ARTIFACT_FIELDS)}}
+        return {_ARTIFACT_KEY: _encode(obj.to_dict())}
     if isinstance(obj, dict):
         if not all(isinstance(k, str) for k in obj):
             raise TypeError(f"stage results are JSON: dict keys must be str, got {sorted(map(repr, obj))[:3]}")
@@ -54,9 +54,7 @@ def _decode(obj: Any) -> Any:
             fields = obj[_ARTIFACT_KEY]
             if not isinstance(fields, dict) or not set(fields) <= _ARTIFACT_FIELDS:
                 raise ValueError("malformed Artifact in a stage result")
-            fields = {k: _decode(v) for k, v in fields.items()}
-            fields["inputs"] = tuple(fields.get("inputs", ()))
-            return Artifact(**fields)
+            return Artifact.from_dict({k: _decode(v) for k, v in fields.items()})
         return {k: _decode(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_decode(v) for v in obj]
