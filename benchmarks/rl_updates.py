@@ -20,11 +20,9 @@ minibatches, lr: four steps per batch), ``single-4lr`` (one step at 4 x lr: the 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,50 +49,16 @@ class LowercaseShare:
 def run(preset: str, seed: int, iterations: int, grpo: dict, eval_every: int, prompts: int, group: int,
         max_new: int) -> dict:
     from k3core.config import K3Config
-    from k3core.model import K3ForCausalLM
-    from k3core.rl.data import heldout_prompts, training_prompts
-    from k3core.rl.tables import rollout_table, score_table
-    from k3core.rl.train import train_on_table
-    from k3core.rl.trainer_state import make_optimizer
-    from k3core.rl.weights import engine_from_model, engine_state
-    from k3core.rollout.engine import SamplingParams
+    from k3core.rl.loop import rl_in_process
     from k3core.settings import GRPOSettings
-    from k3core.tokenizer import ByteTokenizer
 
-    env, spec = LowercaseShare(), "bench:lowercase-share"
-    cfg = K3Config.preset(preset)
-    torch.manual_seed(seed)
-    model = K3ForCausalLM(cfg)
-    model.reset_parameters(seed)
-    tok = ByteTokenizer(cfg)
-    engine = engine_from_model(copy.deepcopy(model).eval(), 0, quantized=False)
-    settings = GRPOSettings(**grpo)
-    optimizer = make_optimizer(model, settings.lr)
-
-    def sampling(n, s):
-        return SamplingParams(max_new_tokens=max_new, temperature=1.0, n=n, seed=s, stop_token_ids=(tok.eos_id,))
-
-    heldout = heldout_prompts(env, seed, 16, spec)
-
-    def heldout_reward(version):
-        return score_table(rollout_table(engine, tok, heldout, sampling(4, 999), version), env, spec, 4)[1]["reward_mean"]
-
-    curve = {0: heldout_reward(0)}
-    seconds, clip = [], []
-    for it in range(iterations):
-        t0 = time.perf_counter()
-        batch = rollout_table(engine, tok, training_prompts(env, seed, it, prompts, spec),
-                              sampling(group, seed * 100003 + it), it)
-        scored, _ = score_table(batch, env, spec, group)
-        m = train_on_table(model, optimizer, scored, settings, tok.pad_id, 1.0, seq_sum_norm=max_new)
-        engine.load_weights(engine_state(model, quantize_experts=False), it + 1)
-        if not m["skipped"]:  # an iteration whose groups were all uniform trains nothing: not timed
-            seconds.append(time.perf_counter() - t0)
-            clip.append(m["clip_fraction"])
-        if (it + 1) % eval_every == 0 or it + 1 == iterations:
-            curve[it + 1] = heldout_reward(it + 1)
-    return dict(curve=curve, seconds_per_iteration=statistics.median(seconds), clip_fraction_mean=statistics.mean(clip),
-                iterations_trained=len(seconds))
+    r = rl_in_process(LowercaseShare(), "bench:lowercase-share", K3Config.preset(preset), seed, iterations,
+                      GRPOSettings(**grpo), prompts, group, max_new, eval_every=eval_every)
+    # an iteration whose groups were all uniform trains nothing: not timed
+    trained = [(s, m) for s, m in zip(r["seconds"], r["metrics"]) if not m["skipped"]]
+    return dict(curve=r["heldout"], seconds_per_iteration=statistics.median(s for s, _ in trained),
+                clip_fraction_mean=statistics.mean(m["clip_fraction"] for _, m in trained),
+                iterations_trained=len(trained))
 
 
 def main() -> None:

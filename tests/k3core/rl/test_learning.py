@@ -16,7 +16,6 @@ hundredths.
 
 from __future__ import annotations
 
-import copy
 import time
 
 import pytest
@@ -39,47 +38,15 @@ class LowercaseShare:
 
 def learn(seed: int, iterations: int = ITERATIONS) -> dict:
     from k3core.config import K3Config
-    from k3core.model import K3ForCausalLM
-    from k3core.rl.data import heldout_prompts, training_prompts
-    from k3core.rl.tables import rollout_table, score_table
-    from k3core.rl.train import train_on_table
-    from k3core.rl.trainer_state import make_optimizer
-    from k3core.rl.weights import engine_from_model, engine_state
-    from k3core.rollout.engine import SamplingParams
+    from k3core.rl.loop import rl_in_process
     from k3core.settings import GRPOSettings
-    from k3core.tokenizer import ByteTokenizer
 
-    env, spec = LowercaseShare(), "test:lowercase-share"
-    cfg = K3Config.preset("tiny")
-    torch.manual_seed(seed)
-    model = K3ForCausalLM(cfg)
-    model.reset_parameters(seed)  # what init:tiny:SEED holds (in fp32 here)
-    tok = ByteTokenizer(cfg)
-    engine = engine_from_model(copy.deepcopy(model).eval(), 0, quantized=False)
     settings = GRPOSettings(lr=3e-3, ppo_epochs=2, minibatches=2, micro_batch_tokens=128)
-    optimizer = make_optimizer(model, settings.lr)
-
-    def sampling(n, seed_):
-        return SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, n=n, seed=seed_, stop_token_ids=(tok.eos_id,))
-
-    heldout = heldout_prompts(env, seed, 16, spec)
-
-    def heldout_reward(version):
-        table = rollout_table(engine, tok, heldout, sampling(4, 999), version)
-        return score_table(table, env, spec, 4)[1]["reward_mean"]
-
     t0 = time.perf_counter()
-    start = heldout_reward(0)
-    train_reward, metrics = [], []
-    for it in range(iterations):
-        prompts = training_prompts(env, seed, it, PROMPTS, spec)
-        rollouts = rollout_table(engine, tok, prompts, sampling(GROUP, seed * 100003 + it), it)
-        scored, stats = score_table(rollouts, env, spec, GROUP, scale_advantages=settings.scale_advantages)
-        metrics.append(train_on_table(model, optimizer, scored, settings, tok.pad_id, 1.0, seq_sum_norm=MAX_NEW))
-        engine.load_weights(engine_state(model, quantize_experts=False), it + 1)
-        train_reward.append(stats["reward_mean"])
-    end = heldout_reward(iterations)
-    return dict(start=start, end=end, train_reward=train_reward, metrics=metrics, seconds=time.perf_counter() - t0)
+    r = rl_in_process(LowercaseShare(), "test:lowercase-share", K3Config.preset("tiny"), seed, iterations, settings,
+                      PROMPTS, GROUP, MAX_NEW)
+    return dict(start=r["heldout"][0], end=r["heldout"][iterations], train_reward=r["train_reward"],
+                metrics=r["metrics"], seconds=time.perf_counter() - t0)
 
 
 @pytest.fixture(autouse=True)
