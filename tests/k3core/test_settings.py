@@ -117,3 +117,12 @@ def test_update_settings_defaults_flags_and_checks():
                    "--micro-batch-tokens must be >= 0, got -1", "--loss-aggregation: unknown mode 'sum'",
                    "--scale-advantages must be true or false", "--refill-rounds must be >= 0, got -1"):
         assert needle in msg, needle
+
+
+def test_grpo_bounds():
+    with pytest.raises(SettingsError, match=r"--tis-cap must be > 0, got 0.0"):
+        GRPOSettings(tis_cap=0.0)
+    with pytest.raises(SettingsError, match=r"--clip-eps-low must be < 1"):
+        GRPOSettings(clip_eps_low=1.0)
+    with pytest.raises(SettingsError, match=r"--rollout-url 'ftp://x'"):
+        RolloutSettings(url="ftp://x")
