@@ -200,6 +200,71 @@ def autotuned_kernels() -> dict[str, list[str]]:
     return {kind: sorted(names) for kind, names in out.items()}
 
 
+def _config_key(cfg: dict) -> tuple:
+    return (tuple(sorted(cfg["kwargs"].items())), cfg["num_warps"], cfg["num_stages"])
+
+
+def shipped_winners(out: Path | None) -> dict[str, list[dict]]:
+    """Per kernel, the distinct configs that won at any key in ``out`` (most frequent first)."""
+    found: dict[str, dict[tuple, tuple[int, dict]]] = {}
+    for path in sorted(out.glob("*.json")) if out is not None and out.is_dir() else []:
+        if path.name == "MANIFEST.json":
+            continue
+        for entry in json.loads(path.read_text())["autotune_entries"].values():
+            seen = found.setdefault(path.stem, {})
+            k = _config_key(entry["config"])
+            n, _ = seen.get(k, (0, entry["config"]))
+            seen[k] = (n + 1, entry["config"])
+    return {name: [c for _, c in sorted(v.values(), key=lambda nc: -nc[0])] for name, v in found.items()}
+
+
+def pick_candidates(configs: list, prior: list[dict], n: int) -> list:
+    """At most ``n`` of a kernel's autotune ``configs``: those that already won for it at other keys
+    on this GPU first (at most half of ``n``), then configs spread evenly over fla's list, which runs
+    from small tiles, few warps and stages to large ones (so the pick spans both ends; a candidate
+    that does not fit shared memory at this shape is skipped by Triton's benchmark as it always is)."""
+    if len(configs) <= n:
+        return list(configs)
+    keys = [(tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages) for c in configs]
+    chosen: list[int] = []
+    for cfg in prior:
+        k = _config_key(cfg)
+        if k in keys and keys.index(k) not in chosen and len(chosen) < max(1, n // 2):
+            chosen.append(keys.index(k))
+    spread = [round(i * (len(configs) - 1) / max(1, n - 1)) for i in range(n)]
+    for i in [spread[0], spread[-1], *spread[1:-1], *range(len(configs))]:  # both ends first
+        if len(chosen) >= n:
+            break
+        if i not in chosen:
+            chosen.append(i)
+    return [configs[i] for i in sorted(chosen)]
+
+
+def limit_candidates(n: int, prior: dict[str, list[dict]]) -> None:
+    """Make every Triton autotuner of this process benchmark at most ``n`` candidates (``n >= 2``:
+    with one config Triton records no winner). Compiling every candidate of every KDA kernel is what
+    makes fla's first call take minutes: a full-size forward+backward compiles hundreds of kernel
+    variants. Patched on the class, so kernels of modules imported later are limited too."""
+    from triton.runtime.autotuner import Autotuner
+
+    if n < 2:
+        raise SystemExit("fla_tune: --max-configs must be at least 2 (Triton records no winner for one config)")
+    if getattr(Autotuner, "_k3rl_limited", None) is not None:
+        return
+    original = Autotuner.run
+
+    def run(self, *args, **kwargs):
+        if not getattr(self, "_k3rl_limited", False):
+            self._k3rl_all_configs = len(self.configs)
+            name = getattr(self, "kernel_name", None) or self.base_fn.__name__
+            self.configs = pick_candidates(self.configs, prior.get(name, []), n)
+            self._k3rl_limited = True
+        return original(self, *args, **kwargs)
+
+    Autotuner.run = run
+    Autotuner._k3rl_limited = n
+
+
 def _config_dict(cfg) -> dict:
     return {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
             "num_ctas": cfg.num_ctas, "maxnreg": cfg.maxnreg, "ir_override": cfg.ir_override}
@@ -247,18 +312,25 @@ def _versions() -> dict:
             "torch": torch.__version__, "gpu": gpu_config_name(), "gpu_name": torch.cuda.get_device_name()}
 
 
-def run_group(group: str, dump: Path, every: float = 10.0) -> None:
-    """Worker: run one group's calls in order, writing the winners after each call and every
-    ``every`` seconds in between (a full-model call tunes for minutes: a kill keeps what is done)."""
+def run_group(group: str, dump: Path, every: float = 10.0, max_configs: int = 0,
+              pytest_args: list[str] | None = None) -> None:
+    """Worker: run one group's calls in order (``group`` may be several names joined by ``,``),
+    writing the winners after each call and every ``every`` seconds in between (a full-model call
+    tunes for minutes: a kill keeps what is done). With ``pytest_args`` the calls are instead the
+    ones pytest's tests make (exactly the keys the GPU tests need)."""
     mode = os.environ.get("FLA_CACHE_MODE")
     if mode not in ("disabled", "strict"):  # strict: resume, reading exact keys tuned before
         raise SystemExit(f"fla_tune worker: FLA_CACHE_MODE must be 'disabled' or 'strict', got {mode!r}")
     from k3core.ops.kda import _fla
 
-    calls = call_groups()[group]
+    groups = call_groups()
+    calls = [] if pytest_args is not None else [c for g in group.split(",") for c in groups[g]]
     done, failed = [], []
     t0 = time.perf_counter()
     assert _fla.available(), "fla must import"
+    if max_configs:
+        limit_candidates(max_configs, shipped_winners(Path(os.environ["K3RL_FLA_PRIOR"]))
+                         if os.environ.get("K3RL_FLA_PRIOR") else {})
     print(f"[{group}] import fla: {time.perf_counter() - t0:.1f} s (FLA_CACHE_MODE={mode})", flush=True)
     versions, lock, stop = _versions(), threading.Lock(), threading.Event()
 
@@ -274,6 +346,15 @@ def run_group(group: str, dump: Path, every: float = 10.0) -> None:
                 pass
 
     threading.Thread(target=write_periodically, daemon=True).start()
+    if pytest_args is not None:
+        import pytest
+
+        rc = pytest.main(pytest_args)
+        done.append(group)
+        write()
+        stop.set()
+        print(f"[{group}] pytest exit status {int(rc)}", flush=True)
+        return
     for call in calls:
         t0 = time.perf_counter()
         try:
@@ -371,8 +452,12 @@ def merge(dumps: list[Path], out: Path, groups: dict[str, list[KDACall]], status
             raise SystemExit(f"fla_tune: {out} holds configs of {versions}, this run is {data['versions']}")
         versions = data["versions"]
         sources.update(data.get("imported_from", []))
-        if data["group"] is not None:  # None: imported winners, no call of ours was run
-            done[data["group"]] = sorted(set(done.get(data["group"], [])) | set(data["calls_done"]))
+        for g in (data["group"] or "").split(","):  # None: imported winners, no call of ours was run
+            if not g or g == "pytest":
+                continue
+            names = {c["name"] for c in old.get("calls", {}).get(g, [])} | {c.name for c in groups.get(g, [])}
+            ours = [c for c in data["calls_done"] if c in names]
+            done[g] = sorted(set(done.get(g, [])) | set(ours))
         plain.update(data["plain_triton_autotune"])
         for name, entries in data["kernels"].items():
             merged = kernels.setdefault(name, {})
@@ -404,29 +489,42 @@ def merge(dumps: list[Path], out: Path, groups: dict[str, list[KDACall]], status
     return manifest
 
 
-def tune(out: Path, workers: int, deadline: float, logs: Path, only: list[str] | None, resume: bool) -> dict:
+def tune(out: Path, workers: int, deadline: float, logs: Path, only: list[str] | None, resume: bool,
+         max_configs: int = 0, pytest_args: list[str] | None = None) -> dict:
     groups = call_groups()
     if only:
         unknown = sorted(set(only) - set(groups))
         if unknown:
             raise SystemExit(f"fla_tune: unknown groups {unknown}; --list shows them")
         groups = {g: groups[g] for g in only}
+    if pytest_args is not None:
+        groups, jobs = {}, ["pytest"]  # the tests' calls are not ours to list: group_status records the run
+    elif max_configs:
+        # candidates limited: one process for all groups (each fresh process pays ~20 s to import
+        # fla and torch, more than a limited group takes to tune)
+        jobs = [",".join(groups)]
+    else:
+        jobs = list(groups)
     scratch = Path(tempfile.mkdtemp(prefix="k3rl_fla_tune_"))
     logs.mkdir(parents=True, exist_ok=True)
     # tune in a fresh Triton cache shared by the workers, results on disk; resuming, read the exact
     # keys already in `out` (strict: nothing else) so only what is missing is tuned
     env = {**os.environ, "FLA_CACHE_MODE": "disabled", "TRITON_CACHE_AUTOTUNING": "1",
-           "TRITON_CACHE_DIR": str(scratch / "triton"), "PYTHONUNBUFFERED": "1"}
+           "TRITON_CACHE_DIR": str(scratch / "triton"), "PYTHONUNBUFFERED": "1", "K3RL_FLA_PRIOR": str(out)}
     env.pop("FLA_CONFIG_DIR", None)
     if resume and any(out.glob("*.json")):
         env.update(FLA_CACHE_MODE="strict", FLA_CONFIG_DIR=str(out))
-    pending, running, status = list(groups), {}, {}
+    pending, running, status = list(jobs), {}, {}
     start = time.monotonic()
     while pending or running:
         while pending and len(running) < workers:
             g = pending.pop(0)
-            log = open(logs / f"{g}.log", "w")  # closed when the process ends
-            cmd = [sys.executable, "-m", "k3core.ops.kda.fla_tune", "--worker", g, "--dump", str(scratch / f"{g}.json")]
+            log = open(logs / f"{g[:80]}.log", "w")  # closed when the process ends
+            cmd = [sys.executable, "-m", "k3core.ops.kda.fla_tune", "--worker", g, "--dump", str(scratch / f"{g[:80]}.json")]
+            if max_configs:
+                cmd += ["--max-configs", str(max_configs)]
+            if pytest_args is not None:
+                cmd += ["--pytest", *pytest_args]
             running[g] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, time.monotonic())
         for g, (proc, log, t0) in list(running.items()):
             if proc.poll() is not None:
@@ -445,7 +543,7 @@ def tune(out: Path, workers: int, deadline: float, logs: Path, only: list[str] |
                 status[g] = "not started before the deadline"
             running, pending = {}, []
         time.sleep(0.2)
-    manifest = merge([scratch / f"{g}.json" for g in groups], out, groups, status, keep=resume)
+    manifest = merge([scratch / f"{g[:80]}.json" for g in jobs], out, groups, status, keep=resume)
     print(f"fla_tune: {sum(manifest['entries'].values())} entries for {len(manifest['entries'])} kernels "
           f"in {out} after {time.monotonic() - start:.0f} s; calls not done: {manifest['calls_not_done']}", flush=True)
     if manifest["plain_triton_autotune_not_shippable"]:
@@ -466,6 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--import-triton-cache", type=Path, metavar="DIR_OR_TGZ",
                     help="add the winners of a Triton autotune disk cache to --out (no GPU needed), then stop")
     ap.add_argument("--triton-version", help="with --import-triton-cache: the Triton that tuned them")
+    ap.add_argument("--max-configs", type=int, default=0, metavar="N",
+                    help="benchmark at most N candidates per kernel (prior winners on this GPU first, then "
+                         "a spread of fla's list); all groups in one process. 0: every candidate")
+    ap.add_argument("--pytest", nargs=argparse.REMAINDER, metavar="PYTEST_ARGS",
+                    help="tune the calls these pytest arguments make (e.g. --pytest -m gpu tests), instead of the groups")
     ap.add_argument("--list", action="store_true", help="print the groups and calls, run nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--dump", type=Path, help=argparse.SUPPRESS)
@@ -477,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                 print("   ", c)
         return 0
     if args.worker:
-        run_group(args.worker, args.dump)
+        run_group(args.worker, args.dump, max_configs=args.max_configs, pytest_args=args.pytest)
         return 0
     if args.import_triton_cache:
         if args.out is None or not args.triton_version:
@@ -494,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         from k3core.ops.kda._fla import SHIPPED_CONFIGS, gpu_config_name
 
         out = SHIPPED_CONFIGS / importlib.metadata.version("fla-core") / gpu_config_name()
-    manifest = tune(out, args.workers, args.deadline, args.logs, args.only, resume=not args.fresh)
+    manifest = tune(out, args.workers, args.deadline, args.logs, args.only, resume=not args.fresh,
+                    max_configs=args.max_configs, pytest_args=args.pytest)
     return 1 if manifest["calls_not_done"] else 0
 
 

@@ -198,3 +198,42 @@ def test_gpu_shipped_configs_mean_no_fla_autotuning():
         tuned = [t.kernel_name for t in fla_autotuners() if isinstance(t, CachedAutotuner)
                  and id(getattr(t, "configs_timings", None)) != before.get(id(t), id(None))]
         assert not tuned, f"{name}: fla autotuned {tuned} (all tuned so far: {autotuned_kernels()})"
+
+
+def _cfg(bk, warps, stages):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kwargs={"BK": bk}, num_warps=warps, num_stages=stages)
+
+
+def test_pick_candidates_takes_prior_winners_then_spans_fla_list():
+    """``fla_tune --max-configs``: at most n candidates, a config that already won on this GPU
+    first (at most half of n), the rest spread over fla's list from its first to its last entry."""
+    from k3core.ops.kda.fla_tune import pick_candidates
+
+    configs = [_cfg(bk, w, s) for bk in (32, 64) for w in (2, 4, 8) for s in (2, 3, 4)]  # 18, fla's order
+    prior = [{"kwargs": {"BK": 64}, "num_warps": 4, "num_stages": 3},
+             {"kwargs": {"BK": 32}, "num_warps": 2, "num_stages": 3},
+             {"kwargs": {"BK": 128}, "num_warps": 4, "num_stages": 3}]  # not in the list: ignored
+    picked = pick_candidates(configs, prior, 4)
+    keys = [(c.kwargs["BK"], c.num_warps, c.num_stages) for c in picked]
+    assert len(picked) == 4 and len(set(keys)) == 4
+    assert (64, 4, 3) in keys and (32, 2, 3) in keys  # both priors fit in n // 2
+    assert (32, 2, 2) in keys and (64, 8, 4) in keys  # both ends of the list
+    assert [configs.index(c) for c in picked] == sorted(configs.index(c) for c in picked)  # fla's order kept
+    assert pick_candidates(configs, [], 2) == [configs[0], configs[-1]]
+    assert pick_candidates(configs[:3], prior, 4) == configs[:3]  # short lists untouched
+    many_priors = [{"kwargs": {"BK": b}, "num_warps": w, "num_stages": 2} for b in (32, 64) for w in (2, 4, 8)]
+    assert sum((c.kwargs["BK"], c.num_warps, 2) in {(p["kwargs"]["BK"], p["num_warps"], 2) for p in many_priors}
+               and c.num_stages == 2 for c in pick_candidates(configs, many_priors, 4)) >= 2
+
+
+def test_shipped_winners_reads_each_kernels_configs_most_frequent_first(tmp_path):
+    from k3core.ops.kda.fla_tune import shipped_winners
+
+    entries = dict([_entry([4, 4, 64, 64, 64], 4), _entry([4, 4, 128, 128, 64], 4), _entry([2, 2, 16, 16, 64], 8)])
+    (tmp_path / "k.json").write_text(json.dumps({"kernel_name": "k", "autotune_entries": entries}))
+    (tmp_path / "MANIFEST.json").write_text("{}")
+    got = shipped_winners(tmp_path)
+    assert list(got) == ["k"] and [c["num_warps"] for c in got["k"]] == [4, 8]
+    assert shipped_winners(tmp_path / "absent") == {}

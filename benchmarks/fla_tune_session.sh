@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call that makes the shipped fla configs: tune the presets' KDA calls, then the calls
+# the GPU tests make (running those tests as it goes), each kernel limited to a few candidates
+# (`fla_tune --max-configs`), and copy the result out. Usage, from the repository root with the fla
+# wheels in .whl/:
+#   bash benchmarks/fla_tune_session.sh OUTDIR [GROUPS_DEADLINE_S] [PYTEST_DEADLINE_S] [MAX_CONFIGS]
+# Resumable: entries already shipped are read in strict mode and only missing keys are tuned.
+# Then commit OUTDIR/fla_configs over k3core/ops/kda/fla_configs.
+set -u -o pipefail
+out=${1:?usage: bash benchmarks/fla_tune_session.sh OUTDIR [GROUPS_DEADLINE_S] [PYTEST_DEADLINE_S] [MAX_CONFIGS]}
+groups_deadline=${2:-300}
+pytest_deadline=${3:-240}
+max_configs=${4:-4}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import fla" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/k3rl_site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/k3rl_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
+unset FLA_CACHE_MODE FLA_CONFIG_DIR
+{
+  echo "# bash benchmarks/fla_tune_session.sh $out $groups_deadline $pytest_deadline $max_configs   (commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import importlib.metadata as m, torch, triton; print("python3", __import__("sys").version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "fla-core", m.version("fla-core"))'
+} 2>&1 | tee "$out/fla_tune_session.log"
+t0=$(date +%s)
+python3 -m k3core.ops.kda.fla_tune --max-configs "$max_configs" --deadline "$groups_deadline" --logs "$out/logs" \
+  --only full-bf16 medium-bf16-packed medium-bf16 small-bf16 tiny-bf16 tiny-bf16-packed small-bf16-packed \
+         full-bf16-packed medium-fp32-packed small-fp32 tiny-fp32 2>&1 | tee -a "$out/fla_tune_session.log"
+echo "groups: $(( $(date +%s) - t0 )) s" | tee -a "$out/fla_tune_session.log"
+t1=$(date +%s)
+mapfile -t files < <(grep -rlE --include='test_*.py' 'mark\.gpu' tests | sort)
+python3 -m k3core.ops.kda.fla_tune --max-configs "$max_configs" --deadline "$pytest_deadline" --logs "$out/logs" \
+  --pytest -m gpu -p no:cacheprovider -q -rfE --durations=10 "${files[@]}" 2>&1 | tee -a "$out/fla_tune_session.log"
+echo "pytest: $(( $(date +%s) - t1 )) s" | tee -a "$out/fla_tune_session.log"
+cp -r k3core/ops/kda/fla_configs "$out/fla_configs"
