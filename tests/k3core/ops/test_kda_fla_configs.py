@@ -132,8 +132,8 @@ def fresh_env(monkeypatch, tmp_path):
 
 
 def test_point_fla_sets_both_variables_when_unset(fresh_env):
-    assert _fla.point_fla_at_shipped_configs() == {"FLA_CACHE_MODE": "strict", "FLA_CONFIG_DIR": str(fresh_env)}
-    assert os.environ["FLA_CACHE_MODE"] == "strict" and os.environ["FLA_CONFIG_DIR"] == str(fresh_env)
+    assert _fla.point_fla_at_shipped_configs() == {"FLA_CACHE_MODE": "fuzzy", "FLA_CONFIG_DIR": str(fresh_env)}
+    assert os.environ["FLA_CACHE_MODE"] == "fuzzy" and os.environ["FLA_CONFIG_DIR"] == str(fresh_env)
 
 
 @pytest.mark.parametrize("user", [{"FLA_CACHE_MODE": "strict"}, {"FLA_CONFIG_DIR": "/mine"},
