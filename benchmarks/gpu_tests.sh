@@ -29,7 +29,9 @@ start=$(date +%s)
   python3 -c 'import importlib.metadata as m, torch, triton; print("python3", __import__("sys").version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "fla-core", m.version("fla-core"))'
   echo "files: ${files[*]}"
 } 2>&1 | tee "$out/gpu_tests.log"
-python3 -m pytest -m gpu -p no:cacheprovider -n "$workers" --timeout 400 -rA --durations=15 \
+# -v: xdist names each test as it finishes; SIGINT at the budget still writes the failures so far
+timeout -s INT -k 30 "${GPU_TESTS_BUDGET_S:-540}" \
+python3 -m pytest -m gpu -p no:cacheprovider -p no:benchmark -v -n "$workers" --timeout 300 -rfE --durations=25 \
   --junitxml="$out/gpu_tests.xml" "${files[@]}" 2>&1 | tee -a "$out/gpu_tests.log"
 rc=$?
 python3 benchmarks/gpu_tests_summary.py "$out/gpu_tests.xml" --wall $(( $(date +%s) - start )) \

@@ -31,14 +31,14 @@ _MODULE = None
 _ERROR: BaseException | None = None
 
 SHIPPED_CONFIGS = Path(__file__).with_name("fla_configs")
-# fla's "fuzzy" mode: an exact key first, else the first entry of the same structure (the same
-# key arguments and tensor dtypes, so packing, state, dtype and gate variant all match) whatever its
-# numbers, else fla autotunes. Tuning every shape k3rl and its tests use costs more device time than
-# a session has (docs/results/kda_first_call.md), and "strict" would autotune every untuned shape
-# (minutes). A config only decides speed, never the result. fla_tune writes each file's entries
-# largest key first, so the fallback is a config that fit the largest head dim tuned (K = V = 128,
-# the largest k3rl uses): its tiles fit smaller ones.
-SHIPPED_CACHE_MODE = "fuzzy"
+# fla's strict mode reads exact keys only, and k3core adds one fallback of its own
+# (``_install_head_count_fallback``): an entry whose key differs from the call's only in head or batch
+# counts (``B``, ``H``, ``HV``). Those size the launch grid, not a program's tiles, so its config fits
+# shared memory exactly as it did when tuned. fla's own "fuzzy" mode is not safe to use: it ignores
+# every number, and a config tuned at K = 64 in fp32 failed to fit shared memory at K = 128
+# (docs/results/gpu_tests.md). A call with no such entry autotunes, as fla does without configs.
+HEAD_COUNT_ARGS = frozenset({"B", "H", "HV"})
+SHIPPED_CACHE_MODE = "strict"
 
 INSTALL_HINT = "pip install --no-deps fla-core==0.6.0 flash-linear-attention==0.6.0 (needs triton)"
 
@@ -79,12 +79,63 @@ def point_fla_at_shipped_configs() -> dict[str, str]:
     return set_now
 
 
+def head_count_match(entries: list[list], names: list[str], key: list) -> list | None:
+    """The first of ``entries`` (autotune keys, in file order) equal to ``key`` everywhere except at
+    positions named in ``HEAD_COUNT_ARGS``; ``names`` names the key's leading positions (the
+    autotuner's key arguments present in the call; the tensor dtypes follow, unnamed). None if none."""
+    free = {i for i, n in enumerate(names) if n in HEAD_COUNT_ARGS}
+    for entry in entries:
+        if len(entry) == len(key) and all(a == b for i, (a, b) in enumerate(zip(entry, key)) if i not in free):
+            return entry
+    return None
+
+
+def _install_head_count_fallback(config_dir: Path) -> None:
+    """After fla's exact lookup finds nothing, try ``head_count_match`` over the kernel's shipped
+    entries; the config found is what fla itself would apply for that entry's key."""
+    import json
+
+    from fla.ops.utils.cache import AutotuneKey, CachedAutotuner  # noqa: PLC0415
+
+    if getattr(CachedAutotuner, "_k3rl_head_count_fallback", False):
+        return
+    original = CachedAutotuner.maybe_load_cached_config
+    entries: dict[str, list[list]] = {}
+
+    def shipped(kernel: str) -> list[list]:
+        if kernel not in entries:
+            path = config_dir / f"{kernel}.json"
+            data = json.loads(path.read_text()) if path.exists() else {}
+            entries[kernel] = [e["autotune_key"] for e in (data.get("autotune_entries") or {}).values()]
+        return entries[kernel]
+
+    def maybe_load_cached_config(self, key, nargs, runtime_kwargs):
+        original(self, key=key, nargs=nargs, runtime_kwargs=runtime_kwargs)
+        if key.autotune_key in self.cache:
+            return
+        present = {**nargs, **runtime_kwargs}
+        names = [n for n in self.keys if n in present and n in self.arg_names]
+        found = head_count_match(shipped(self.kernel_name), names, AutotuneKey.normalize_autotune_key(list(key.autotune_key)))
+        if found is None:
+            return
+        other = AutotuneKey(tuple(found))
+        original(self, key=other, nargs=nargs, runtime_kwargs=runtime_kwargs)
+        if other.autotune_key in self.cache:
+            self.cache[key.autotune_key] = self.cache[other.autotune_key]
+
+    CachedAutotuner.maybe_load_cached_config = maybe_load_cached_config
+    CachedAutotuner._k3rl_head_count_fallback = True
+
+
 def _load():
     global _MODULE, _ERROR
     if _MODULE is None and _ERROR is None:
         try:
             point_fla_at_shipped_configs()
             import fla.ops.kda as module  # noqa: PLC0415  (lazy: imports triton)
+            config_dir = os.environ.get("FLA_CONFIG_DIR")
+            if os.environ.get("FLA_CACHE_MODE") == SHIPPED_CACHE_MODE and config_dir:
+                _install_head_count_fallback(Path(config_dir))
             _MODULE = module
         except Exception as e:  # ImportError without triton; other errors from a broken install
             _ERROR = e

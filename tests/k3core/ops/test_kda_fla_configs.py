@@ -132,8 +132,8 @@ def fresh_env(monkeypatch, tmp_path):
 
 
 def test_point_fla_sets_both_variables_when_unset(fresh_env):
-    assert _fla.point_fla_at_shipped_configs() == {"FLA_CACHE_MODE": "fuzzy", "FLA_CONFIG_DIR": str(fresh_env)}
-    assert os.environ["FLA_CACHE_MODE"] == "fuzzy" and os.environ["FLA_CONFIG_DIR"] == str(fresh_env)
+    assert _fla.point_fla_at_shipped_configs() == {"FLA_CACHE_MODE": "strict", "FLA_CONFIG_DIR": str(fresh_env)}
+    assert os.environ["FLA_CACHE_MODE"] == "strict" and os.environ["FLA_CONFIG_DIR"] == str(fresh_env)
 
 
 @pytest.mark.parametrize("user", [{"FLA_CACHE_MODE": "strict"}, {"FLA_CONFIG_DIR": "/mine"},
@@ -174,7 +174,7 @@ def test_shipped_config_dir_matches_fla_version_and_gpu(monkeypatch, tmp_path, g
 
 # one call of each kind: prefill and training of two presets, packed with state at a training
 # shape, and the GPU tests' raw-gate fp32 and general-gate bf16 calls
-GPU_CALLS = ("small-bf16-train", "small-bf16-prefill", "tiny-fp32-train", "medium-bf16-packed-state",
+GPU_CALLS = ("full-bf16-train", "full-bf16-prefill", "small-bf16-train", "small-bf16-prefill", "tiny-fp32-train", "medium-bf16-packed-state",
              "test-fp32-raw-packed", "test-bf16-general-fixed")
 
 
@@ -237,3 +237,39 @@ def test_shipped_winners_reads_each_kernels_configs_most_frequent_first(tmp_path
     got = shipped_winners(tmp_path)
     assert list(got) == ["k"] and [c["num_warps"] for c in got["k"]] == [4, 8]
     assert shipped_winners(tmp_path / "absent") == {}
+
+
+def test_head_count_match_frees_only_head_and_batch_counts():
+    """k3core's fallback after fla's exact lookup: an entry may differ from the call's key in B, H
+    or HV (grid sizes) only; a different head dim, tile size, flag or dtype is no match."""
+    names = ["H", "HV", "K", "V", "BT", "IS_VARLEN"]
+    key = [12, 12, 128, 128, 64, False, "torch.bfloat16", "torch.float32"]
+    tuned_full = [96, 96, 128, 128, 64, False, "torch.bfloat16", "torch.float32"]
+    other_dim = [12, 12, 64, 64, 64, False, "torch.bfloat16", "torch.float32"]
+    other_dtype = [96, 96, 128, 128, 64, False, "torch.float32", "torch.float32"]
+    packed = [96, 96, 128, 128, 64, True, "torch.bfloat16", "torch.float32"]
+    assert _fla.head_count_match([other_dim, other_dtype, packed, tuned_full], names, key) == tuned_full
+    assert _fla.head_count_match([other_dim, other_dtype, packed], names, key) is None
+    assert _fla.head_count_match([tuned_full[:-1]], names, key) is None  # another structure
+    # a count name past the named positions (a dtype slot) is never freed
+    assert _fla.head_count_match([[12, "torch.float32"]], ["H"], [12, "torch.bfloat16"]) is None
+    assert _fla.head_count_match([[4, 2, 64, "torch.float32"]], ["B", "H", "BT"], [1, 96, 64, "torch.float32"]) == [4, 2, 64, "torch.float32"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_medium_training_call_takes_the_full_models_configs_without_autotuning():
+    """medium's KDA (H=12, K=V=128, B=2) differs from the tuned full-model call (H=96, B=1) only in
+    head and batch counts: k3core's fallback hands it the full model's configs, so nothing autotunes."""
+    assert _fla.available(), "fla must import on the GPU machine"
+    shipped = _fla.shipped_config_dir()
+    if shipped is None or os.environ.get("FLA_CONFIG_DIR") != str(shipped):
+        pytest.skip("shipped configs not active here")
+    from fla.ops.utils.cache import CachedAutotuner
+
+    calls = {c.name: c for group in call_groups().values() for c in group}
+    before = {id(t): id(getattr(t, "configs_timings", None)) for t in fla_autotuners()}
+    run_call(calls["medium-bf16-train"])
+    tuned = [t.kernel_name for t in fla_autotuners() if isinstance(t, CachedAutotuner)
+             and id(getattr(t, "configs_timings", None)) != before.get(id(t), id(None))]
+    assert not tuned, f"medium-bf16-train autotuned {tuned}"
