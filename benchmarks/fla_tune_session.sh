@@ -5,7 +5,7 @@
 # wheels in .whl/:
 #   bash benchmarks/fla_tune_session.sh OUTDIR [GROUPS_DEADLINE_S] [PYTEST_DEADLINE_S] [MAX_CONFIGS]
 # Resumable: entries already shipped are read in strict mode and only missing keys are tuned.
-# Then commit OUTDIR/fla_configs over k3core/ops/kda/fla_configs.
+# Then unpack OUTDIR/fla_configs.tgz over k3core/ops/kda/ and commit.
 set -u -o pipefail
 out=${1:?usage: bash benchmarks/fla_tune_session.sh OUTDIR [GROUPS_DEADLINE_S] [PYTEST_DEADLINE_S] [MAX_CONFIGS]}
 groups_deadline=${2:-300}
@@ -34,4 +34,5 @@ mapfile -t files < <(grep -rlE --include='test_*.py' 'mark\.gpu' tests | sort)
 python3 -m k3core.ops.kda.fla_tune --max-configs "$max_configs" --deadline "$pytest_deadline" --logs "$out/logs" \
   --pytest -m gpu -p no:cacheprovider -q -rfE --durations=10 "${files[@]}" 2>&1 | tee -a "$out/fla_tune_session.log"
 echo "pytest: $(( $(date +%s) - t1 )) s" | tee -a "$out/fla_tune_session.log"
-cp -r k3core/ops/kda/fla_configs "$out/fla_configs"
+# one archive: the device tool returns no folder named like a version (0.6.0) nor names with commas
+tar czf "$out/fla_configs.tgz" -C k3core/ops/kda fla_configs

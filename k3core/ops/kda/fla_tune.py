@@ -519,7 +519,7 @@ def tune(out: Path, workers: int, deadline: float, logs: Path, only: list[str] |
     while pending or running:
         while pending and len(running) < workers:
             g = pending.pop(0)
-            log = open(logs / f"{g[:80]}.log", "w")  # closed when the process ends
+            log = open(logs / f"{g[:80].replace(',', '+')}.log", "w")  # closed when the process ends
             cmd = [sys.executable, "-m", "k3core.ops.kda.fla_tune", "--worker", g, "--dump", str(scratch / f"{g[:80]}.json")]
             if max_configs:
                 cmd += ["--max-configs", str(max_configs)]
