@@ -116,6 +116,16 @@ def _schedule(spec: dict):
     raise ValueError(f"schedule {spec} has neither 'interval' nor 'cron' (k3rl serve supports those two)")
 
 
+def _concurrency(spec):
+    """prefect.yaml's ``concurrency_limit`` (an int, or ``{limit, collision_strategy}``) as ``prefect
+    deploy`` reads it."""
+    if spec is None or isinstance(spec, int):
+        return spec
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig
+
+    return ConcurrencyLimitConfig(**spec)
+
+
 def runner_deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] | None = None) -> list:
     """The deployments of a prefect.yaml as RunnerDeployments for ``prefect.serve`` (entrypoints are
     relative to the file's directory)."""
@@ -130,7 +140,7 @@ def runner_deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] 
         fl = load_flow_from_entrypoint(f"{path.parent / file}:{fn}")
         out.append(fl.to_deployment(
             name=d["name"], parameters=d.get("parameters") or {}, description=d.get("description"),
-            tags=d.get("tags"), version=d.get("version"),
+            tags=d.get("tags"), version=d.get("version"), concurrency_limit=_concurrency(d.get("concurrency_limit")),
             schedules=[_schedule(s) for s in d.get("schedules") or []] or None))
     if names and len(out) != len(names):
         raise ValueError(f"deployments {names} not all in {path}")

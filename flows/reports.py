@@ -45,6 +45,18 @@ TABLE_COLUMNS = ["iteration", "weight_version", "reward_mean", "reward_std", "so
 _progress_ids: dict = {}
 
 
+def table_number(x):
+    """A metric as the UI table shows it: 4 significant digits, scientific notation below 1e-3 (a KL
+    of 2.3e-06 is not "0.0"), integers and text unchanged, NaN/inf spelled out."""
+    if isinstance(x, bool) or not isinstance(x, float):
+        return x
+    if x != x or x in (float("inf"), float("-inf")):
+        return str(x)
+    if x == 0.0:
+        return "0"
+    return f"{x:.3e}" if abs(x) < 1e-3 or abs(x) >= 1e6 else f"{x:.4g}"
+
+
 def artifact_key(kind: str, run_id: str) -> str:
     """The Prefect artifact key of one of a run's reports, ``rl-<kind>-<run id>``: keys are global in
     Prefect, so without the run id one run's reports would supersede another's. Keys allow lowercase
@@ -196,8 +208,7 @@ def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact
         tmp.write_bytes(png)
     if not _in_flow():
         return
-    rows = [{c: (round(h[c], 5) if isinstance(h.get(c), float) else h.get(c, "")) for c in TABLE_COLUMNS}
-            for h in history]
+    rows = [{c: table_number(h.get(c, "")) for c in TABLE_COLUMNS} for h in history]
     create_table_artifact(rows, key=artifact_key("metrics", run_id), description=f"run {run_id}: one row per RL iteration")
     create_markdown_artifact(lineage_markdown(s, lineage), key=artifact_key("lineage", run_id),
                              description=f"run {run_id}: where every artifact came from")

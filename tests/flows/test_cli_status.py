@@ -206,3 +206,16 @@ def test_report_keys_are_per_run():
     assert reports.artifact_key("metrics", "demo") == "rl-metrics-demo"
     assert reports.artifact_key("lineage", "Run_1.b") == "rl-lineage-run-1-b"
     assert reports.artifact_key("metrics", "a") != reports.artifact_key("metrics", "b")
+
+
+def test_table_numbers_keep_four_significant_digits_and_small_ones_readable():
+    from flows.reports import table_number
+
+    assert table_number(0.452123456) == "0.4521"
+    assert table_number(2.3456e-06) == "2.346e-06"  # rounding to 5 decimals made this 0.0
+    assert table_number(-0.00012346) == "-1.235e-04"
+    assert table_number(1234.5678) == "1235"
+    assert table_number(12.0) == "12"
+    assert table_number(0.0) == "0" and table_number(float("nan")) == "nan"
+    assert table_number(3) == 3 and table_number(True) is True and table_number("") == ""
+    assert float(table_number(0.001)) == 0.001 and table_number(0.001) == "0.001"

@@ -114,13 +114,18 @@ def test_prefect_yaml_deployments_load_and_validate():
         settings = params["settings"]
         # (a flow loaded from its file has its own copy of the RLSettings class)
         assert dataclasses.is_dataclass(settings) and type(settings).__name__ == "RLSettings"
-        assert settings.model.preset == "small" and settings.pipeline.iterations == 40
+        # the README's demo, which learns: small preset, reverse environment, 30 iterations
+        assert (settings.model.preset, settings.pipeline.env, settings.pipeline.iterations) == ("small", "reverse", 30)
         assert d["work_pool"]["name"] == "k3rl-local"
     cont = by_name["rl-continue"]
     assert cont["schedules"] and all("run_id" in s["parameters"] for s in cont["schedules"])
     sched = deps["rl-continue"].schedules
     assert len(sched) == 1 and sched[0].parameters == {"run_id": "demo"}
     assert not deps["rl-run"].schedules and not deps["prepare"].schedules
+    # overlapping ticks are cancelled by the server before they start (no traceback in the runner)
+    assert deps["rl-continue"].concurrency_limit == 1
+    assert deps["rl-continue"].concurrency_options.collision_strategy.value == "CANCEL_NEW"
+    assert deps["rl-run"].concurrency_limit is None
 
 
 def test_cli_has_deploy_worker_serve():

@@ -1,7 +1,8 @@
 """End to end against a real ``prefect server start`` on 127.0.0.1 (started and stopped here, with its
 own PREFECT_HOME): ``k3rl serve`` serves the deployments of a copy of prefect.yaml (tiny settings,
 artifacts in tmp), ``run_deployment`` runs ``rl_run`` to Completed, ``rl_continue`` skips a run whose
-lock is held (Cancelled, nothing run) and adds one iteration to a run when it is free; the scheduled deployment
+lock is held (Cancelled, nothing run) and adds one iteration to a run when it is free; of two ticks at
+once the server cancels the second before it starts (no traceback); the scheduled deployment
 gets auto-scheduled runs carrying the schedule's run id. (Ticks racing each other: test_deploy_lock.py.)"""
 
 import json
@@ -183,6 +184,24 @@ def _drive(api: str, env: dict, artifacts: str, runner: subprocess.Popen, logs: 
             st = run("rl_continue/rl-continue", cont_params)  # the lock is free: one more iteration
             assert st.is_completed(), st
             assert latest("r1") == 2
+
+            # two ticks at once (a tick still running when the next is due): the deployment's
+            # concurrency limit (CANCEL_NEW, prefect.yaml) cancels the second before it starts, with
+            # one line in the runner's log and no traceback; the first adds its one iteration
+            log_before = len((logs / "serve.log").read_text())
+            pair = [run_deployment("rl_continue/rl-continue", parameters=cont_params, timeout=0) for _ in range(2)]
+            end = time.monotonic() + 600
+            while not all((st := client.read_flow_run(f.id).state).is_final() for f in pair):
+                assert time.monotonic() < end, st
+                time.sleep(1)
+            states = [client.read_flow_run(f.id).state for f in pair]
+            assert sorted(st.type.value for st in states) == ["CANCELLED", "COMPLETED"], states
+            cancelled = next(st for st in states if st.is_cancelled())
+            assert "concurrency limit" in (cancelled.message or ""), cancelled
+            assert latest("r1") == 3
+            tick_log = (logs / "serve.log").read_text()[log_before:]
+            assert "Traceback" not in tick_log and "| ERROR" not in tick_log, tick_log[-3000:]
+            print(f"overlapping ticks: {time.monotonic() - T0:.0f} s")
 
             # the schedule: auto-scheduled runs of rl_continue that carry the schedule's run id
             end = time.monotonic() + 120

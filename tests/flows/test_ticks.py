@@ -1,0 +1,46 @@
+"""Scheduled ticks cost the same on tick 10 as on tick 2: ``rl_continue`` (what the schedule runs)
+adds one iteration per tick without replaying the past ones, so the Prefect flow runs and artifact
+versions each tick creates stay constant (a replayed run made a new subflow per past iteration and
+republished every report, so its counts grew with every tick). Embedded Prefect, tiny preset."""
+
+import pytest
+
+from flows.deploy import iterations_done, rl_continue
+from k3core.settings import RLSettings
+from tasks import engines, trainers
+
+TICKS = 10
+
+
+def _counts():
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        artifacts, page = 0, 200  # the API's page limit
+        while len(client.read_artifacts(limit=page, offset=artifacts)) == page:
+            artifacts += page
+        return client.count_flow_runs(), artifacts + len(client.read_artifacts(limit=page, offset=artifacts))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ten_ticks_create_the_same_flow_runs_and_artifacts_each(tmp_path, prefect_harness):
+    tiny = RLSettings.from_dict(dict(preset="tiny", env="add", prompts_per_iteration=2, samples_per_prompt=2,
+                                     max_new_tokens=3, warmup_steps=1, warmup_batch=4, eval_prompts=4, eval_every=1,
+                                     mismatch_sequences=0))
+    root = str(tmp_path)
+    per_tick = []
+    before = _counts()
+    for tick in range(TICKS):
+        engines.clear()  # each tick is a fresh process on a worker
+        trainers.clear()
+        rl_continue(run_id="ticks", artifacts=root, iterations_per_tick=1, settings=tiny)
+        assert iterations_done(root, "ticks") == tick + 1
+        after = _counts()
+        per_tick.append((after[0] - before[0], after[1] - before[1]))
+        before = after
+    flow_runs, artifacts = zip(*per_tick)
+    # tick 1 also prepares the run; from tick 2 on every tick is the same work
+    assert len(set(flow_runs[1:])) == 1, flow_runs
+    assert len(set(artifacts[1:])) == 1, artifacts
+    assert flow_runs[1] <= 4, flow_runs  # rl_continue, rl_run, prepare (all cached), rl_iteration
