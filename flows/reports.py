@@ -118,18 +118,42 @@ def _label(a: Artifact) -> str:
             "rollouts": "rollouts", "scored": "scored", "engine": f"engine weights v{a.version}"}.get(a.kind, a.kind)
 
 
+def _ui_base() -> str:
+    """The Prefect UI's address for links ("" in embedded mode: links are then relative to the page,
+    which the UI serves from its root)."""
+    try:
+        from prefect.settings import get_current_settings
+
+        return (get_current_settings().ui_url or "").rstrip("/")
+    except Exception:  # no settings context: relative links still work inside the UI
+        return ""
+
+
+def task_run_link(a: Artifact, text: str | None = None, ui: str = "") -> str:
+    """The artifact's producing task run as a link to its page in the UI, or its name when no
+    orchestrator ran it."""
+    name = text or a.produced_by or "-"
+    return f"[{name}]({ui}/runs/task-run/{a.produced_by_id})" if a.produced_by_id else name
+
+
 def lineage_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
-    """The ``rl-lineage`` table: one row per artifact, oldest first."""
+    """The ``rl-lineage`` table: one row per artifact, oldest first. *produced by* links to the task
+    run that published the artifact, each input to the task run that published that input."""
     run_uri = ArtifactStore(s.pipeline.artifacts).uri(f"runs/{s.pipeline.run_id}")
     md = [f"### run `{s.pipeline.run_id}`: where every artifact came from", "",
           f"Paths are relative to the run's directory `{run_uri}`; sha256 is the content hash (a directory's "
-          "over its sorted files). *produced by* names the task run (stage and iteration).", "",
+          "over its sorted files). *produced by* links to the task run (stage and iteration); each input "
+          "links to the task run that produced it.", "",
           "| artifact | kind | sha256 | produced by | inputs |", "|---|---|---|---|---|"]
+    ui = _ui_base()
+    by_uri = {a.uri: a for a in lineage}
     for a in lineage:
         inputs = a.inputs or ((a.info["source"],) if "source" in a.info else ())
-        ins = "<br>".join(f"`{_rel(i, run_uri)}`" for i in inputs)
+        ins = "<br>".join(task_run_link(by_uri[i], _rel(i, run_uri), ui) if i in by_uri and by_uri[i].produced_by_id
+                          else f"`{_rel(i, run_uri)}`" for i in inputs)
         sha = "" if a.kind == "report" else a.sha256
-        md.append(f"| `{_rel(a.uri, run_uri)}` | {_label(a)} | {f'`{sha[:12]}`' if sha else '-'} | {a.produced_by} | {ins} |")
+        md.append(f"| `{_rel(a.uri, run_uri)}` | {_label(a)} | {f'`{sha[:12]}`' if sha else '-'} | "
+                  f"{task_run_link(a, ui=ui)} | {ins} |")
     return "\n".join(md)
 
 

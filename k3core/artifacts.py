@@ -215,7 +215,8 @@ class Artifact:
     ``report`` (JSON), ``engine`` (weights live in a rollout engine; ``uri`` is ``engine://run@vN``).
     ``version``: the policy weight version the artifact holds or was produced at. ``path``: where a
     consumer on this machine reads it. ``info``: small facts about it (row counts, metrics).
-    ``produced_by`` and ``inputs``: the task run that published it and the URIs it read (lineage)."""
+    ``produced_by`` and ``inputs``: the task run that published it and the URIs it read (lineage);
+    ``produced_by_id``: that task run's id, where an orchestrator ran it (the UI links to it)."""
 
     kind: str
     uri: str
@@ -225,6 +226,7 @@ class Artifact:
     info: dict = field(default_factory=dict, compare=False)
     produced_by: str = ""
     inputs: tuple[str, ...] = ()
+    produced_by_id: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         from dataclasses import asdict

@@ -102,6 +102,16 @@ class Run:
     def uri(self, rel: str) -> str:
         return self.store.uri(rel)
 
+    def engine_uri(self, version: int) -> str:
+        """The weights live in this run's rollout engine at ``version`` (an asset the transfer stage
+        materializes and rollouts read)."""
+        return f"engine://{self.run_id}@v{version}"
+
+    def served_uri(self, weights: Artifact) -> str:
+        """What a rollout at ``weights`` samples from: the engine weights a transfer pushed (a trainer
+        checkpoint, ``dcp``), or the published rollout weights of version 0, which the engine loads."""
+        return self.engine_uri(weights.version) if weights.kind == "dcp" else weights.uri
+
 
 _timings: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("k3rl_stage_timings", default=None)
 
@@ -147,12 +157,15 @@ class Stage:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         task, name, inputs = self.task(*args, **kwargs)
         t0 = time.perf_counter()
-        out = task(*args, **kwargs)
+        state = task(*args, return_state=True, **kwargs)
+        out = state.result()  # raises the stage's own exception when it failed
         seconds = _timings.get()
         if seconds is not None:
             seconds[self.key] = seconds.get(self.key, 0.0) + time.perf_counter() - t0
         if isinstance(out, Artifact):
-            out = dataclasses.replace(out, produced_by=name, inputs=tuple(inputs))
+            run_id = state.state_details.task_run_id
+            out = dataclasses.replace(out, produced_by=name, inputs=tuple(inputs),
+                                      produced_by_id=str(run_id) if run_id else "")
         return out
 
 

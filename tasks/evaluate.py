@@ -11,7 +11,7 @@ from k3core.settings import RolloutSettings
 from tasks.common import Run, stage
 
 
-@stage(run_name="evaluate-{label}", inputs=lambda weights, **_: [weights.uri])
+@stage(run_name="evaluate-{label}", inputs=lambda run, weights, **_: [run.served_uri(weights)])
 def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: RolloutSettings) -> dict:
     """``label``: names the task run (``iter5``, ``final``); ``rollout``: the engine URL, the
     completion length and the sampling temperature of the run's rollouts."""

@@ -80,7 +80,7 @@ def _seed(run: Run, iteration: int, refill: int) -> int:
 
 @stage(run_name="rollout-iter{iteration}",
        outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
-       inputs=lambda weights, **_: [weights.uri])
+       inputs=lambda run, weights, **_: [run.served_uri(weights)])
 def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, refill: int = 0) -> Artifact:
     """``settings.prompts_per_iteration`` prompts x ``samples_per_prompt`` completions. ``refill`` > 0
     (``rollout_refill``): a dynamic-sampling round of new prompts for the same iteration and weights,
@@ -122,4 +122,4 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
 # The same stage body for a dynamic-sampling refill round, under a task run name that says which.
 rollout_refill = stage(run_name="rollout-iter{iteration}-refill{refill}",
                        outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
-                       inputs=lambda weights, **_: [weights.uri])(rollout.fn)
+                       inputs=lambda run, weights, **_: [run.served_uri(weights)])(rollout.fn)

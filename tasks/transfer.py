@@ -38,8 +38,9 @@ def _takes(engine, quantized: bool) -> bool:
     return fmt == "none" or (fmt in ("w4a8", "w4a16")) == quantized
 
 
-@stage(run_name="transfer_weights-iter{iteration}", key="transfer", inputs=lambda checkpoint, **_: [checkpoint.uri],
-       cache_policy=None, persist_result=False)
+@stage(run_name="transfer_weights-iter{iteration}", key="transfer",
+       outputs=lambda run, checkpoint, **_: [run.engine_uri(checkpoint.version)],
+       inputs=lambda checkpoint, **_: [checkpoint.uri], cache_policy=None, persist_result=False)
 def transfer_weights(run: Run, iteration: int, checkpoint: Artifact, quantized: bool) -> Artifact:
     """Not cached: the engine lives in this process, so every run pushes (a cheap in-memory copy)."""
     from k3core.transfer import push_inprocess
@@ -51,7 +52,7 @@ def transfer_weights(run: Run, iteration: int, checkpoint: Artifact, quantized: 
         eng = _blank_engine(model.config, next(model.parameters()).dtype, quantized)
         engines.put(run.run_id, eng)
     rep = push_inprocess(eng, model.state_dict(), checkpoint.version, quantize_experts=quantized)
-    return Artifact(kind="engine", uri=f"engine://{run.run_id}@v{checkpoint.version}", path=rep.path,
+    return Artifact(kind="engine", uri=run.engine_uri(checkpoint.version), path=rep.path,
                     sha256=rep.content_sha256, version=checkpoint.version,
                     info={"bytes": rep.bytes_sent, "tensors": rep.tensors_sent, "seconds": time.perf_counter() - t0,
                           "transfer_seconds": rep.seconds, "gbps": rep.gbps, "hash": rep.hash, "quantized": quantized})

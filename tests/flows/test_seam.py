@@ -6,6 +6,7 @@ published and read, stamped on the returned ``Artifact``), and a stage call is t
 from __future__ import annotations
 
 import logging
+import re
 import textwrap
 
 import pytest
@@ -85,6 +86,16 @@ def test_a_stage_declares_its_lineage_where_it_is_defined(tmp_path):
     sc2 = Artifact("scored", run.uri(run.iter_rel(3, "scored-refill2.parquet")), "/unused", "4" * 64, version=3)
     _, _, inputs = train_step.task(run, 3, state, scored, GRPOSettings(), RolloutSettings(), (sc2,))
     assert inputs == [state.uri, scored.uri, sc2.uri]
+    # after iteration 0 the engine serves weights a transfer pushed: the transfer materializes them as
+    # an asset, and rollouts and evaluations name that asset, not the checkpoint it came from
+    from tasks.evaluate import evaluate
+    from tasks.transfer import transfer_weights
+
+    task, name, inputs = transfer_weights.task(run, 3, state, True)
+    assert [a.key for a in task.assets] == ["engine://r@v3"] and inputs == [state.uri]
+    assert rollout.task(run, 4, state, RolloutSettings())[2] == ["engine://r@v3"]
+    assert rollout_refill.task(run, 4, state, RolloutSettings(), 1)[2] == ["engine://r@v3"]
+    assert evaluate.task(run, "iter4", state, 4, RolloutSettings())[2] == ["engine://r@v3"]
 
 
 def test_a_stage_call_is_stamped_and_timed(tmp_path, prefect_harness):
@@ -98,7 +109,37 @@ def test_a_stage_call_is_stamped_and_timed(tmp_path, prefect_harness):
     assert ck.produced_by == "fetch_checkpoint" and ck.inputs == () and ck.info["source"] == "init:tiny:2"
     assert rep.produced_by == "validate_checkpoint" and rep.inputs == (ck.uri,)
     assert set(seconds) == {"fetch", "validate"} and all(v > 0 for v in seconds.values())
+    # and with the id of the task run that produced it, which the lineage table links to
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_task_run(UUID(ck.produced_by_id)).name == "fetch_checkpoint"
+        assert client.read_task_run(UUID(rep.produced_by_id)).name == "validate_checkpoint"
     # a second call of the same stage is a cache hit returning the same artifact
     with stage_timings():
         again = fetch_checkpoint(run, "init:tiny:2")
     assert again == ck
+
+
+def test_lineage_rows_link_to_their_task_runs_and_inputs_to_their_producers(tmp_path):
+    from flows.reports import lineage_markdown
+
+    s = _settings(tmp_path, "ln", "add")
+    run = Run(str(tmp_path), "ln")
+    ck = Artifact("dcp", run.uri(run.checkpoint_rel(1)), "/x", "a" * 64, version=1, info={"manifest": "m"},
+                  produced_by="save_checkpoint-iter0", produced_by_id="11111111-1111-1111-1111-111111111111")
+    eng = Artifact("engine", run.engine_uri(1), "", "b" * 64, version=1, produced_by="transfer_weights-iter0",
+                   inputs=(ck.uri,), produced_by_id="22222222-2222-2222-2222-222222222222")
+    ro = Artifact("rollouts", run.uri(run.iter_rel(1, "rollouts.parquet")), "/x", "c" * 64, version=1,
+                  produced_by="rollout-iter1", inputs=(eng.uri,))  # no orchestrator: no link
+    md = lineage_markdown(s, [ck, eng, ro])
+    md = re.sub(r"\]\([^)]*?/runs/task-run/", "](/runs/task-run/", md)  # the UI's address, when configured
+    rows = {line.split(" | ")[0]: line for line in md.splitlines() if line.startswith("| `")}
+    assert "[save_checkpoint-iter0](/runs/task-run/1111" in rows["| `checkpoints/iter-0001`"]
+    eng_row = rows["| `engine://ln@v1`"]
+    assert "[transfer_weights-iter0](/runs/task-run/2222" in eng_row
+    assert "[checkpoints/iter-0001](/runs/task-run/1111" in eng_row  # the input, linked to its producer
+    ro_row = rows["| `iter-0001/rollouts.parquet`"]
+    assert "| rollout-iter1 |" in ro_row and "[engine://ln@v1](/runs/task-run/2222" in ro_row
