@@ -84,6 +84,13 @@ def cmd_validate(a) -> int:
                                   workers=a.workers)
     except CheckpointValidationError as e:
         return _err(f"checkpoint {a.dir} is NOT valid: {e}", 1)
+    if rep["format"] == "dcp":
+        print(f"{a.dir}: valid DCP trainer state: {rep['manifest']['files']} files match its manifest, "
+              f".metadata unpickled safely ({rep['items']} items in {len(rep['data_files'])} data files)"
+              + (f"; report {a.report}" if a.report else ""))
+        if a.write_pin:
+            return _err("--write-pin pins public-layout checkpoints; a trainer state is held by its manifest", 2)
+        return 0
     if a.write_pin:
         write_pin(make_pin(a.dir), a.write_pin)
     c = rep["counts"]
@@ -99,9 +106,12 @@ def cmd_validate(a) -> int:
 
 def cmd_quantize(a) -> int:
     from k3core.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointFormatError, quantize_checkpoint
+    from k3core.checkpoint.manifest import ManifestError
 
     try:
         r = quantize_checkpoint(a.src, a.dst, max_shard_bytes=a.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    except ManifestError as e:
+        return _err(f"source checkpoint {a.src} failed its integrity check: {e}", 1)
     except (ValueError, FileNotFoundError, CheckpointFormatError) as e:
         return _err(str(e), 2)
     print(f"{r.path}: MXFP4 checkpoint, {len(r.shards)} shards, {r.num_keys} tensors, {r.total_size / 2**20:.1f} MiB")
