@@ -74,10 +74,19 @@ class VerifiedFileSystemReader(FileSystemReader):
         super().__init__(path)
         self._want = metadata_sha256
         self._data_files = set(data_files)
+        self._metadata: Metadata | None = None
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
+        """The checked metadata, read and verified on the first call and kept (later calls, DCP's
+        own included, get the same verified object with a fresh ``load_id``)."""
         if kwargs.get("rank") is not None:
             raise ValueError("per-rank DCP metadata files are not read by k3rl (one .metadata per checkpoint)")
+        if self._metadata is None:
+            self._metadata = self._read_verified()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+    def _read_verified(self) -> Metadata:
         path = Path(self.path) / METADATA_NAME
         with open(path, "rb") as f:
             data = f.read()
@@ -97,7 +106,6 @@ class VerifiedFileSystemReader(FileSystemReader):
                 raise UnsafePickleError(f"{path}: points at data file {rel!r}, which the manifest does not list")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -110,24 +118,48 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise UnsafePickleError(f"DCP item {read_item.dest_index.fqn!r}: {e}") from None
+            why = next((ln.strip() for ln in str(e).splitlines() if "Unsupported global" in ln), str(e).splitlines()[0])
+            raise UnsafePickleError(f"DCP item {read_item.dest_index.fqn!r} refused by the restricted unpickler: "
+                                    f"{why}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def verified_dcp_reader(path: str | os.PathLike, must_list: tuple[str, ...] = (), workers: int = 4
+def verified_dcp_reader(path: str | os.PathLike, must_list: tuple[str, ...] = (), manifest: dict | None = None
                         ) -> VerifiedFileSystemReader:
     """A reader for the DCP directory ``path`` after its manifest (required) checks out: every file
     listed present with its size and sha256, ``.metadata`` and ``must_list`` among them. Raises
-    ``ManifestError`` naming the first file that does not."""
+    ``ManifestError`` naming the first file that does not. ``manifest``: one the caller has just
+    verified with ``verify_manifest`` (not hashed again)."""
     from k3core.checkpoint.manifest import verify_manifest
 
     path = Path(path)
-    manifest = verify_manifest(path, required=True, must_list=(METADATA_NAME, *must_list), workers=workers)
+    if manifest is None:
+        manifest = verify_manifest(path, required=True, must_list=(METADATA_NAME, *must_list))
     files = manifest["files"]
-    return VerifiedFileSystemReader(path, files[METADATA_NAME]["sha256"], set(files) - {METADATA_NAME})
+    reader = VerifiedFileSystemReader(path, files[METADATA_NAME]["sha256"], set(files) - {METADATA_NAME})
+    reader.read_metadata()  # now, so a refusal is this error and not one wrapped by DCP
+    return reader
+
+
+def safe_dcp_load(state: dict, path: str | os.PathLike, must_list: tuple[str, ...] = (),
+                  manifest: dict | None = None) -> None:
+    """``dcp.load(state, ...)`` from ``path`` through the verified reader and the safe planner. A
+    refusal raises ``ManifestError`` or ``UnsafePickleError`` itself, not DCP's
+    ``CheckpointException`` (a ``BaseException``) around it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = verified_dcp_reader(path, must_list, manifest)
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    except CheckpointException as e:
+        for exc in (v[0] if isinstance(v, tuple) else v for v in e.failures.values()):
+            if isinstance(exc, UnsafePickleError):
+                raise exc from None
+        raise
 
 
 def validate_dcp(path: str | os.PathLike, must_list: tuple[str, ...] = ()) -> dict:

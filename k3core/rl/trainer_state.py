@@ -71,11 +71,12 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     Nothing is read before the directory's manifest checks out (every file's size and sha256;
     ``ManifestError`` names the first that differs). ``.metadata`` is then unpickled from the
     verified bytes with an allowlist, and non-tensor items with ``weights_only`` (``dcp_safe``)."""
-    from k3core.checkpoint.dcp_safe import SafeLoadPlanner, verified_dcp_reader
+    from k3core.checkpoint.dcp_safe import METADATA_NAME, safe_dcp_load
     from k3core.checkpoint.hf import meta_model
+    from k3core.checkpoint.manifest import verify_manifest
 
     path = Path(path)
-    reader = verified_dcp_reader(path, must_list=("config.json", "extra.json"))
+    manifest = verify_manifest(path, required=True, must_list=(METADATA_NAME, "config.json", "extra.json"))
     config = K3Config.from_json_file(path / "config.json")
     model = meta_model(config)
     model.to_empty(device="cpu")
@@ -84,7 +85,7 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "rng": {"torch": torch.get_rng_state(), "python": ""}, "extra": ""}
     with _single_process_dcp():
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+        safe_dcp_load(state, path, manifest=manifest)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(state["rng"]["torch"])
     py = json.loads(state["rng"]["python"])
