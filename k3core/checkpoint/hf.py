@@ -43,7 +43,7 @@ from k3core.config import K3Config, mxfp4_quantization_config
 __all__ = ["save_hf", "load_hf", "load_model", "init_checkpoint", "quantize_checkpoint", "SaveResult",
            "CheckpointFormatError", "meta_model", "materialize",
            "INDEX_NAME", "CONFIG_NAME", "shard_name", "plan_shards", "read_index", "checkpoint_target",
-           "DEFAULT_MAX_SHARD_BYTES", "check_manifest"]
+           "DEFAULT_MAX_SHARD_BYTES", "check_manifest", "check_new_destination"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the HF default ("5GB")
 
@@ -175,10 +175,15 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> SaveResult:
     """A bf16 public checkpoint -> the same checkpoint with MXFP4 routed experts, streamed tensor by
     tensor (never the whole model in memory). Byte-identical to ``save_hf(load_hf(src), dst,
-    target="mxfp4")``: the public bf16 expert tensor is exactly the native view it came from."""
+    target="mxfp4")``: the public bf16 expert tensor is exactly the native view it came from.
+
+    ``dst`` must be a new or empty directory, apart from ``src``: quantising over the source would
+    replace the bf16 weights with their lossy MXFP4 version, and over another checkpoint would
+    destroy it (``ValueError`` naming the fix)."""
     from safetensors import safe_open
 
     src = Path(src)
+    check_new_destination(src, dst, "quantize")
     config = K3Config.from_json_file(src / CONFIG_NAME)
     if checkpoint_target(config) != "bf16":
         raise ValueError(f"{src} is already quantised ({config.quantization_config.get('format')}); quantize reads bf16 checkpoints")
@@ -202,6 +207,16 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
         return list(_codec().quantize(t, name=ent.public)) if ent.codec == "mxfp4" else [t]
 
     return _write_checkpoint(dst, public_layout(config, "mxfp4"), max_shard_bytes, produce)
+
+
+def check_new_destination(src: str | os.PathLike, dst: str | os.PathLike, what: str) -> None:
+    """Refuse ``dst`` when it is ``src``, lies inside it or holds it, or is a non-empty directory."""
+    s, d = Path(src).resolve(), Path(dst).resolve()
+    if d == s or s in d.parents or d in s.parents:
+        raise ValueError(f"{what}: destination {dst} is the source {src} or overlaps it: write into a new directory")
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        raise ValueError(f"{what}: destination {dst} exists and is not an empty directory: refusing to replace it; "
+                         f"choose a new directory, or remove {dst} first")
 
 
 def _not_checkpoint_file(name: str) -> bool:
