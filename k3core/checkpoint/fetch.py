@@ -52,7 +52,7 @@ from k3core.checkpoint.files import (CONFIG_NAME, HASH_CHUNK, INDEX_NAME, atomic
 from k3core.checkpoint.manifest import MANIFEST_NAME
 from k3core.checkpoint.pin import Pin, PinMismatchError, load_pin
 
-__all__ = ["fetch", "FetchResult", "FetchError", "resolve_filesystem", "list_remote", "RECORD_NAME"]
+__all__ = ["fetch", "FetchResult", "FetchError", "FetchRefused", "resolve_filesystem", "list_remote", "RECORD_NAME"]
 
 RECORD_NAME = ".k3rl-fetch.json"  # in a fetched checkpoint and in its staging directory: URL, identities, sha256
 _LOCAL_PROTOCOLS = ("file", "local")
@@ -64,6 +64,11 @@ _EXTRA_FOR = {"s3": ("s3fs", "pip install s3fs"), "s3a": ("s3fs", "pip install s
 
 class FetchError(RuntimeError):
     """A transfer that cannot complete (missing remote file, hash mismatch after retry, ...)."""
+
+
+class FetchRefused(FetchError, ValueError):
+    """Bad input, refused before anything is copied (a destination fetch must not replace, a source
+    that is missing or not a checkpoint): retrying cannot help, so it is also a ``ValueError``."""
 
 
 @dataclass
@@ -243,15 +248,15 @@ def _check_destination(url: str, fs, root: str, dest: Path) -> dict | None:
     src = _local_root(fs, root)
     d = dest.resolve()
     if src is not None and (d == src or src in d.parents or d in src.parents):
-        raise FetchError(f"destination {dest} is the source {url} or overlaps it: fetch into another directory")
+        raise FetchRefused(f"destination {dest} is the source {url} or overlaps it: fetch into another directory")
     if dest.exists() and not dest.is_dir():
-        raise FetchError(f"destination {dest} exists and is not a directory")
+        raise FetchRefused(f"destination {dest} exists and is not a directory")
     if not dest.is_dir() or not any(dest.iterdir()):
         return None
     record = _read_record(dest)
     if record is None or record.get("source") != url:
         was = f"a fetch of {record.get('source')}" if record else "not a fetch k3rl made"
-        raise FetchError(f"destination {dest} is not empty and is {was}: refusing to replace it with {url}; "
+        raise FetchRefused(f"destination {dest} is not empty and is {was}: refusing to replace it with {url}; "
                          f"fetch into an empty or new directory, or remove {dest} first")
     return record
 
@@ -319,12 +324,12 @@ def fetch(url: str, dest: str | os.PathLike, pin: str | os.PathLike | dict | Pin
     try:
         remote = list_remote(fs, root)
     except FileNotFoundError:
-        raise FetchError(f"{url}: not found") from None
+        raise FetchRefused(f"{url}: not found") from None
     if not remote:
-        raise FetchError(f"{url}: no files found (check the URL: it must name a checkpoint directory)")
+        raise FetchRefused(f"{url}: no files found (check the URL: it must name a checkpoint directory)")
     missing_heads = [n for n in (CONFIG_NAME, INDEX_NAME) if n not in remote]
     if missing_heads:
-        raise FetchError(f"{url} is not a checkpoint in the public layout: no {' and no '.join(missing_heads)} "
+        raise FetchRefused(f"{url} is not a checkpoint in the public layout: no {' and no '.join(missing_heads)} "
                          f"(give the directory that holds config.json, the index and the shards)")
     source = _source_key(fs, root)
     previous = _check_destination(source, fs, root, dest)

@@ -14,7 +14,7 @@ import fsspec
 import pytest
 
 from k3core.checkpoint import fetch as fetch_mod
-from k3core.checkpoint.fetch import RECORD_NAME, FetchError, fetch, resolve_filesystem
+from k3core.checkpoint.fetch import RECORD_NAME, FetchError, FetchRefused, fetch, resolve_filesystem
 from k3core.checkpoint.files import sha256_file
 from k3core.checkpoint.hf import init_checkpoint
 from k3core.checkpoint.manifest import write_manifest
@@ -254,3 +254,12 @@ def test_missing_protocol_backend_is_a_clear_error():
         pass
     with pytest.raises(ImportError, match="s3fs"):
         resolve_filesystem("s3://bucket/ck")
+
+
+def test_refusals_are_bad_input_and_not_retried(source, tmp_path):
+    """The stages retry transient errors only, never a ValueError (tasks.common.NON_RETRYABLE): a
+    refused destination or source is one, a failed transfer is not."""
+    with pytest.raises(FetchRefused) as e:
+        fetch((tmp_path / "nowhere").as_uri(), tmp_path / "d")
+    assert isinstance(e.value, ValueError) and isinstance(e.value, FetchError)
+    assert not issubclass(FetchError, ValueError)
