@@ -179,7 +179,7 @@ class _Progress:
             sys.stderr.flush()
 
 
-def _transfer(fs, rf: RemoteFile, dest: Path, want: str | None, progress: _Progress, chunk: int) -> int:
+def _transfer(fs, rf: RemoteFile, dest: Path, want: str | None, progress: _Progress, chunk: int) -> tuple[int, str]:
     """Copy one remote file to ``dest/rf.name`` through ``.name.part`` (resumed when present); verify
     size and, when known, sha256; publish atomically. Returns (bytes transferred, sha256 of the file)."""
     final = dest / rf.name

@@ -330,6 +330,7 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
     from k3core.rollout.engine import EngineOverloaded, EngineStopped
 
     state = {"model_path": model_path, "in_flight": 0}
+    disk_updates = threading.Lock()  # the version check and the swap as one step: two pushes cannot cross
     limits = limits or ServerLimits()
     vocab = engine.config.vocab_size
 
@@ -473,14 +474,15 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=e.status)
 
         def load():
-            sd, declared = checkpoint_state_for(engine, real)
-            if declared is not None and body.get("weight_version") is not None and not _same(declared, version):
-                raise ValueError(f"{path} declares weight version {declared}, the request says {version}")
-            new = declared if declared is not None and body.get("weight_version") is None else version
-            if not limits.allow_version_rollback:
-                _check_not_older(new, engine.weight_version)
-            engine.load_weights(sd, new)
-            state["model_path"] = path
+            with disk_updates:
+                sd, declared = checkpoint_state_for(engine, real)
+                if declared is not None and body.get("weight_version") is not None and not _same(declared, version):
+                    raise ValueError(f"{path} declares weight version {declared}, the request says {version}")
+                new = declared if declared is not None and body.get("weight_version") is None else version
+                if not limits.allow_version_rollback:
+                    _check_not_older(new, engine.weight_version)
+                engine.load_weights(sd, new)
+                state["model_path"] = path
 
         return await _update(load, version, path)
 
