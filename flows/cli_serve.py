@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="accept a weight update older than the served version (a server reused by a new run); "
                         "off: versions only move forward")
     p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=16 << 20,
-                   help="largest request body; larger answers 413 (default 16 MiB)")
+                   help="largest /generate body; larger answers 413 (default 16 MiB)")
+    p.add_argument("--max-update-body-bytes", dest="max_update_body_bytes", type=int, default=256 << 20,
+                   help="largest weight-update body (a transfer payload lists every tensor; default 256 MiB)")
     p.add_argument("--max-prompt-tokens", dest="max_prompt_tokens", type=int, default=16384,
                    help="longest prompt in tokens; longer answers 400")
     p.add_argument("--max-new-tokens-cap", dest="max_new_tokens_cap", type=int, default=4096,
@@ -104,8 +106,10 @@ def cmd_rollout_server(args: argparse.Namespace) -> int:
         return 2
     roots = tuple(args.weight_roots or (str(Path(args.checkpoint).absolute().parent), tempfile.gettempdir()))
     try:
-        limits = ServerLimits(args.max_body_bytes, args.max_prompt_tokens, args.max_new_tokens_cap,
-                              args.max_concurrent_requests, roots, args.allow_version_rollback)
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_update_body_bytes=args.max_update_body_bytes,
+                              max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_cap,
+                              max_concurrent_requests=args.max_concurrent_requests, weight_roots=roots,
+                              allow_version_rollback=args.allow_version_rollback)
     except ValueError as e:
         print(f"k3rl {COMMAND}: error: {e}", file=sys.stderr)
         return 2

@@ -104,7 +104,9 @@ TOP_K_ALL = 1 << 30  # SGLang's "no top-k" value; anything from the vocabulary s
 class ServerLimits:
     """What one request may ask of the server; each refusal names the limit and the flag that sets it.
 
-    ``max_body_bytes``: a larger request body is refused (413) before it is parsed (``--max-body-bytes``).
+    ``max_body_bytes``: a larger ``/generate`` body is refused (413) before it is parsed (``--max-body-bytes``).
+    ``max_update_body_bytes``: the same for weight updates, whose transfer payloads list every tensor
+    (``--max-update-body-bytes``).
     ``max_prompt_tokens``: per prompt, after tokenising (``--max-prompt-tokens``).
     ``max_new_tokens``: the cap on ``sampling_params.max_new_tokens`` (``--max-new-tokens-cap``).
     ``max_concurrent_requests``: ``/generate`` requests in flight; one more answers 503 with
@@ -116,6 +118,7 @@ class ServerLimits:
     by a new run that starts again at 0; ``--allow-version-rollback``). Off: versions only move
     forward, so a late or replayed push cannot roll the weights back."""
     max_body_bytes: int = 16 << 20
+    max_update_body_bytes: int = 256 << 20
     max_prompt_tokens: int = 16384
     max_new_tokens: int = 4096
     max_concurrent_requests: int = 512
@@ -124,7 +127,7 @@ class ServerLimits:
 
     def __post_init__(self):
         bad = [f"{k} must be >= 1, got {getattr(self, k)}" for k in
-               ("max_body_bytes", "max_prompt_tokens", "max_new_tokens", "max_concurrent_requests")
+               ("max_body_bytes", "max_update_body_bytes", "max_prompt_tokens", "max_new_tokens", "max_concurrent_requests")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         if bad:
             raise ValueError("invalid server limits: " + "; ".join(bad))
@@ -350,15 +353,17 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
     if api_key:
         app.add_middleware(_RequireApiKey, want=f"Bearer {api_key}".encode())
 
-    async def body_of(request: Request) -> dict:
-        too_big = BadRequest(f"request body larger than {limits.max_body_bytes} bytes (--max-body-bytes)", status=413)
+    async def body_of(request: Request, update: bool = False) -> dict:
+        limit, flag = ((limits.max_update_body_bytes, "--max-update-body-bytes") if update
+                       else (limits.max_body_bytes, "--max-body-bytes"))
+        too_big = BadRequest(f"request body larger than {limit} bytes ({flag})", status=413)
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limits.max_body_bytes:
+        if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, n = [], 0
         async for chunk in request.stream():
             n += len(chunk)
-            if n > limits.max_body_bytes:
+            if n > limit:
                 raise too_big
             chunks.append(chunk)
         try:
@@ -460,7 +465,7 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         try:
-            body = await body_of(request)
+            body = await body_of(request, update=True)
             path = body.get("model_path")
             if not isinstance(path, str) or not path:
                 raise BadRequest("'model_path' (a checkpoint directory in the public layout) is required")
@@ -489,7 +494,7 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         try:
-            body = await body_of(request)
+            body = await body_of(request, update=True)
         except BadRequest as e:
             return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=e.status)
 

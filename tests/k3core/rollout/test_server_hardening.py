@@ -32,7 +32,7 @@ def srv(tmp_path_factory):
     init_checkpoint("tiny", allowed / "a", seed=0)
     init_checkpoint("tiny", allowed / "b", seed=1)
     init_checkpoint("tiny", outside / "c", seed=2)
-    proc, client = launch(allowed / "a", "--weight-root", str(allowed), "--max-body-bytes", "4096",
+    proc, client = launch(allowed / "a", "--weight-root", str(allowed), "--max-body-bytes", "4096", "--max-update-body-bytes", "65536",
                           "--max-prompt-tokens", "32", "--max-new-tokens-cap", "100000", "--max-concurrent-requests", "4",
                           log_path=root / "server.log", env={"OMP_NUM_THREADS": "1", "K3RL_ROLLOUT_API_KEY": KEY},
                           timeout=60, retries=1, backoff=0.05, api_key=KEY)
@@ -138,6 +138,11 @@ def test_body_and_prompt_limits(srv):
     assert status == 400 and "prompt 0 has 33 tokens, the limit is 32" in message(body)
     status, body, _ = post(srv["port"], "/generate", None, raw=b"{not json")
     assert status == 400 and "not JSON" in message(body)
+    # weight updates have their own limit (transfer payloads list every tensor)
+    status, body, _ = post(srv["port"], "/update_weights_from_disk", {"model_path": "/x" + "y" * 5000})
+    assert status == 403  # past the body check: refused for its path
+    status, body, _ = post(srv["port"], "/update_weights_from_disk", {"model_path": "/x" + "y" * 70000})
+    assert status == 413 and "--max-update-body-bytes" in body["message"]
 
 
 def _raw_generate(port: int, max_new_tokens: int) -> socket.socket:
