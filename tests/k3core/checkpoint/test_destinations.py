@@ -1,5 +1,5 @@
-"""``checkpoint quantize`` writes only into a new or empty directory apart from its source (the CLI
-exits 2 and nothing is touched otherwise). Reference: the bytes of every file before the command."""
+"""``checkpoint quantize`` and ``checkpoint fetch`` write only into a directory they may replace (the
+CLI exits 2 and nothing is touched otherwise). Reference: the bytes of every file before the command."""
 
 from __future__ import annotations
 
@@ -56,3 +56,17 @@ def test_quantize_refuses_a_non_empty_destination(src, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert cli("quantize", str(src), str(tmp_path / "empty")) == 0  # empty or new: fine
     assert validate_checkpoint(tmp_path / "empty")["format"] == "mxfp4"
+
+
+def test_cli_fetch_refuses_its_source_and_a_foreign_destination(src, tmp_path, capsys):
+    before = tree(src)
+    assert cli("fetch", str(src), str(src), "--no-progress") == 2
+    assert "overlaps" in capsys.readouterr().err
+    other = tmp_path / "other"
+    init_checkpoint("tiny", other, seed=5)
+    kept = tree(other)
+    assert cli("fetch", src.as_uri(), str(other), "--no-progress") == 2
+    assert "not a fetch k3rl made" in capsys.readouterr().err
+    assert tree(src) == before and tree(other) == kept
+    assert cli("fetch", src.as_uri(), str(tmp_path / "new"), "--no-progress") == 0
+    assert validate_checkpoint(tmp_path / "new")["manifest"]["checked"]  # the source's manifest came along
