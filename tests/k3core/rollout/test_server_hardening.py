@@ -17,7 +17,7 @@ import torch
 
 from flows.cli_serve import launch
 from k3core.checkpoint.hf import init_checkpoint, load_model, save_hf
-from k3core.rollout.client import WeightUpdateRefused
+from k3core.rollout.client import RequestRefused, RolloutClient, WeightUpdateRefused
 from k3core.rollout.engine import SamplingParams
 
 KEY = "test-key-0123456789"
@@ -64,7 +64,7 @@ def message(body) -> str:
     return (body.get("error") or {}).get("message", "") if isinstance(body, dict) else ""
 
 
-def test_api_key_is_required_except_for_health(srv):
+def test_api_key_is_required_except_for_health(srv, monkeypatch):
     port = srv["port"]
     assert post(port, "/generate", gen([256, 1]), key=None)[0] == 401
     status, body, _ = post(port, "/generate", gen([256, 1]), key="wrong")
@@ -73,6 +73,11 @@ def test_api_key_is_required_except_for_health(srv):
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
         assert r.status == 200
     assert post(port, "/generate", gen([256, 1]))[0] == 200
+    monkeypatch.delenv("K3RL_ROLLOUT_API_KEY", raising=False)
+    with pytest.raises(RequestRefused, match="401"):
+        RolloutClient(srv["client"].target, retries=0).weight_version()
+    monkeypatch.setenv("K3RL_ROLLOUT_API_KEY", KEY)  # what `k3rl run --rollout-url` reads
+    assert RolloutClient(srv["client"].target, retries=0).weight_version() == srv["client"].weight_version()
 
 
 def test_non_loopback_bind_without_a_key_is_refused(srv, capsys):
