@@ -36,15 +36,14 @@ DEFAULT_STATE = Path("build/rl_small_artifacts/runs/bench3/checkpoints/iter-0030
 def trained_model(args):
     """(fp32 trainer model, description): the RL benchmark's trainer state, or a quick warm-up."""
     if args.checkpoint and Path(args.checkpoint).exists():
-        import torch.distributed.checkpoint as dcp
-
+        from k3core.checkpoint.dcp_safe import safe_dcp_load
         from k3core.checkpoint.names import materialize, meta_model
         from k3core.config import K3Config
 
         # the model part only: the state may hold another optimizer's layout than today's default
         model = materialize(meta_model(K3Config.from_json_file(Path(args.checkpoint) / "config.json")))
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=args.checkpoint)
+        safe_dcp_load(state, args.checkpoint)  # manifest checked, nothing unpickled unchecked
         model.load_state_dict(state["model"])
         return model, f"trainer state {args.checkpoint} (model weights)"
     from k3core.config import K3Config

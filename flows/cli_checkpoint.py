@@ -84,6 +84,13 @@ def cmd_validate(a) -> int:
                                   workers=a.workers)
     except CheckpointValidationError as e:
         return _err(f"checkpoint {a.dir} is NOT valid: {e}", 1)
+    if rep["format"] == "dcp":
+        print(f"{a.dir}: valid DCP trainer state: {rep['manifest']['files']} files match its manifest, "
+              f".metadata unpickled safely ({rep['items']} items in {len(rep['data_files'])} data files)"
+              + (f"; report {a.report}" if a.report else ""))
+        if a.write_pin:
+            return _err("--write-pin pins public-layout checkpoints; a trainer state is held by its manifest", 2)
+        return 0
     if a.write_pin:
         write_pin(make_pin(a.dir), a.write_pin)
     c = rep["counts"]
@@ -99,9 +106,12 @@ def cmd_validate(a) -> int:
 
 def cmd_quantize(a) -> int:
     from k3core.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, CheckpointFormatError, quantize_checkpoint
+    from k3core.checkpoint.manifest import ManifestError
 
     try:
         r = quantize_checkpoint(a.src, a.dst, max_shard_bytes=a.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    except ManifestError as e:
+        return _err(f"source checkpoint {a.src} failed its integrity check: {e}", 1)
     except (ValueError, FileNotFoundError, CheckpointFormatError) as e:
         return _err(str(e), 2)
     print(f"{r.path}: MXFP4 checkpoint, {len(r.shards)} shards, {r.num_keys} tensors, {r.total_size / 2**20:.1f} MiB")
@@ -126,7 +136,8 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
     handler(p, cmd_init)
 
     p = sub.add_parser("fetch", help="copy a checkpoint from a URL (file, memory, s3, hf://org/name@rev): "
-                       "parallel, resumable, pinned",
+                       "parallel, resumable, pinned; DIR must be new, empty or an earlier fetch of URL, and is "
+                       "replaced only by a complete fetch",
                        epilog="example: k3rl checkpoint fetch hf://moonshotai/Kimi-K3@<rev> /data/k3 --pin k3.pin.json")
     p.add_argument("url")
     p.add_argument("dir")
@@ -135,7 +146,9 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no stderr progress bar")
     handler(p, cmd_fetch)
 
-    p = sub.add_parser("validate", help="fail-closed audit: structure vs config, sha256 of every file, optional round trip",
+    p = sub.add_parser("validate", help="fail-closed audit: structure vs config, sha256 of every file against the "
+                       "pin and k3rl's manifest, optional round trip; a trainer state (DCP): its manifest and "
+                       "metadata, nothing loaded",
                        epilog="exit status 0 valid, 1 invalid (the first failed check is printed), 2 bad arguments")
     p.add_argument("dir")
     p.add_argument("--pin", default=None, help="JSON pin the checkpoint must match")
@@ -147,7 +160,8 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report (without per-file hashes)")
     handler(p, cmd_validate)
 
-    p = sub.add_parser("quantize", help="bf16 checkpoint -> MXFP4 routed experts (the release format), streamed")
+    p = sub.add_parser("quantize", help="bf16 checkpoint -> MXFP4 routed experts (the release format), streamed; "
+                       "DST must be a new or empty directory apart from SRC")
     p.add_argument("src")
     p.add_argument("dst")
     p.add_argument("--max-shard-bytes", type=_size, default=None, help="shard bound (default 5GB)")

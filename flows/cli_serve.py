@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from k3core.rollout.server import DEFAULT_PORT
 
     p.add_argument("--checkpoint", required=True, help="checkpoint directory in the public layout (bf16 or MXFP4)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback: there is no authentication)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default loopback); any other address needs --api-key")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default {DEFAULT_PORT}, as SGLang)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations (default float32)")
     p.add_argument("--max-batch", dest="max_batch", type=int, default=256, help="most sequences decoded together")
@@ -41,6 +42,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: an MXFP4 checkpoint runs W4A8 experts; float: dequantise them")
     p.add_argument("--weight-version", dest="weight_version", type=int, default=0, help="version of the loaded weights")
     p.add_argument("--log-level", dest="log_level", default="warning")
+    p.add_argument("--api-key", dest="api_key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+                        "K3RL_ROLLOUT_API_KEY environment variable, which keeps it out of the process list); "
+                        "required to bind a non-loopback --host")
+    p.add_argument("--weight-root", dest="weight_roots", action="append", default=None, metavar="DIR",
+                   help="a directory /update_weights_from_disk may read under (repeatable; default: the "
+                        "directory holding --checkpoint and the system temporary directory, where `k3rl run` "
+                        "stages its pushes)")
+    p.add_argument("--allow-version-rollback", dest="allow_version_rollback", action="store_true",
+                   help="accept a weight update older than the served version (a server reused by a new run); "
+                        "off: versions only move forward")
+    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int, default=16 << 20,
+                   help="largest /generate body; larger answers 413 (default 16 MiB)")
+    p.add_argument("--max-update-body-bytes", dest="max_update_body_bytes", type=int, default=256 << 20,
+                   help="largest weight-update body (a transfer payload lists every tensor; default 256 MiB)")
+    p.add_argument("--max-prompt-tokens", dest="max_prompt_tokens", type=int, default=16384,
+                   help="longest prompt in tokens; longer answers 400")
+    p.add_argument("--max-new-tokens-cap", dest="max_new_tokens_cap", type=int, default=4096,
+                   help="largest sampling_params.max_new_tokens a request may ask; larger answers 400")
+    p.add_argument("--max-concurrent-requests", dest="max_concurrent_requests", type=int, default=512,
+                   help="/generate requests in flight; one more answers 503 with Retry-After")
 
 
 def add_rollout_server_subcommand(sub) -> argparse.ArgumentParser:
@@ -71,16 +93,34 @@ def cmd_rollout_server(args: argparse.Namespace) -> int:
     """Load the checkpoint and serve until interrupted."""
     import uvicorn
 
-    from k3core.rollout.checkpoints import engine_from_checkpoint
-    from k3core.rollout.server import create_app, tokenizer_for
+    import tempfile
 
+    from k3core.rollout.checkpoints import engine_from_checkpoint
+    from k3core.rollout.server import ServerLimits, create_app, is_loopback, tokenizer_for
+
+    api_key = args.api_key or os.environ.get("K3RL_ROLLOUT_API_KEY") or None
+    if not is_loopback(args.host) and not api_key:
+        print(f"k3rl {COMMAND}: error: --host {args.host} is not a loopback address and there is no API key: anyone "
+              f"who reaches it could replace the served weights. Set --api-key (or K3RL_ROLLOUT_API_KEY), or bind "
+              f"127.0.0.1", file=sys.stderr)
+        return 2
+    roots = tuple(args.weight_roots or (str(Path(args.checkpoint).absolute().parent), tempfile.gettempdir()))
+    try:
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_update_body_bytes=args.max_update_body_bytes,
+                              max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_cap,
+                              max_concurrent_requests=args.max_concurrent_requests, weight_roots=roots,
+                              allow_version_rollback=args.allow_version_rollback)
+    except ValueError as e:
+        print(f"k3rl {COMMAND}: error: {e}", file=sys.stderr)
+        return 2
     if not (Path(args.checkpoint) / "config.json").is_file():
         raise FileNotFoundError(f"{args.checkpoint}: no config.json; point --checkpoint at a checkpoint directory in "
                                 "the public layout (e.g. one made by `k3rl checkpoint init`)")
     engine = engine_from_checkpoint(args.checkpoint, args.dtype, args.experts, args.weight_version,
                                     args.max_batch, args.max_queue)
-    app = create_app(engine, tokenizer_for(engine.config), str(args.checkpoint))
-    print(f"k3rl: serving {args.checkpoint} (weight version {engine.weight_version}) on http://{args.host}:{args.port}",
+    app = create_app(engine, tokenizer_for(engine.config), str(args.checkpoint), limits=limits, api_key=api_key)
+    print(f"k3rl: serving {args.checkpoint} (weight version {engine.weight_version}) on http://{args.host}:{args.port}"
+          f"{' (API key required)' if api_key else ''}; weight updates from disk under {', '.join(roots)}",
           flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -7,9 +7,14 @@ the public layout). Names, shapes and dtypes come from ``k3core.checkpoint.names
 Crash safety of ``save_hf``: shard assignment is planned up front from sizes (so every shard gets its
 final ``model-000NN-of-000MM.safetensors`` name at once); shards, then ``config.json``, then
 ``model.safetensors.index.json`` (last, atomically: temporary name, fsync, rename, directory fsync)
-are written into a staging directory beside ``path``, which then replaces ``path`` in one step
+and then the manifest of their sha256 (``k3rl.manifest.json``, ``k3core.checkpoint.manifest``) are
+written into a staging directory beside ``path``, which then replaces ``path`` in one step
 (``files.publish_dir``). A writer killed at any moment leaves the previous checkpoint at ``path``
 untouched, and no index anywhere names a shard that is missing or partial.
+
+Integrity: ``load_hf``, ``quantize_checkpoint`` (and ``load_w4a8_model``) check a checkpoint's
+manifest, when it has one, before reading a tensor (``check_manifest``): a file changed since it was
+written is refused with its name.
 
 Memory: the writer holds one public tensor at a time (plus its MXFP4 codes); the reader holds one
 stored tensor at a time and copies it into the native tensor's storage, so the model is never in
@@ -30,6 +35,7 @@ import torch
 from torch import nn
 
 from k3core.checkpoint.files import CONFIG_NAME, INDEX_NAME, atomic_write_json, publish_dir, remove_stale_staging, staging_dir_for
+from k3core.checkpoint.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 from k3core.checkpoint.names import Entry, Layout, is_out_of_scope, materialize, meta_model, public_dtype, public_layout
 from k3core.checkpoint.safetensors_file import ST_TO_DTYPE, write_safetensors
 from k3core.config import K3Config, mxfp4_quantization_config
@@ -37,7 +43,7 @@ from k3core.config import K3Config, mxfp4_quantization_config
 __all__ = ["save_hf", "load_hf", "load_model", "init_checkpoint", "quantize_checkpoint", "SaveResult",
            "CheckpointFormatError", "meta_model", "materialize",
            "INDEX_NAME", "CONFIG_NAME", "shard_name", "plan_shards", "read_index", "checkpoint_target",
-           "DEFAULT_MAX_SHARD_BYTES"]
+           "DEFAULT_MAX_SHARD_BYTES", "check_manifest", "check_new_destination"]
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the HF default ("5GB")
 
@@ -157,6 +163,7 @@ def _write_checkpoint(path: str | os.PathLike, layout: Layout, max_shard_bytes: 
         layout.config.replace(quantization_config=qc).to_json_file(staging / CONFIG_NAME)
         atomic_write_json(staging / INDEX_NAME, {"metadata": {"total_size": total},
                                                  "weight_map": dict(sorted(weight_map.items()))})
+        write_manifest(staging)
         publish_dir(staging, path, keep=_not_checkpoint_file)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -168,16 +175,22 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> SaveResult:
     """A bf16 public checkpoint -> the same checkpoint with MXFP4 routed experts, streamed tensor by
     tensor (never the whole model in memory). Byte-identical to ``save_hf(load_hf(src), dst,
-    target="mxfp4")``: the public bf16 expert tensor is exactly the native view it came from."""
+    target="mxfp4")``: the public bf16 expert tensor is exactly the native view it came from.
+
+    ``dst`` must be a new or empty directory, apart from ``src``: quantising over the source would
+    replace the bf16 weights with their lossy MXFP4 version, and over another checkpoint would
+    destroy it (``ValueError`` naming the fix)."""
     from safetensors import safe_open
 
     src = Path(src)
+    check_new_destination(src, dst, "quantize")
     config = K3Config.from_json_file(src / CONFIG_NAME)
     if checkpoint_target(config) != "bf16":
         raise ValueError(f"{src} is already quantised ({config.quantization_config.get('format')}); quantize reads bf16 checkpoints")
     source = public_layout(config, "bf16")
     weight_map = read_index(src)
     check_keys(source, weight_map)
+    check_manifest(src, weight_map)
     handles: dict[str, object] = {}
 
     def read(key: str, shape, dtype) -> torch.Tensor:
@@ -196,9 +209,19 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
     return _write_checkpoint(dst, public_layout(config, "mxfp4"), max_shard_bytes, produce)
 
 
+def check_new_destination(src: str | os.PathLike, dst: str | os.PathLike, what: str) -> None:
+    """Refuse ``dst`` when it is ``src``, lies inside it or holds it, or is a non-empty directory."""
+    s, d = Path(src).resolve(), Path(dst).resolve()
+    if d == s or s in d.parents or d in s.parents:
+        raise ValueError(f"{what}: destination {dst} is the source {src} or overlaps it: write into a new directory")
+    if d.exists() and (not d.is_dir() or any(d.iterdir())):
+        raise ValueError(f"{what}: destination {dst} exists and is not an empty directory: refusing to replace it; "
+                         f"choose a new directory, or remove {dst} first")
+
+
 def _not_checkpoint_file(name: str) -> bool:
     """Files of an older version of ``path`` that ``save_hf`` does not own (kept across a save)."""
-    return not (name in (INDEX_NAME, CONFIG_NAME, "model.safetensors")
+    return not (name in (INDEX_NAME, CONFIG_NAME, MANIFEST_NAME, "model.safetensors")
                 or (name.startswith("model-") and name.endswith(".safetensors")))
 
 
@@ -220,6 +243,13 @@ def read_index(path: str | os.PathLike) -> dict[str, str]:
         if "/" in shard or "\\" in shard or shard in ("", ".", ".."):
             raise CheckpointFormatError(f"{p}: shard name {shard!r} is not a plain file name")
     return wm
+
+
+def check_manifest(path: str | os.PathLike, weight_map: dict[str, str]) -> dict | None:
+    """Verify the checkpoint's manifest when it has one (a release fetched from elsewhere has none;
+    a pin holds it to a hash): every listed file, and config, index and every shard the index names
+    must be listed. ``ManifestError`` (a ``ValueError``) names the first file that differs."""
+    return verify_manifest(path, must_list={CONFIG_NAME, INDEX_NAME, *weight_map.values()})
 
 
 def checkpoint_target(config: K3Config) -> str:
@@ -270,6 +300,7 @@ def load_hf(path: str | os.PathLike, config: K3Config | None = None, model: nn.M
     layout = public_layout(config, checkpoint_target(ckpt_cfg))
     weight_map = read_index(path)
     check_keys(layout, weight_map)
+    check_manifest(path, weight_map)
     if model is not None:
         state = _native_state(model, layout)
         for k, t in state.items():

@@ -13,13 +13,20 @@ reported:
    exactly), holding exactly the keys the index assigns to it, each with the layout's shape and dtype.
 5. Streaming sha256 of every file (bounded buffer, several files at once); with a pin, every pinned
    file present and equal.
-6. Optional byte-level round trip of every text tensor public -> native -> public through the same
+6. With a manifest (``k3rl.manifest.json``, which k3rl writes with every checkpoint it saves; pin
+   or no pin): every listed file present with its size and sha256, config, index and every shard
+   listed. A release fetched from elsewhere has none; a pin is how it is held to a hash.
+7. Optional byte-level round trip of every text tensor public -> native -> public through the same
    ``Entry`` transforms the loader and writer use (bitwise: signed zeros and NaN payloads count).
    MXFP4 pairs go through native-shaped code/scale tensors, so their bytes are checked too.
 
 The JSON report (counts, hashes, timing) is written atomically to ``report_path`` only when every
 check passes; a stale report at that path is removed first, so a report on disk always describes a
 passing checkpoint. Any failure raises ``CheckpointValidationError`` naming the first problem.
+
+A DCP directory (a trainer state, ``.metadata`` inside; or a run checkpoint, ``state/.metadata``)
+is checked instead by its manifest, which it must have, and its ``.metadata``, hashed and then
+unpickled with an allowlist (``k3core.checkpoint.dcp_safe.validate_dcp``); nothing is loaded.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from pathlib import Path
 import torch
 
 from k3core.checkpoint.files import CONFIG_NAME, INDEX_NAME, atomic_write_json, sha256_file
+from k3core.checkpoint.manifest import MANIFEST_NAME, ManifestError, verify_manifest
 from k3core.checkpoint.names import OUT_OF_SCOPE_PREFIXES, Entry, Layout, is_out_of_scope, public_layout
 from k3core.checkpoint.pin import Pin, PinMismatchError, load_pin
 from k3core.checkpoint.safetensors_file import ST_TO_DTYPE, SafetensorsFormatError, read_header
@@ -273,6 +281,20 @@ def roundtrip_checkpoint(root: str | os.PathLike, layout: Layout, wm: dict[str, 
     return {"tensors": n, "bytes": nbytes}
 
 
+# -------------------------------------------------------------------------------------- DCP
+def _validate_dcp_dir(root: Path, pin) -> dict:
+    from k3core.checkpoint.dcp_safe import UnsafePickleError, validate_dcp
+
+    if pin is not None:
+        _fail("pin", f"{root} is a DCP trainer state: pins describe public-layout checkpoints (its manifest is checked)")
+    try:
+        return validate_dcp(root)
+    except ManifestError as e:
+        _fail("manifest", str(e))
+    except UnsafePickleError as e:
+        _fail("dcp_metadata", str(e))
+
+
 # ------------------------------------------------------------------------------------- main
 def validate_checkpoint(path: str | os.PathLike, config: K3Config | None = None,
                         pin: str | os.PathLike | dict | Pin | None = None,
@@ -290,6 +312,13 @@ def validate_checkpoint(path: str | os.PathLike, config: K3Config | None = None,
         Path(report_path).unlink(missing_ok=True)
     if not root.is_dir():
         _fail("path", f"{root} is not a directory")
+    dcp_dir = root if (root / ".metadata").is_file() else root / "state" if (root / "state" / ".metadata").is_file() else None
+    if dcp_dir is not None:
+        report = _validate_dcp_dir(dcp_dir, pin)
+        report["timing_s"] = {"total": round(time.monotonic() - t0, 3)}
+        if report_path is not None:
+            atomic_write_json(report_path, report)
+        return report
     try:
         pin_obj = pin if isinstance(pin, Pin) or pin is None else load_pin(pin)
     except PinMismatchError as e:
@@ -305,6 +334,11 @@ def validate_checkpoint(path: str | os.PathLike, config: K3Config | None = None,
     t_audit = time.monotonic()
     hashes = _hash_all(root, workers)
     pinned = _check_pin_files(pin_obj, hashes) if pin_obj is not None else 0
+    try:
+        manifest = verify_manifest(root, must_list={CONFIG_NAME, INDEX_NAME, *wm.values()},
+                                   hashes={n: h["sha256"] for n, h in hashes.items()})
+    except ManifestError as e:
+        _fail("manifest", str(e))
     t_hash = time.monotonic()
     rt = roundtrip_checkpoint(root, layout, wm) if roundtrip else None
     t_rt = time.monotonic()
@@ -330,7 +364,8 @@ def validate_checkpoint(path: str | os.PathLike, config: K3Config | None = None,
         "index_total_size": (index.get("metadata") or {}).get("total_size"),
         "out_of_scope": {"prefixes": list(OUT_OF_SCOPE_PREFIXES), "tensors": out_of_scope, "shards_with_any": oos_shards,
                          "note": "vision tower / projector: recognised, hashed, not audited (text backbone only)"},
-        "unreferenced_files": sorted(n for n in hashes if n not in shards and n not in (CONFIG_NAME, INDEX_NAME)),
+        "unreferenced_files": sorted(n for n in hashes if n not in shards and n not in (CONFIG_NAME, INDEX_NAME, MANIFEST_NAME)),
+        "manifest": {"checked": manifest is not None, "files_checked": len(manifest["files"]) if manifest else 0},
         "pin": {"checked": pin_obj is not None, "files_checked": pinned},
         "roundtrip": rt,
         "files": hashes,

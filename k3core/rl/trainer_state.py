@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from k3core.checkpoint.manifest import write_manifest
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 
@@ -60,14 +61,22 @@ def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: tor
         dcp.save(state, checkpoint_id=str(out_dir), storage_writer=writer)
     model.config.to_json_file(out_dir / "config.json")
     (out_dir / "extra.json").write_text(json.dumps(extra, indent=2))
+    write_manifest(out_dir)  # last: sha256 of every file, .metadata included, checked before any load
 
 
 def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.float32):
     """(model, optimizer, extra) from a trainer-state directory written by ``save_trainer_state``;
-    the model trains with QAT when the state was saved with it (``extra['qat_routed_experts']``)."""
+    the model trains with QAT when the state was saved with it (``extra['qat_routed_experts']``).
+
+    Nothing is read before the directory's manifest checks out (every file's size and sha256;
+    ``ManifestError`` names the first that differs). ``.metadata`` is then unpickled from the
+    verified bytes with an allowlist, and non-tensor items with ``weights_only`` (``dcp_safe``)."""
+    from k3core.checkpoint.dcp_safe import METADATA_NAME, safe_dcp_load
     from k3core.checkpoint.hf import meta_model
+    from k3core.checkpoint.manifest import verify_manifest
 
     path = Path(path)
+    manifest = verify_manifest(path, required=True, must_list=(METADATA_NAME, "config.json", "extra.json"))
     config = K3Config.from_json_file(path / "config.json")
     model = meta_model(config)
     model.to_empty(device="cpu")
@@ -76,7 +85,7 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "rng": {"torch": torch.get_rng_state(), "python": ""}, "extra": ""}
     with _single_process_dcp():
-        dcp.load(state, checkpoint_id=str(path))
+        safe_dcp_load(state, path, manifest=manifest)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     torch.set_rng_state(state["rng"]["torch"])
     py = json.loads(state["rng"]["python"])

@@ -20,6 +20,7 @@ caller expects, checked before generating and on every answer).
 from __future__ import annotations
 
 import base64
+import os
 import json
 import secrets
 import socket
@@ -83,8 +84,11 @@ class RolloutClient:
     ``/get_model_info`` does not say the MoE shape, as a real SGLang's does not)."""
 
     def __init__(self, target: str = "local", engine: RolloutEngine | None = None, *, timeout: float = 600.0,
-                 retries: int = 4, backoff: float = 0.5, max_concurrency: int = 64, routing: bool = True, config=None):
+                 retries: int = 4, backoff: float = 0.5, max_concurrency: int = 64, routing: bool = True, config=None,
+                 api_key: str | None = None):
         self.target, self.engine = target, engine
+        # the server's --api-key (sent as 'Authorization: Bearer'); default from K3RL_ROLLOUT_API_KEY
+        self.api_key = api_key if api_key is not None else os.environ.get("K3RL_ROLLOUT_API_KEY") or None
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.max_concurrency, self.routing, self.config = max_concurrency, routing, config
         if target == "local":
@@ -115,7 +119,10 @@ class RolloutClient:
         data = None if body is None else json.dumps(body).encode()
         url = self.url + path
         for attempt in range(self.retries + 1):
-            req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if self.api_key:
+                headers["Authorization"] = f"Bearer {self.api_key}"
+            req = urllib.request.Request(url, data=data, method=method, headers=headers)
             try:
                 with self._opener.open(req, timeout=timeout or self.timeout) as r:
                     raw = r.read()

@@ -97,6 +97,9 @@ def derive_seed(base: int, index: int) -> int:
     return (z ^ (z >> 31)) & _MASK63
 
 
+_FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # weights checked for NaN/inf on update
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 32
@@ -284,7 +287,9 @@ class RolloutEngine:
     # ------------------------------------------------------------------ weights
     def check_state(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Raise ``ValueError`` ("weight transfer refused: ...") unless ``state_dict`` has exactly the
-        engine's parameter and persistent-buffer names, with the same shapes and dtypes."""
+        engine's parameter and persistent-buffer names, with the same shapes and dtypes, and every
+        floating-point value finite (a NaN or inf weight would serve garbage; one pass over the new
+        weights, before anything is applied)."""
         own = self.model.state_dict(keep_vars=True)
         missing = sorted(set(own) - set(state_dict))
         extra = sorted(set(state_dict) - set(own))
@@ -301,6 +306,8 @@ class RolloutEngine:
                 errs.append(f"{k} has shape {tuple(t.shape)}, engine expects {tuple(o.shape)}")
             elif t.dtype != o.dtype:
                 errs.append(f"{k} has dtype {t.dtype}, engine expects {o.dtype}")
+            elif t.dtype in _FINITE_CHECKED and not bool(torch.isfinite(t).all()):
+                errs.append(f"{k} holds non-finite values (NaN or inf)")
         if errs:
             raise ValueError("weight transfer refused (the engine keeps serving weight version "
                              f"{self.weight_version}): " + "; ".join(errs[:6]) + (" ..." if len(errs) > 6 else ""))

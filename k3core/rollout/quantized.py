@@ -134,7 +134,7 @@ def load_w4a8_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     from safetensors import safe_open
 
     from k3core.checkpoint.files import CONFIG_NAME
-    from k3core.checkpoint.hf import CheckpointFormatError, check_keys, checkpoint_target, load_model, read_index
+    from k3core.checkpoint.hf import CheckpointFormatError, check_keys, check_manifest, checkpoint_target, load_model, read_index
     from k3core.checkpoint.names import materialize, meta_model, public_layout
     from k3core.checkpoint.safetensors_file import ST_TO_DTYPE
     from k3core.config import K3Config
@@ -154,6 +154,7 @@ def load_w4a8_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     layout = public_layout(config, "mxfp4")
     weight_map = read_index(path)
     check_keys(layout, weight_map)
+    check_manifest(path, weight_map)  # before a tensor is read: a file changed since it was written is refused
     own = dict(model.named_parameters()) | dict(model.named_buffers())
     handles = {}
     try:

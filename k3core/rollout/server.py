@@ -26,7 +26,14 @@
   GET  /health                     200 while the decode thread runs, 503 otherwise
   GET  /get_model_info             {model_path, weight_version, is_generation, architectures, ..., load}
 
-Owns: HTTP parsing and validation (400 with the reason), stop strings (a ``stop_checker`` built from
+Owns: HTTP parsing and validation (400 with the reason: every number typed and in range, NaN and
+inf refused), the limits of ``ServerLimits`` (request body -> 413, prompt tokens, ``max_new_tokens``
+and ``top_k`` caps -> 400, requests in flight -> 503 with ``Retry-After``), the API key (``api_key``:
+every endpoint but ``/health`` needs ``Authorization: Bearer <key>``, else 401), where disk weight
+updates may come from (``ServerLimits.weight_roots``, else 403) and that versions only move forward
+(an older ``weight_version`` is refused; the engine refuses non-finite weights), cancelling a
+request's generation when its client disconnects (its sequences end at the next decode step, finish
+reason ``abort``), stop strings (a ``stop_checker`` built from
 the tokenizer: the engine is token-only; the matched string ends the output and is trimmed from
 ``text`` unless ``no_stop_trim``), overload (the engine's bounded queue -> 503 with a clear message
 and ``Retry-After``), and the end-of-sequence default of SGLang (stop at the tokenizer's eos unless
@@ -36,7 +43,8 @@ and ``Retry-After``), and the end-of-sequence default of SGLang (stop at the tok
 Decoding runs on the engine's one background thread; handlers only enqueue and await its futures, and
 weight loads run in a worker thread, so ``/generate`` keeps answering during an update (requests
 queued meanwhile wait for the swap; requests in flight finish on the old version and say so).
-There is no authentication: bind it to loopback unless the network is trusted. The command line
+Authentication is the API key only (no TLS: put a TLS proxy in front on an untrusted network);
+``k3rl rollout-server`` refuses a non-loopback address without one. The command line
 that serves a checkpoint is ``k3rl rollout-server`` (``flows/cli_serve.py``); engines and weight
 updates from checkpoints are ``checkpoints.py``.
 """
@@ -46,9 +54,16 @@ updates from checkpoints are ``checkpoints.py``.
 
 import asyncio
 import base64
+import hmac
+import json
 import logging
+import math
+import os
+import threading
 import time
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from k3core.rollout.checkpoints import checkpoint_state_for
@@ -56,7 +71,8 @@ from k3core.rollout.checkpoints import checkpoint_state_for
 if TYPE_CHECKING:  # torch and fastapi are imported where used: importing this module stays light
     from k3core.rollout.engine import RolloutEngine
 
-__all__ = ["DEFAULT_PORT", "BadRequest", "create_app", "stop_string_checker", "tokenizer_for"]
+__all__ = ["DEFAULT_PORT", "BadRequest", "ServerLimits", "create_app", "stop_string_checker", "tokenizer_for",
+           "is_loopback"]
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +90,72 @@ _REQUEST_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "retu
 
 
 class BadRequest(ValueError):
-    """A request the server refuses as malformed (HTTP 400)."""
+    """A request the server refuses as malformed (HTTP 400, or ``status``)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+TOP_K_ALL = 1 << 30  # SGLang's "no top-k" value; anything from the vocabulary size up means the same
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask of the server; each refusal names the limit and the flag that sets it.
+
+    ``max_body_bytes``: a larger ``/generate`` body is refused (413) before it is parsed (``--max-body-bytes``).
+    ``max_update_body_bytes``: the same for weight updates, whose transfer payloads list every tensor
+    (``--max-update-body-bytes``).
+    ``max_prompt_tokens``: per prompt, after tokenising (``--max-prompt-tokens``).
+    ``max_new_tokens``: the cap on ``sampling_params.max_new_tokens`` (``--max-new-tokens-cap``).
+    ``max_concurrent_requests``: ``/generate`` requests in flight; one more answers 503 with
+    ``Retry-After`` (``--max-concurrent-requests``).
+    ``weight_roots``: directories ``/update_weights_from_disk`` may read under (symlinks resolved);
+    a path elsewhere is refused with 403 (``--weight-root``). None: anywhere (library use; the
+    command line always sets them).
+    ``allow_version_rollback``: accept a disk update older than the served version (a server reused
+    by a new run that starts again at 0; ``--allow-version-rollback``). Off: versions only move
+    forward, so a late or replayed push cannot roll the weights back."""
+    max_body_bytes: int = 16 << 20
+    max_update_body_bytes: int = 256 << 20
+    max_prompt_tokens: int = 16384
+    max_new_tokens: int = 4096
+    max_concurrent_requests: int = 512
+    weight_roots: tuple[str, ...] | None = None
+    allow_version_rollback: bool = False
+
+    def __post_init__(self):
+        bad = [f"{k} must be >= 1, got {getattr(self, k)}" for k in
+               ("max_body_bytes", "max_update_body_bytes", "max_prompt_tokens", "max_new_tokens", "max_concurrent_requests")
+               if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
+        if bad:
+            raise ValueError("invalid server limits: " + "; ".join(bad))
+
+    def allowed_weight_path(self, path: str) -> Path:
+        """``path`` resolved, when it lies under a weight root; BadRequest 403 otherwise."""
+        if "\0" in path:
+            raise BadRequest("'model_path' contains a NUL byte")
+        real = Path(os.path.realpath(path))
+        if self.weight_roots is None:
+            return real
+        roots = [Path(os.path.realpath(r)) for r in self.weight_roots]
+        if any(real == r or r in real.parents for r in roots):
+            return real
+        raise BadRequest(f"model_path {path} is outside the directories this server takes weights from "
+                         f"({', '.join(map(str, roots)) or 'none'}): start it with --weight-root DIR", status=403)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server off the network."""
+    import ipaddress
+
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 # ------------------------------------------------------------------ request parsing
@@ -101,8 +182,33 @@ def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
     raise BadRequest("'input_ids' must be a non-empty list of token ids or a list of such lists")
 
 
-def _sampling(sp: Any, eos_id: int | None) -> tuple[Any, list[str], bool]:
-    """SGLang ``sampling_params`` -> (engine SamplingParams, stop strings, no_stop_trim)."""
+def _int_param(sp: dict, key: str, default: int, lo: int, hi: int, why: str = "") -> int:
+    v = sp.get(key)
+    if v is None:
+        return default
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadRequest(f"sampling_params.{key} must be an integer in [{lo}, {hi}]{why}, got {v!r}")
+    return v
+
+
+def _float_param(sp: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    v = sp.get(key)
+    if v is None:
+        return default
+    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+          and (lo < v if lo_open else lo <= v) and v <= hi)
+    if not ok:
+        raise BadRequest(f"sampling_params.{key} must be a finite number in {'(' if lo_open else '['}{lo}, {hi}], "
+                         f"got {v!r}")
+    return float(v)
+
+
+def _sampling(sp: Any, eos_id: int | None, limits: "ServerLimits | None" = None,
+              vocab_size: int | None = None) -> tuple[Any, list[str], bool]:
+    """SGLang ``sampling_params`` -> (engine SamplingParams, stop strings, no_stop_trim). Every number
+    is checked for type and range here (a float where an integer belongs, NaN, inf: 400)."""
     from k3core.rollout.engine import SamplingParams
 
     sp = {} if sp is None else sp
@@ -118,19 +224,28 @@ def _sampling(sp: Any, eos_id: int | None) -> tuple[Any, list[str], bool]:
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("'stop' must be a non-empty string or a list of them")
+    if len(stop) > 64 or any(len(x) > 1024 for x in stop):
+        raise BadRequest("'stop': at most 64 strings of at most 1024 characters")
     stop_ids = sp.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
-        raise BadRequest("'stop_token_ids' must be a list of token ids")
+    V = vocab_size or (1 << 31)
+    if not isinstance(stop_ids, list) or len(stop_ids) > 1024 or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in stop_ids):
+        raise BadRequest(f"'stop_token_ids' must be a list of at most 1024 token ids in [0, {V})")
     if eos_id is not None and not sp.get("ignore_eos", False):
         stop_ids = stop_ids + [eos_id]  # SGLang stops at the end-of-sequence token unless ignore_eos
-    seed = sp.get("seed") if sp.get("seed") is not None else sp.get("sampling_seed")
-    top_k = sp.get("top_k", -1)
+    seed_key = "seed" if sp.get("seed") is not None else "sampling_seed"
+    cap = limits.max_new_tokens if limits is not None else 1 << 31
+    top_k = _int_param(sp, "top_k", -1, -1, TOP_K_ALL, " (-1 or 0: off)")
+    if top_k in (-1, 0) or (vocab_size is not None and top_k >= vocab_size):
+        top_k = 0  # off: keeping every token of the vocabulary is no filter
     try:
         params = SamplingParams(
-            max_new_tokens=int(sp.get("max_new_tokens", 128)), temperature=float(sp.get("temperature", 1.0)),
-            top_p=float(sp.get("top_p", 1.0)), top_k=0 if top_k in (None, -1) else int(top_k),
-            stop_token_ids=tuple(dict.fromkeys(stop_ids)), n=int(sp.get("n", 1)),
-            seed=None if seed is None else int(seed))
+            max_new_tokens=_int_param(sp, "max_new_tokens", min(128, cap), 1, cap,
+                                      " (this server's --max-new-tokens-cap)" if limits is not None else ""),
+            temperature=_float_param(sp, "temperature", 1.0, 0.0, 1e4),
+            top_p=_float_param(sp, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
+            stop_token_ids=tuple(dict.fromkeys(stop_ids)), n=_int_param(sp, "n", 1, 1, 1 << 20),
+            seed=_int_param(sp, seed_key, None, 0, (1 << 63) - 1))
         params.validate()
     except (TypeError, ValueError) as e:
         raise BadRequest(str(e)) from e
@@ -172,8 +287,44 @@ def _output(c, tokenizer, no_stop_trim: bool, return_logprob: bool, return_routi
 
 
 # ------------------------------------------------------------------ the app
-def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None = None):
-    """The FastAPI app over ``engine``. Its lifespan starts the engine's decode thread and stops it."""
+class _Cancelled(Exception):
+    """Raised by a request's stop checker once its client has gone: the engine ends the sequence."""
+
+
+def _cancellable(checker, cancel: threading.Event):
+    """A stop checker that ends the sequence (finish reason ``abort``) once ``cancel`` is set."""
+    def check(ids: list[int]):
+        if cancel.is_set():
+            raise _Cancelled("the client disconnected")
+        return checker(ids) if checker is not None else None
+
+    return check
+
+
+class _RequireApiKey:
+    """Plain ASGI middleware: every HTTP path but ``/health`` needs ``Authorization: Bearer <key>``
+    (compared in constant time). Plain ASGI, so the handlers still see the client's disconnect."""
+
+    def __init__(self, app, want: bytes):
+        self.app, self.want = app, want
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(got, self.want):
+                from fastapi.responses import JSONResponse
+
+                msg = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+                await JSONResponse({"error": {"message": msg, "code": 401}}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None = None, *,
+               limits: ServerLimits | None = None, api_key: str | None = None):
+    """The FastAPI app over ``engine``. Its lifespan starts the engine's decode thread and stops it.
+    ``limits``: ``ServerLimits`` (default: its defaults, weights from anywhere). ``api_key``: when
+    set, every endpoint but ``/health`` requires ``Authorization: Bearer <api_key>``."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -181,7 +332,10 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
 
     from k3core.rollout.engine import EngineOverloaded, EngineStopped
 
-    state = {"model_path": model_path}
+    state = {"model_path": model_path, "in_flight": 0}
+    disk_updates = threading.Lock()  # the version check and the swap as one step: two pushes cannot cross
+    limits = limits or ServerLimits()
+    vocab = engine.config.vocab_size
 
     @asynccontextmanager
     async def lifespan(app):
@@ -196,10 +350,25 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
     def error(status: int, message: str, **headers) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers or None)
 
-    async def body_of(request: Request) -> dict:
+    if api_key:
+        app.add_middleware(_RequireApiKey, want=f"Bearer {api_key}".encode())
+
+    async def body_of(request: Request, update: bool = False) -> dict:
+        limit, flag = ((limits.max_update_body_bytes, "--max-update-body-bytes") if update
+                       else (limits.max_body_bytes, "--max-body-bytes"))
+        too_big = BadRequest(f"request body larger than {limit} bytes ({flag})", status=413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise too_big
+            chunks.append(chunk)
         try:
-            body = await request.json()
-        except Exception as e:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"the body is not JSON ({e})") from e
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
@@ -207,7 +376,19 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
 
     @app.post("/generate")
     async def generate(request: Request):
+        if state["in_flight"] >= limits.max_concurrent_requests:
+            return error(503, f"server busy: {state['in_flight']} requests in flight, the limit is "
+                              f"{limits.max_concurrent_requests} (--max-concurrent-requests); retry later",
+                         **{"Retry-After": "1"})
+        state["in_flight"] += 1
+        try:
+            return await _generate(request)
+        finally:
+            state["in_flight"] -= 1
+
+    async def _generate(request: Request):
         t0 = time.perf_counter()
+        cancel = threading.Event()
         try:
             body = await body_of(request)
             unknown = sorted(set(body) - _REQUEST_KEYS)
@@ -218,6 +399,10 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             if body.get("top_logprobs_num"):
                 raise BadRequest("top_logprobs_num is not supported (output_token_logprobs only)")
             prompts, batch = _prompts(body, tokenizer)
+            for i, p in enumerate(prompts):
+                if len(p) > limits.max_prompt_tokens:
+                    raise BadRequest(f"prompt {i} has {len(p)} tokens, the limit is {limits.max_prompt_tokens} "
+                                     f"(--max-prompt-tokens)")
             sps = body.get("sampling_params")
             if isinstance(sps, list):
                 if len(sps) != len(prompts):
@@ -225,22 +410,36 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             else:
                 sps = [sps] * len(prompts)
             eos = getattr(tokenizer, "eos_id", None) if tokenizer is not None else engine.config.eos_token_id
-            parsed = [_sampling(sp, eos) for sp in sps]
+            parsed = [_sampling(sp, eos, limits, vocab) for sp in sps]
+            total = sum(params.n for params, _, _ in parsed)
+            if total > engine.max_queue:
+                raise EngineOverloaded(f"rollout engine overloaded: this request's {total} sequences exceed the "
+                                       f"queue limit {engine.max_queue} (--max-queue); send fewer")
             for _, stops, _ in parsed:
                 if stops and tokenizer is None:
                     raise BadRequest("stop strings need a tokenizer and this server has none for this model: "
                                      "use stop_token_ids")
-            reqs = [(p, params, stop_string_checker(tokenizer, stops) if stops else None)
+            reqs = [(p, params, _cancellable(stop_string_checker(tokenizer, stops) if stops else None, cancel))
                     for p, (params, stops, _) in zip(prompts, parsed)]
             futures = engine.submit_many(reqs)
-        except (BadRequest, ValueError) as e:
+        except BadRequest as e:
+            return error(e.status, str(e))
+        except ValueError as e:
             return error(400, str(e))
         except EngineOverloaded as e:
             return error(503, str(e), **{"Retry-After": "1"})
         except EngineStopped as e:
             return error(503, str(e))
+        gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even when abandoned
+        while not gathered.done():
+            await asyncio.wait({gathered}, timeout=0.25)
+            if not gathered.done() and await request.is_disconnected():
+                cancel.set()  # its sequences end at the next decode step; nobody reads the answer
+                log.info("client of a /generate request disconnected: generation cancelled")
+                return Response(status_code=499)
         try:
-            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+            results = gathered.result()
         except EngineStopped as e:
             return error(503, str(e))
         except Exception as e:
@@ -266,7 +465,7 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         try:
-            body = await body_of(request)
+            body = await body_of(request, update=True)
             path = body.get("model_path")
             if not isinstance(path, str) or not path:
                 raise BadRequest("'model_path' (a checkpoint directory in the public layout) is required")
@@ -275,24 +474,29 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             if body.get("abort_all_requests"):
                 raise BadRequest("abort_all_requests is not supported: requests in flight finish on the old version")
             version = _version(body.get("weight_version"), engine.weight_version)
+            real = limits.allowed_weight_path(path)
         except BadRequest as e:
-            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
+            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=e.status)
 
         def load():
-            sd, declared = checkpoint_state_for(engine, path)
-            if declared is not None and body.get("weight_version") is not None and not _same(declared, version):
-                raise ValueError(f"{path} declares weight version {declared}, the request says {version}")
-            engine.load_weights(sd, declared if declared is not None and body.get("weight_version") is None else version)
-            state["model_path"] = path
+            with disk_updates:
+                sd, declared = checkpoint_state_for(engine, real)
+                if declared is not None and body.get("weight_version") is not None and not _same(declared, version):
+                    raise ValueError(f"{path} declares weight version {declared}, the request says {version}")
+                new = declared if declared is not None and body.get("weight_version") is None else version
+                if not limits.allow_version_rollback:
+                    _check_not_older(new, engine.weight_version)
+                engine.load_weights(sd, new)
+                state["model_path"] = path
 
         return await _update(load, version, path)
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request):
         try:
-            body = await body_of(request)
+            body = await body_of(request, update=True)
         except BadRequest as e:
-            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=400)
+            return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=e.status)
 
         def load():
             from k3core.transfer import load_payload  # verify against the engine, then load_weights
@@ -325,6 +529,13 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
 
 def _same(a, b) -> bool:
     return str(a) == str(b)
+
+
+def _check_not_older(new, current) -> None:
+    """Versions only move forward (the same one again is a retry): an older integer version is refused."""
+    if isinstance(new, int) and isinstance(current, int) and new < current:
+        raise ValueError(f"weight version {new} is older than the served {current}: refused (versions only move "
+                         f"forward; a server reused by a new run needs --allow-version-rollback)")
 
 
 def _version(v, current):

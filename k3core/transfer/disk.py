@@ -53,8 +53,9 @@ VERSION_FILE = "weight_version.json"
 def _owned(name: str) -> bool:
     """Files ``write_disk`` owns in ``path`` (everything else there, e.g. a tokenizer, is kept)."""
     from k3core.checkpoint.files import CONFIG_NAME, INDEX_NAME
+    from k3core.checkpoint.manifest import MANIFEST_NAME
 
-    return (name in (INDEX_NAME, CONFIG_NAME, VERSION_FILE, "model.safetensors")
+    return (name in (INDEX_NAME, CONFIG_NAME, VERSION_FILE, MANIFEST_NAME, "model.safetensors")
             or (name.startswith("model-") and name.endswith(".safetensors")))
 
 

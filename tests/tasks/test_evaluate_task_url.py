@@ -41,7 +41,8 @@ def served(tmp_path_factory):
     for name, seed in (("a", 0), ("b", 1)):
         init_checkpoint("tiny", root / name, seed=seed)
         save_hf(load_model(root / name, dtype=torch.float32), root / f"{name}-mx", target="mxfp4")
-    proc, client = launch(root / "a-mx", "--weight-version", "7", log_path=root / "server.log",
+    proc, client = launch(root / "a-mx", "--weight-version", "7", "--allow-version-rollback",  # versions in any order
+                          log_path=root / "server.log",
                           env={"OMP_NUM_THREADS": "1"}, timeout=60, retries=1, backoff=0.05)
     yield root, client
     proc.terminate()

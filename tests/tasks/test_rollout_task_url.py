@@ -23,7 +23,8 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("ro")
     init_checkpoint("tiny", root / "a", seed=0)
     init_checkpoint("tiny", root / "b", seed=1)
-    proc, client = launch(root / "a", "--weight-version", "7", log_path=root / "server.log",
+    proc, client = launch(root / "a", "--weight-version", "7", "--allow-version-rollback",  # 7, then 0
+                          log_path=root / "server.log",
                           env={"OMP_NUM_THREADS": "1"}, timeout=60, retries=1, backoff=0.05)
     yield root, client
     proc.terminate()

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from flows.cli_checkpoint import add_checkpoint_subcommands
 from k3core.checkpoint.files import sha256_file
+from k3core.checkpoint.manifest import MANIFEST_NAME
 from k3core.checkpoint.hf import (CheckpointFormatError, INDEX_NAME, init_checkpoint, load_hf, load_model,
                                   quantize_checkpoint, read_index, save_hf)
 from k3core.checkpoint.names import materialize, meta_model, native_shapes, native_to_public, public_layout
@@ -240,6 +241,7 @@ def test_mxfp4_refuses_widths_off_the_block(tmp_path):
 def test_load_checks_dtype_and_shape_and_a_log_padding(tmp_path):
     config = tiny()
     save_hf(seeded(config), tmp_path / "a", max_shard_bytes=10**9)
+    (tmp_path / "a" / MANIFEST_NAME).unlink()  # as a checkpoint from elsewhere: the format checks must refuse these
     shard = tmp_path / "a" / "model-00001-of-00001.safetensors"
     from safetensors.torch import save_file
     t = load_file(shard)
@@ -273,7 +275,7 @@ def test_save_keeps_foreign_files_and_replaces_the_checkpoint(tmp_path):
     (d / "sub" / "x.txt").write_text("x")
     res = save_hf(seeded(tiny(), 2), d, max_shard_bytes=10**9)  # fewer shards than before
     names = sorted(p.name for p in d.iterdir())
-    assert names == sorted(["config.json", INDEX_NAME, "sub", "tokenizer.json", *res.shards])
+    assert names == sorted(["config.json", INDEX_NAME, MANIFEST_NAME, "sub", "tokenizer.json", *res.shards])
     assert (d / "sub" / "x.txt").read_text() == "x"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
 

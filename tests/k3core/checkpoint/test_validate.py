@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from flows.cli_checkpoint import add_checkpoint_subcommands
 from k3core.checkpoint.hf import INDEX_NAME, init_checkpoint, load_model, read_index, save_hf
+from k3core.checkpoint.manifest import MANIFEST_NAME, write_manifest
 from k3core.checkpoint.pin import make_pin
 from k3core.checkpoint.validate import CheckpointValidationError, validate_checkpoint
 from k3core.config import K3Config
@@ -58,6 +59,7 @@ def edit(ck: Path, fn, shard_of: str | None = None, new_shard: str | None = None
     index = json.loads((ck / INDEX_NAME).read_text())
     index["weight_map"] = dict(sorted(wm.items()))
     (ck / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    write_manifest(ck)  # an edit made on purpose, manifest rewritten: the structural checks must catch it
 
 
 def fails(ck: Path, check: str, match: str = "", **kw) -> None:
@@ -94,8 +96,10 @@ def test_flipped_byte_vs_pin(bf16):
     b = bytearray((bf16 / shard).read_bytes())
     b[len(b) // 2] ^= 0x10
     (bf16 / shard).write_bytes(bytes(b))
-    validate_checkpoint(bf16)  # structurally fine: only the hash can tell
     fails(bf16, "pin", shard, pin=pin)
+    fails(bf16, "manifest", shard)  # structurally fine: only the hash can tell, and k3rl's manifest does
+    (bf16 / MANIFEST_NAME).unlink()
+    validate_checkpoint(bf16)  # a checkpoint from elsewhere has no manifest: only a pin can tell
 
 
 def test_truncated_shard(bf16):
