@@ -101,13 +101,14 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
     version the engine serves (``weights``)."""
     s, run = settings, run_of(settings)
     with stage_timings() as seconds:
-        heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout)
+        heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
                    if s.evaluation.due(iteration) else {})
         rollouts = rollout(run, iteration, weights, s.rollout)
         mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
                                      s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
-        scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages)
+        scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages,
+                               reward=s.reward)
         refills = refill(s, run, iteration, weights, scored.info["groups_informative"])
         trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, tuple(sc for _, sc in refills))
         checkpoint = save_checkpoint(run, iteration, trained)
@@ -129,7 +130,8 @@ def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
         if informative >= s.rollout.prompts_per_iteration:
             break
         rollouts = rollout_refill(run, iteration, weights, s.rollout, r)
-        scored = score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, r)
+        scored = score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, r,
+                              s.reward)
         informative += scored.info["groups_informative"]
         out.append((rollouts, scored))
     return out
@@ -159,7 +161,7 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
         log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics))
         reports.record_lineage(s, prep.lineage(), done)
         reports.publish_iteration(s, history, _flat(prep, done))
-    final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout)
+    final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward)
     summary = reports.summary(s, prep.seconds, history, final, time.perf_counter() - t_start)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary

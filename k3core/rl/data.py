@@ -35,6 +35,7 @@ ROLLOUT_SCHEMA = pa.schema([
 SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + [
     ("reward", pa.float32()),
     ("advantage", pa.float32()),
+    ("reward_reason", pa.string()),  # why the sandbox set the reward (timeout, memory, ...); '' otherwise
 ])
 
 

@@ -66,7 +66,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-__all__ = ["RewardOutcome", "RewardSandbox", "SandboxLimits", "enforcement"]
+__all__ = ["RewardOutcome", "RewardSandbox", "SandboxLimits", "enforcement", "limit_reason"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ class SandboxLimits:
 @dataclass(frozen=True)
 class RewardOutcome:
     reward: float
-    reason: str = ""  # why the sandbox decided the reward (empty: the environment's own)
+    reason: str = ""  # why the reward is what it is, when a reason is known ('' for a plain reward)
+    stopped: bool = False  # the sandbox stopped the call (a limit): reward 0, ``reason`` says which
     broken: str = ""  # the reward function itself failed: the stage must fail
 
 
@@ -272,14 +273,14 @@ def _verdict(env, prompt: str, completion: str) -> dict:
     except BaseException as e:  # noqa: BLE001 - every other ending is classified, none escapes
         why = limit_reason(e)
         if why:
-            return {"reward": 0.0, "reason": why}
+            return {"reward": 0.0, "reason": why, "stopped": True}
         return {"broken": f"raised {type(e).__name__}: {e}"}
     try:
         value = float(value)
     except (TypeError, ValueError):
         return {"broken": f"returned a non-numeric reward {value!r}"}
     if math.isnan(value) or not 0.0 <= value <= 1.0:
-        return {"broken": f"returned reward {value!r}: rewards must lie in [0, 1]"}
+        return {"broken": f"returned reward {value!r} (rewards must lie in [0, 1])"}
     return {"reward": value, "reason": str(note or "")}
 
 
@@ -340,7 +341,8 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
     _sweep(uid)
     shutil.rmtree(call_dir, ignore_errors=True)
     if timed_out:
-        return {"reward": 0.0, "reason": f"timeout: the reward call ran past {limits.timeout_s:g} s (wall)"}
+        return {"reward": 0.0, "reason": f"timeout: the reward call ran past {limits.timeout_s:g} s (wall)",
+                "stopped": True}
     if data:
         try:
             return json.loads(data.splitlines()[0])
@@ -348,7 +350,7 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
             return {"broken": f"wrote an unreadable answer {data[:200]!r}"}
     if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU:
         return {"reward": 0.0, "reason": f"cpu: the reward call used more than {math.ceil(limits.timeout_s) + 1} s "
-                                         "of CPU (RLIMIT_CPU)"}
+                                         "of CPU (RLIMIT_CPU)", "stopped": True}
     if os.WIFSIGNALED(status):
         return {"broken": f"died by signal {signal.Signals(os.WTERMSIG(status)).name} without returning a reward"}
     return {"broken": f"exited (status {os.waitstatus_to_exitcode(status)}) without returning a reward"}
@@ -518,8 +520,8 @@ class RewardSandbox:
         finally:
             self._free.put(wk)
         if "broken" in res:
-            return RewardOutcome(0.0, "", res["broken"])
-        return RewardOutcome(float(res["reward"]), res.get("reason", ""))
+            return RewardOutcome(0.0, broken=res["broken"])
+        return RewardOutcome(float(res["reward"]), res.get("reason", ""), bool(res.get("stopped", False)))
 
     def score(self, prompts: list[str], completions: list[str]) -> list[RewardOutcome]:
         """One outcome per (prompt, completion), in order, ``workers`` calls at a time."""
