@@ -357,8 +357,9 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
 
 
 def _sweep(uid: int | None) -> None:
-    """Kill whatever the call left running: every process of its uid (root pipelines), and reap
-    orphans the worker adopted as subreaper."""
+    """Kill whatever the call left running and reap it (the worker is their subreaper, so every
+    orphan of the call is its child): with a uid of the call's own (root pipelines), every process
+    of that uid, waited for until none is left; otherwise the zombies already there."""
     if uid is not None:
         pid = os.fork()
         if pid == 0:
@@ -370,7 +371,7 @@ def _sweep(uid: int | None) -> None:
         os.waitpid(pid, 0)
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, _ = os.waitpid(-1, 0 if uid is not None else os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
