@@ -243,7 +243,8 @@ class PipelineSettings(_Section):
     run_id: str = _str("demo", "run-id", "the run; re-using a run id resumes that run")
     artifacts: str = _str("./artifacts", "artifacts", "artifact root: a path or fsspec URL")
     iterations: int = _int(30, "iterations", "RL iterations")
-    env: str = _str("reverse", "env", "built-in environment (add, reverse) or module.path:factory")
+    env: str = _str("reverse", "env", "built-in environment (add, reverse), a dataset with its verifier "
+                    "(dataset:math:URL, dataset:code:URL; math and code: the bundled ones) or module.path:factory")
     seed: int = _int(0, "seed", "seed of prompts, sampling and a fresh checkpoint")
 
     def problems(self) -> list[str]:

@@ -8,7 +8,8 @@ ended. Does not own: what an environment is or how a reward is checked for range
 
 Shape. ``RewardSandbox(spec, limits)`` starts ``limits.workers`` worker processes (fresh
 interpreters, ``python -m k3core.rl.sandbox``). Each imports the environment by its spec, then
-confines itself for good (no network, writes only under its own directory) and, per reward call,
+runs its optional ``prepare()`` (imports, caches), confines itself for good (no network, writes only
+under its own directory) and, per reward call,
 forks a child that confines itself further (wall and CPU time, address space, process count, file
 size, a private empty directory as cwd, an unprivileged uid) and calls ``env.reward``. The worker
 kills the child's process group when the wall timeout passes, sweeps every process left under the
@@ -389,6 +390,9 @@ def _worker_main(rfd: int, wfd: int) -> None:
     root = hello["root"]
     try:
         env = load_env(hello["spec"])
+        prepare = getattr(env, "prepare", None)
+        if callable(prepare):
+            prepare()  # imports and caches before confinement, once, so each call's fork starts warm
     except BaseException as e:  # noqa: BLE001 - reported to the pipeline, which raises
         out.write(json.dumps({"error": f"cannot load environment {hello['spec']!r}: {type(e).__name__}: {e}"}) + "\n")
         out.flush()
