@@ -49,9 +49,11 @@ def extract_answer(completion: str) -> str:
 
 
 def prepare_math() -> None:
-    """Import what ``read_math`` needs (sandbox workers call it once, before their calls fork)."""
-    import sympy  # noqa: F401
-    from sympy.parsing import sympy_parser  # noqa: F401
+    """Import and initialise what ``math_reward`` needs (sandbox workers call it once, before their
+    calls fork): sympy builds much of its machinery on first use, which each forked call would
+    otherwise repeat."""
+    for got, want in (("2x+1", "1+2*x"), ("0.5", "1/2"), ("x^2+5x+6", "(x+2)(x+3)"), ("7", "sqrt(2)")):
+        math_reward(got, want)
 
 
 def read_math(text: str):
