@@ -21,7 +21,7 @@ def evaluate(client, tok: ByteTokenizer, env, env_spec: str, prompts: list[str],
     ``client``: a ``RolloutClient`` (the local engine or a server URL: same seeds, same samples) or a
     ``RolloutEngine``; ``expected_version``: refuse (``WeightVersionMismatch``) an engine serving, or
     a completion produced by, any other weight version. Rewards as in scoring (``k3core.rl.rewards``:
-    user and dataset environments in the sandbox under ``limits``)."""
+    with ``limits``, user and dataset environments in the sandbox; None: in this process)."""
     from k3core.rollout.client import RolloutClient
 
     if isinstance(client, RolloutEngine):

@@ -37,8 +37,9 @@ def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str],
 
 def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int,
                 scale_advantages: bool = True, limits: SandboxLimits | None = None) -> tuple[pa.Table, dict]:
-    """Rewards (``k3core.rl.rewards``: checked finite and in [0, 1]; user and dataset environments in
-    the sandbox under ``limits``, a call it stopped scored 0 with its ``reward_reason``) and GRPO
+    """Rewards (``k3core.rl.rewards``: checked finite and in [0, 1]; with ``limits``, user and dataset
+    environments in the sandbox, a call it stopped scored 0 with its ``reward_reason``; None: in this
+    process) and GRPO
     advantages: reward minus the group mean, divided by the group's std when ``scale_advantages``.
     Statistics: reward mean / std, solved fraction, mean completion length, ``groups`` and
     ``groups_informative`` (groups whose rewards differ), ``sandbox_stopped`` (calls the sandbox
