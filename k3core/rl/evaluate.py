@@ -37,9 +37,11 @@ def evaluate(client, tok: ByteTokenizer, env, env_spec: str, prompts: list[str],
 
     stop = (tok.eos_id,)
     ids = [tok.encode(p) for p in prompts]
-    sampled = score(generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                            stop_token_ids=stop, n=samples, seed=seed)))
-    greedy = score(generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)))
+    sampled = generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                      stop_token_ids=stop, n=samples, seed=seed))
+    greedy = generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop))
+    rewards = score(sampled + greedy)  # one scoring pass: a sandbox starts its workers once
+    sampled, greedy = rewards[:len(sampled)], rewards[len(sampled):]
     return {"heldout_reward": sum(sampled) / len(sampled),
             "heldout_solved": sum(r == 1.0 for r in sampled) / len(sampled),
             "heldout_greedy_reward": sum(greedy) / len(greedy),

@@ -412,10 +412,16 @@ def _worker_main(rfd: int, wfd: int) -> None:
     enforced = [x for x in [net, *_landlock_confine(root, tcp=not net)] if x]
     out.write(json.dumps({"ready": enforced}) + "\n")
     out.flush()
-    for line in inp:
-        req = json.loads(line)
-        out.write(json.dumps(_call_in_child(env, req, limits, root, uid)) + "\n")
-        out.flush()
+    try:
+        for line in inp:  # ends when the pipeline closes the pipe, or dies
+            req = json.loads(line)
+            out.write(json.dumps(_call_in_child(env, req, limits, root, uid)) + "\n")
+            out.flush()
+    except BrokenPipeError:
+        pass  # the pipeline is gone: nobody to answer
+    finally:
+        for name in os.listdir(root):  # the pipeline removes the directory itself; this covers its death
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------ the pipeline side

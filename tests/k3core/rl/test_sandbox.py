@@ -139,3 +139,31 @@ def test_limit_reason_follows_the_exception_chain():
 def test_an_environment_that_cannot_load_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="cannot load environment 'no_such_module_k3rl:make'"):
         RewardSandbox("no_such_module_k3rl:make", SandboxLimits(workers=1))
+
+
+def test_workers_end_when_the_pipeline_is_killed(tmp_path):
+    """kill -9 of the pipeline mid-call: its workers finish the call, find nobody to answer, and exit;
+    nothing of theirs survives (no worker, no call process)."""
+    import signal
+    import subprocess
+    import time
+
+    script = (f"import sys, threading; sys.path[:0] = [{TESTS!r}]\n"
+              "from k3core.rl.sandbox import RewardSandbox, SandboxLimits\n"
+              f"sb = RewardSandbox({SPEC!r}, SandboxLimits(timeout_s=2.0, workers=2))\n"
+              "print(' '.join(str(w.proc.pid) for w in sb._workers), flush=True)\n"
+              "threading.Thread(target=sb.score, args=(['p|', 'p|'], ['sleep', 'sleep'])).start()\n"
+              "threading.Event().wait()\n")
+    pipeline = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])})
+    workers = [int(p) for p in pipeline.stdout.readline().split()]
+    assert len(workers) == 2
+    time.sleep(0.5)  # the calls are under way
+    pipeline.send_signal(signal.SIGKILL)
+    pipeline.wait()
+    uids = {1_000_000 + w for w in workers}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{w}") for w in workers):
+        time.sleep(0.2)
+    assert not [w for w in workers if os.path.exists(f"/proc/{w}") and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
+    assert _procs_of(uids) == []
