@@ -7,10 +7,9 @@ ended. Does not own: what an environment is or how a reward is checked for range
 (``k3core.settings.RewardSettings``).
 
 Shape. ``RewardSandbox(spec, limits)`` starts ``limits.workers`` worker processes (fresh
-interpreters, ``python -m k3core.rl.sandbox``). Each imports the environment by its spec, then
-runs its optional ``prepare()`` (imports, caches), confines itself for good (no network, writes only
-under its own directory) and, per reward call,
-forks a child that confines itself further (wall and CPU time, address space, process count, file
+interpreters, ``python -m k3core.rl.sandbox``). Each imports the environment by its spec, runs its
+optional ``prepare()`` (imports, caches), confines itself for good (no network, writes only under
+its own directory) and, per reward call, forks a child that confines itself further (wall and CPU time, address space, process count, file
 size, a private empty directory as cwd, an unprivileged uid) and calls ``env.reward``. The worker
 kills the child's process group when the wall timeout passes, sweeps every process left under the
 call's uid, and deletes the call's directory. Importing the module and calling the factory happen
@@ -19,8 +18,9 @@ the sandbox confines reward calls, which see model output, not the environment's
 
 How a call ends (``RewardOutcome``):
 - a number in [0, 1]: that reward, ``reason`` empty (or the environment's own ``judge`` reason);
-- the sandbox stopped it: reward 0 and the reason (``timeout``, ``cpu``, ``memory``, ``processes``,
-  ``filesystem``, ``network``, ``file size``): a wall or CPU timeout, or an exception anywhere in
+- the sandbox stopped it (``stopped``): reward 0 and the reason, whose first word is ``timeout``,
+  ``cpu``, ``memory``, ``processes``, ``filesystem``, ``file size``, ``network`` or ``refused`` (a
+  refused call that names no file: a signal, a Landlock-refused socket): a wall or CPU timeout, or an exception anywhere in
   the raised exception's chain that a limit causes (``MemoryError``; ``OSError`` with EAGAIN,
   EACCES, EPERM, EROFS, EFBIG, ENETUNREACH, EHOSTUNREACH, ECONNREFUSED, EADDRNOTAVAIL, ENETDOWN;
   ``socket.gaierror``). The scoring stage completes;
@@ -36,14 +36,15 @@ What is enforced where (``enforcement()`` probes this machine; every mechanism i
   and the limit then counts all of that user's processes, so it is set to their current count plus
   ``max_processes``;
 - no network: a new network namespace (only a loopback interface, down) when the kernel lets the
-  worker create one (root, or unprivileged user namespaces); Landlock (ABI 4+) also refuses every
-  TCP bind and connect. Unix-domain sockets on the filesystem are outside both; with the dropped
-  uid, file permissions refuse the ones the user's uid owns;
+  worker create one (root, or unprivileged user namespaces); without one, Landlock (ABI 4+) refuses
+  TCP bind and connect only. Unix-domain sockets on the filesystem are outside both; with the
+  dropped uid, file permissions refuse the ones the user's uid owns;
 - writes only under the worker's directory: Landlock (Linux 5.13+); its ABI 6 scoping also refuses
   signals to processes outside the sandbox. Without Landlock, only file permissions (and, for root,
   the dropped uid) stand in the way, and ``enforcement()`` says so.
 - leftover processes: killed by process group always; by uid (``kill(-1)`` under the call's uid)
   for a root pipeline.
+- reads are not confined: the dropped uid keeps CAP_DAC_READ_SEARCH (see ``_drop_to``).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _CLONE_NEWNET, _CLONE_NEWUSER = 0x40000000, 0x10000000
 _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = 38, 36
-_SYS_LANDLOCK_CREATE, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT = 444, 445, 446
+_SYS_LANDLOCK_CREATE, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT = 444, 445, 446  # one number on every arch
 _LL_WRITE_FILE, _LL_TRUNCATE, _LL_REFER = 1 << 1, 1 << 14, 1 << 13
 _LL_WRITE_TREE = sum(1 << b for b in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))  # write, remove, make *
 
@@ -171,7 +172,7 @@ class _CapData(ctypes.Structure):
     _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
-_SYS_CAPSET, _CAP_DAC_READ_SEARCH, _PR_SET_KEEPCAPS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 126, 2, 8, 47, 2
+_CAP_DAC_READ_SEARCH, _PR_SET_KEEPCAPS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 2, 8, 47, 2
 
 
 def _drop_to(uid: int) -> None:
@@ -185,7 +186,7 @@ def _drop_to(uid: int) -> None:
     os.setresuid(uid, uid, uid)
     keep = 1 << _CAP_DAC_READ_SEARCH
     data = (_CapData * 2)(_CapData(keep, keep, keep), _CapData(0, 0, 0))
-    if _libc.syscall(_SYS_CAPSET, ctypes.byref(_CapHeader(0x20080522, 0)), data) != 0:
+    if _libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), data) != 0:
         raise OSError(ctypes.get_errno(), "capset failed")
     _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _CAP_DAC_READ_SEARCH, 0, 0)
 
