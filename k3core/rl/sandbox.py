@@ -404,7 +404,8 @@ def _worker_main(rfd: int, wfd: int) -> None:
         out.write(json.dumps({"error": f"cannot load environment {hello['spec']!r}: {type(e).__name__}: {e}"}) + "\n")
         out.flush()
         return
-    import gc
+    import encodings.idna  # noqa: F401 - socket calls with a host name load it lazily; in an unprivileged user
+    import gc  # namespace the interpreter's own files may no longer be readable by then
 
     gc.freeze()  # what the worker holds now never moves to a collected generation: forks copy fewer pages
     uid = 1_000_000 + os.getpid() if os.geteuid() == 0 else None

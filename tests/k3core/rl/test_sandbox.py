@@ -167,3 +167,55 @@ def test_workers_end_when_the_pipeline_is_killed(tmp_path):
         time.sleep(0.2)
     assert not [w for w in workers if os.path.exists(f"/proc/{w}") and "Z" not in Path(f"/proc/{w}/stat").read_text().split()[2]]
     assert _procs_of(uids) == []
+
+
+NON_ROOT_PIPELINE = r'''
+import json, sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+from k3core.rl.sandbox import RewardSandbox, SandboxLimits, enforcement
+whats = ["ok", "loop", "alloc-10g", "fork-bomb", "write-outside", "resolve", "connect"]
+with RewardSandbox("hostile_reward_env:make", SandboxLimits(timeout_s=2.0, workers=1, max_processes=6)) as sb:
+    outs = sb.score(["rev:abc=|{outside}"] * 6 + ["rev:abc=|1"], whats)
+print(json.dumps({{"enforced": enforcement(), "outs": {{w: [o.reward, o.reason] for w, o in zip(whats, outs)}}}}))
+'''
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="emulating a non-root pipeline needs root to change uid")
+def test_a_non_root_pipeline_gets_the_same_verdicts(tmp_path):
+    """The pipeline itself runs under an unprivileged uid (the sandbox's own privilege drop, which keeps
+    file reads), so the sandbox takes its non-root path: a user and network namespace, Landlock,
+    RLIMIT_NPROC over the user's processes, no uid of the call's own."""
+    import json
+    import subprocess
+
+    from k3core.rl import sandbox
+
+    repo, uid = str(Path(__file__).resolve().parents[3]), 2_000_000 + os.getpid()
+    outside = Path("/tmp") / f"k3rl-escape-nonroot-{os.getpid()}"  # world-writable: only Landlock refuses it
+    script = NON_ROOT_PIPELINE.format(repo=repo, tests=TESTS, outside=outside)
+    try:
+        proc = subprocess.run([sys.executable, "-c", script], preexec_fn=lambda: sandbox._drop_to(uid),
+                              capture_output=True, text=True, cwd="/tmp", timeout=300)
+    finally:
+        _kill_uid(uid)  # whatever the run left under that uid
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["enforced"]["network"].startswith("no network (own user and network namespaces)")
+    assert got["enforced"]["processes"] == "RLIMIT_NPROC, counted over all of this user's processes"
+    assert {w: (r, why.split(":")[0]) for w, (r, why) in got["outs"].items()} == {
+        "ok": (0.5, ""), "loop": (0.0, "timeout"), "alloc-10g": (0.0, "memory"), "fork-bomb": (0.0, "processes"),
+        "write-outside": (0.0, "filesystem"), "resolve": (0.0, "network"), "connect": (0.0, "network")}
+    assert not outside.exists()
+
+
+def _kill_uid(uid: int) -> None:
+    import signal
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
