@@ -33,7 +33,7 @@ from tasks.quantize import quantize_mxfp4
 from tasks.rollout import rollout, rollout_refill
 from tasks.save import save_checkpoint
 from tasks.score import score_refill, score_rewards
-from tasks.train import train_step
+from tasks.train import data_position, train_step
 from tasks.transfer import transfer_weights
 from tasks.validate import validate_checkpoint
 from tasks.warmup import warmup
@@ -100,16 +100,19 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
     """One iteration: rollout, score, train, save, transfer. ``policy``: the trainer's weights at the
     version the engine serves (``weights``)."""
     s, run = settings, run_of(settings)
+    cursor = data_position(policy)  # where this iteration's prompts start (datasets), as the trainer state says
     with stage_timings() as seconds:
-        heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout)
+        heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
                    if s.evaluation.due(iteration) else {})
-        rollouts = rollout(run, iteration, weights, s.rollout)
+        rollouts = rollout(run, iteration, weights, s.rollout, cursor=cursor)
         mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
                                      s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
-        scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages)
-        refills = refill(s, run, iteration, weights, scored.info["groups_informative"])
-        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, tuple(sc for _, sc in refills))
+        scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages,
+                               reward=s.reward)
+        refills = refill(s, run, iteration, weights, scored.info["groups_informative"], cursor)
+        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, tuple(sc for _, sc in refills),
+                             cursor)
         checkpoint = save_checkpoint(run, iteration, trained)
         engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized)
     metrics = reports.iteration_metrics(iteration, weights, rollouts, scored, trained, engine, heldout, mismatch, seconds)
@@ -120,7 +123,7 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
 
 
 def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
-           informative: int) -> list[tuple[Artifact, Artifact]]:
+           informative: int, cursor: int = 0) -> list[tuple[Artifact, Artifact]]:
     """Dynamic sampling: while fewer than ``prompts_per_iteration`` groups have rewards that differ
     (``informative`` so far), one more round of new prompts on the same weights, at most
     ``refill_rounds``. -> (rollouts, scored) of each round, in order."""
@@ -128,8 +131,9 @@ def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
     for r in range(1, s.grpo.refill_rounds + 1):
         if informative >= s.rollout.prompts_per_iteration:
             break
-        rollouts = rollout_refill(run, iteration, weights, s.rollout, r)
-        scored = score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, r)
+        rollouts = rollout_refill(run, iteration, weights, s.rollout, r, cursor)
+        scored = score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, r,
+                              s.reward)
         informative += scored.info["groups_informative"]
         out.append((rollouts, scored))
     return out
@@ -159,7 +163,7 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
         log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics))
         reports.record_lineage(s, prep.lineage(), done)
         reports.publish_iteration(s, history, _flat(prep, done))
-    final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout)
+    final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward)
     summary = reports.summary(s, prep.seconds, history, final, time.perf_counter() - t_start)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary

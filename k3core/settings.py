@@ -1,5 +1,5 @@
 """Run settings, in sections: model and source, rollout, GRPO (the trainer), warm-up, evaluation,
-pipeline. ``RLSettings`` composes them. The defaults live here and only here: the CLI flags, the
+pipeline, reward (the sandbox). ``RLSettings`` composes them. The defaults live here and only here: the CLI flags, the
 Prefect deployments' parameters and the stages all read these objects.
 
 Every section validates itself in ``__post_init__`` and raises one ``SettingsError`` listing every
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["EvalSettings", "GRPOSettings", "LOSS_AGGREGATIONS", "ModelSettings", "PipelineSettings", "RLSettings",
-           "RolloutSettings", "SettingsError", "WarmupSettings"]
+           "RewardSettings", "RolloutSettings", "SettingsError", "WarmupSettings"]
 
 # pydantic (through Prefect) reads this attribute of stdlib dataclasses: refuse unknown keys.
 _FORBID_EXTRA = {"extra": "forbid"}
@@ -209,13 +209,42 @@ class EvalSettings(_Section):
 
 
 @dataclass
+class RewardSettings(_Section):
+    """Where user reward code runs: environments given as ``module.path:factory`` and dataset
+    environments score in sandbox workers (``k3core.rl.sandbox``), one confined process per call;
+    the built-ins (add, reverse) score in process."""
+
+    timeout: float = _float(5.0, "reward-timeout", "wall seconds of one sandboxed reward call; past it the call is "
+                            "killed and its reward is 0 (reason in scored.parquet)")
+    workers: int = _int(2, "reward-workers", "sandbox worker processes (reward calls in parallel)", min=1)
+    memory_mb: int = _int(1024, "reward-memory-mb", "address-space limit of each process of a reward call (MiB)",
+                          min=64)
+    max_processes: int = _int(8, "reward-max-processes", "processes a reward call may have at once, itself included",
+                              min=1)
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if isinstance(self.timeout, (int, float)) and not (self.timeout > 0 and self.timeout < float("inf")):
+            out.append(f"--reward-timeout must be a positive number of seconds, got {self.timeout!r}")
+        return out
+
+    def limits(self):
+        """The sandbox's ``SandboxLimits`` for these settings."""
+        from k3core.rl.sandbox import SandboxLimits
+
+        return SandboxLimits(timeout_s=float(self.timeout), memory_mb=self.memory_mb,
+                             max_processes=self.max_processes, workers=self.workers)
+
+
+@dataclass
 class PipelineSettings(_Section):
     """Which run, where its artifacts go, how long it runs, on which environment."""
 
     run_id: str = _str("demo", "run-id", "the run; re-using a run id resumes that run")
     artifacts: str = _str("./artifacts", "artifacts", "artifact root: a path or fsspec URL")
     iterations: int = _int(30, "iterations", "RL iterations")
-    env: str = _str("reverse", "env", "built-in environment (add, reverse) or module.path:factory")
+    env: str = _str("reverse", "env", "built-in environment (add, reverse), a dataset with its verifier "
+                    "(dataset:math:URL, dataset:code:URL; math and code: the bundled ones) or module.path:factory")
     seed: int = _int(0, "seed", "seed of prompts, sampling and a fresh checkpoint")
 
     def problems(self) -> list[str]:
@@ -233,7 +262,7 @@ class PipelineSettings(_Section):
 
 _SECTIONS: dict[str, type[_Section]] = {"model": ModelSettings, "rollout": RolloutSettings, "grpo": GRPOSettings,
                                         "warmup": WarmupSettings, "evaluation": EvalSettings,
-                                        "pipeline": PipelineSettings}
+                                        "pipeline": PipelineSettings, "reward": RewardSettings}
 
 
 @dataclass
@@ -248,6 +277,7 @@ class RLSettings:
     warmup: WarmupSettings = field(default_factory=WarmupSettings)
     evaluation: EvalSettings = field(default_factory=EvalSettings)
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
+    reward: RewardSettings = field(default_factory=RewardSettings)
 
     def __post_init__(self) -> None:
         problems = []

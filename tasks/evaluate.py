@@ -7,14 +7,16 @@ refused (``WeightVersionMismatch``)."""
 from __future__ import annotations
 
 from k3core.artifacts import Artifact
-from k3core.settings import RolloutSettings
+from k3core.settings import RewardSettings, RolloutSettings
 from tasks.common import Run, stage
 
 
 @stage(run_name="evaluate-{label}", inputs=lambda run, weights, **_: [run.served_uri(weights)])
-def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: RolloutSettings) -> dict:
+def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: RolloutSettings,
+             reward: RewardSettings = RewardSettings()) -> dict:
     """``label``: names the task run (``iter5``, ``final``); ``rollout``: the engine URL, the
-    completion length and the sampling temperature of the run's rollouts."""
+    completion length and the sampling temperature of the run's rollouts; ``reward``: the sandbox's
+    limits (user and dataset environments)."""
     from k3core.config import K3Config
     from k3core.rl.data import heldout_prompts
     from k3core.rl.envs import load_env
@@ -28,6 +30,6 @@ def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: R
     env = load_env(run.env)
     prompts = heldout_prompts(env, run.seed, n_prompts, run.env)
     out = run_eval(client, tok, env, run.env, prompts, rollout.max_new_tokens, rollout.temperature, seed=run.seed,
-                   expected_version=weights.version)
+                   expected_version=weights.version, limits=reward.limits())
     out["version"] = weights.version
     return out

@@ -81,10 +81,13 @@ def _seed(run: Run, iteration: int, refill: int) -> int:
 @stage(run_name="rollout-iter{iteration}",
        outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
        inputs=lambda run, weights, **_: [run.served_uri(weights)])
-def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, refill: int = 0) -> Artifact:
+def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, refill: int = 0,
+            cursor: int = 0) -> Artifact:
     """``settings.prompts_per_iteration`` prompts x ``samples_per_prompt`` completions. ``refill`` > 0
     (``rollout_refill``): a dynamic-sampling round of new prompts for the same iteration and weights,
-    in a file of its own, its prompts numbered after the earlier rounds'."""
+    in a file of its own, its prompts numbered after the earlier rounds'. ``cursor``: the data
+    position at the start of the iteration (from the trainer state); a dataset environment's round
+    ``refill`` reads its prompts at ``cursor + refill * prompts_per_iteration``."""
     from k3core.config import K3Config
     from k3core.rl.data import training_prompts
     from k3core.rl.envs import load_env
@@ -98,7 +101,8 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
         client.check_version(weights.version)
         tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
         n = settings.prompts_per_iteration
-        prompts = training_prompts(load_env(run.env), run.seed, iteration, n, run.env, refill=refill)
+        prompts = training_prompts(load_env(run.env), run.seed, iteration, n, run.env, refill=refill,
+                                   position=cursor + refill * n)
         params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                 top_p=settings.top_p, stop_token_ids=(tok.eos_id,), n=settings.samples_per_prompt,
                                 seed=_seed(run, iteration, refill))

@@ -7,6 +7,7 @@ live in this process (``tasks.trainers``)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from prefect import get_run_logger
 
@@ -45,12 +46,14 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
        outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))],
        inputs=lambda state, scored, refills, **_: [state.uri, scored.uri, *(a.uri for a in refills)])
 def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, settings: GRPOSettings,
-               sampling: RolloutSettings, refills: tuple[Artifact, ...] = ()) -> Artifact:
+               sampling: RolloutSettings, refills: tuple[Artifact, ...] = (), cursor: int = 0) -> Artifact:
     """``sampling``: the settings the rollouts were sampled with (the trainer's log-probabilities use
     their temperature; ``max_new_tokens`` is the constant of ``seq-sum`` aggregation; at most
     ``prompts_per_iteration`` informative groups are trained on). ``refills``: the scored tables of
     dynamic-sampling refill rounds, trained on with ``scored``. Per-update statistics go into the
-    trainer state's ``extra.json`` (``metrics.per_update``)."""
+    trainer state's ``extra.json`` (``metrics.per_update``). ``cursor``: the data position the
+    iteration's rollouts started at; the state records where the next iteration starts
+    (``data_cursor.position``: past every round's prompts, trained on or not)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -66,7 +69,8 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
         metrics = train_on_table(model, opt, table, settings, ByteTokenizer(model.config).pad_id,
                                  temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
                                  max_groups=sampling.prompts_per_iteration)
-        extra = {"iteration": iteration + 1, "data_cursor": {"next_iteration": iteration + 1},
+        position = cursor + sampling.prompts_per_iteration * (1 + len(refills))
+        extra = {"iteration": iteration + 1, "data_cursor": {"next_iteration": iteration + 1, "position": position},
                  "parent": state.uri, "scored": scored.uri, "refills": [a.uri for a in refills], "metrics": metrics}
         save_trainer_state(tmp / "state", model, opt, extra, storage_writer_factory=_writer_factory())
         extra = json.loads((tmp / "state" / "extra.json").read_text())
@@ -80,6 +84,15 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
     extra = json.loads((local / "extra.json").read_text())
     return run.store.handle(rel, "dcp", version=iteration + 1, inner="state", metrics=extra["metrics"],
                             qat=bool(extra.get(QAT_KEY, False)))
+
+
+def data_position(state: Artifact) -> int:
+    """The data cursor a trainer state (or its checkpoint) recorded: where the next iteration's
+    prompts start; 0 for a run's starting weights (not a trainer state)."""
+    if state.kind != "dcp":
+        return 0
+    extra = json.loads((Path(state.path) / "extra.json").read_text())
+    return int(extra.get("data_cursor", {}).get("position", 0))
 
 
 def _writer_factory():

@@ -3,8 +3,8 @@
 Prompts are split once, by a stable hash of their text, into a training stream and a held-out
 stream (1 in ``HELDOUT_MOD``): held-out reward is measured on prompts training never sees. Each
 iteration's prompts come from an RNG seeded by (seed, iteration) (and the refill round, for dynamic
-sampling), so the data position is a pure function of the iteration (the "data cursor" a resume
-restores).
+sampling). A dataset environment is a stream instead, read at a position (the data cursor) that each
+trainer state records and a resume restores (``k3core.rl.dataset_env``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ ROLLOUT_SCHEMA = pa.schema([
 SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + [
     ("reward", pa.float32()),
     ("advantage", pa.float32()),
+    ("reward_reason", pa.string()),  # why the sandbox set the reward (timeout, memory, ...); '' otherwise
 ])
 
 
@@ -53,13 +54,20 @@ def _draw(env, rng: random.Random, n: int, want_heldout: bool, spec: str, max_tr
                      f"its prompt space may be too small for a held-out split")
 
 
-def training_prompts(env, seed: int, iteration: int, n: int, spec: str = "?", refill: int = 0) -> list[str]:
+def training_prompts(env, seed: int, iteration: int, n: int, spec: str = "?", refill: int = 0,
+                     position: int | None = None) -> list[str]:
     """The ``n`` training prompts of ``iteration``; ``refill`` > 0: the prompts of that dynamic-sampling
     refill round of the iteration (a stream of its own: the first round is the same with or without
-    refills)."""
+    refills). An environment with a stream of its own (``prompts_at(seed, position, n)``: a dataset)
+    is read at ``position`` instead, the data cursor the caller restores from the trainer state."""
+    if position is not None and callable(getattr(env, "prompts_at", None)):
+        return env.prompts_at(seed, position, n)
     key = f"train:{seed}:{iteration}" + (f":refill{refill}" if refill else "")
     return _draw(env, random.Random(key), n, False, spec)
 
 
 def heldout_prompts(env, seed: int, n: int, spec: str = "?") -> list[str]:
+    """``n`` held-out prompts; a dataset gives its held-out rows (``heldout_prompts(n)``)."""
+    if callable(getattr(env, "heldout_prompts", None)):
+        return env.heldout_prompts(n)
     return _draw(env, random.Random(f"heldout:{seed}"), n, True, spec)

@@ -83,12 +83,19 @@ BUILTIN_ENVS = {"add": AdditionEnv, "reverse": ReverseEnv}
 
 
 def load_env(spec: str):
-    """A built-in name (``add``, ``reverse``) or ``module.path:factory`` (called with no arguments)."""
+    """A built-in name (``add``, ``reverse``), a dataset (``dataset:math|code:URL``, or ``math`` /
+    ``code`` for the bundled ones: ``k3core.rl.dataset_env``) or ``module.path:factory`` (called with
+    no arguments)."""
+    from k3core.rl.dataset_env import load_dataset_env
+
     if spec in BUILTIN_ENVS:
         return BUILTIN_ENVS[spec]()
+    dataset = load_dataset_env(spec)
+    if dataset is not None:
+        return dataset
     if ":" not in spec:
-        raise ValueError(f"unknown environment {spec!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}) "
-                         f"or 'module.path:factory' for your own")
+        raise ValueError(f"unknown environment {spec!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}), a "
+                         "dataset (math, code, or dataset:math|code:URL) or 'module.path:factory' for your own")
     mod_name, _, attr = spec.partition(":")
     try:
         mod = importlib.import_module(mod_name)

@@ -4,37 +4,44 @@ from __future__ import annotations
 
 import torch
 
-from k3core.rl.envs import checked_reward
+from k3core.rl.rewards import score_completions
+from k3core.rl.sandbox import SandboxLimits
 from k3core.rollout.engine import RolloutEngine, SamplingParams
 from k3core.tokenizer import ByteTokenizer
 
 
 @torch.no_grad()
 def evaluate(client, tok: ByteTokenizer, env, env_spec: str, prompts: list[str], max_new_tokens: int,
-             temperature: float = 1.0, samples: int = 4, seed: int = 0, expected_version=None) -> dict:
+             temperature: float = 1.0, samples: int = 4, seed: int = 0, expected_version=None,
+             limits: SandboxLimits | None = None) -> dict:
     """Held-out prompts (never trained on), two ways:
     - ``heldout_reward``: the policy's expected reward, the quantity RL maximises: ``samples``
       completions per prompt at the rollout temperature (fixed seed, so versions compare fairly);
     - ``heldout_greedy_reward``: greedy decoding (the policy's mode).
     ``client``: a ``RolloutClient`` (the local engine or a server URL: same seeds, same samples) or a
     ``RolloutEngine``; ``expected_version``: refuse (``WeightVersionMismatch``) an engine serving, or
-    a completion produced by, any other weight version."""
+    a completion produced by, any other weight version. Rewards as in scoring (``k3core.rl.rewards``:
+    with ``limits``, user and dataset environments in the sandbox; None: in this process)."""
     from k3core.rollout.client import RolloutClient
 
     if isinstance(client, RolloutEngine):
         client = RolloutClient("local", engine=client)
 
     def score(comps):
-        return [checked_reward(env, prompts[c.prompt_index], tok.decode(c.output_ids), env_spec) for c in comps]
+        outcomes = score_completions(env, env_spec, [prompts[c.prompt_index] for c in comps],
+                                     [tok.decode(c.output_ids) for c in comps], limits)
+        return [o.reward for o in outcomes]
 
     def generate(params):
         return client.generate(ids, params, pad_id=tok.pad_id, expected_version=expected_version)
 
     stop = (tok.eos_id,)
     ids = [tok.encode(p) for p in prompts]
-    sampled = score(generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                            stop_token_ids=stop, n=samples, seed=seed)))
-    greedy = score(generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)))
+    sampled = generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
+                                      stop_token_ids=stop, n=samples, seed=seed))
+    greedy = generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop))
+    rewards = score(sampled + greedy)  # one scoring pass: a sandbox starts its workers once
+    sampled, greedy = rewards[:len(sampled)], rewards[len(sampled):]
     return {"heldout_reward": sum(sampled) / len(sampled),
             "heldout_solved": sum(r == 1.0 for r in sampled) / len(sampled),
             "heldout_greedy_reward": sum(greedy) / len(greedy),

@@ -7,7 +7,8 @@ import pyarrow as pa
 import torch
 
 from k3core.rl.data import ROLLOUT_SCHEMA, SCORED_SCHEMA
-from k3core.rl.envs import checked_reward
+from k3core.rl.rewards import score_completions
+from k3core.rl.sandbox import SandboxLimits
 from k3core.rl.grpo import group_advantages, uniform_groups
 from k3core.rollout.engine import RolloutEngine, SamplingParams
 from k3core.tokenizer import ByteTokenizer
@@ -35,25 +36,33 @@ def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str],
 
 
 def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int,
-                scale_advantages: bool = True) -> tuple[pa.Table, dict]:
-    """Rewards (checked: finite, in [0, 1]) and GRPO advantages: reward minus the group mean, divided
-    by the group's std when ``scale_advantages``. Statistics: reward mean / std, solved fraction,
-    mean completion length, ``groups`` and ``groups_informative`` (groups whose rewards differ)."""
+                scale_advantages: bool = True, limits: SandboxLimits | None = None) -> tuple[pa.Table, dict]:
+    """Rewards (``k3core.rl.rewards``: checked finite and in [0, 1]; with ``limits``, user and dataset
+    environments in the sandbox, a call it stopped scored 0 with its ``reward_reason``; None: in this
+    process) and GRPO
+    advantages: reward minus the group mean, divided by the group's std when ``scale_advantages``.
+    Statistics: reward mean / std, solved fraction, mean completion length, ``groups`` and
+    ``groups_informative`` (groups whose rewards differ), ``sandbox_stopped`` (calls the sandbox
+    stopped)."""
     if rollouts.num_rows == 0:
         raise ValueError("no rollouts to score: the rollout table is empty")
     prompts, comps = rollouts.column("prompt").to_pylist(), rollouts.column("completion").to_pylist()
-    rewards = torch.tensor([checked_reward(env, p, c, env_spec) for p, c in zip(prompts, comps)])
+    outcomes = score_completions(env, env_spec, prompts, comps, limits)
+    rewards = torch.tensor([o.reward for o in outcomes])
     order = sorted(range(rollouts.num_rows), key=lambda i: (rollouts["prompt_index"][i].as_py(),
                                                             rollouts["sample_index"][i].as_py()))
     rollouts = rollouts.take(order)
     rewards = rewards[order]
     adv = group_advantages(rewards, group_size, scale=scale_advantages)
     table = rollouts.append_column("reward", pa.array(rewards.tolist(), pa.float32()))
-    table = table.append_column("advantage", pa.array(adv.tolist(), pa.float32())).cast(SCORED_SCHEMA)
+    table = table.append_column("advantage", pa.array(adv.tolist(), pa.float32()))
+    table = table.append_column("reward_reason", pa.array([outcomes[i].reason for i in order], pa.string()))
+    table = table.cast(SCORED_SCHEMA)
     lens = [len(x) for x in table.column("output_ids").to_pylist()]
     uniform = uniform_groups(rewards, group_size)
     stats = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std(unbiased=False)),
              "response_length_mean": sum(lens) / len(lens),
              "solved_fraction": float((rewards == 1.0).float().mean()),
-             "groups": int(uniform.numel()), "groups_informative": int((~uniform).sum())}
+             "groups": int(uniform.numel()), "groups_informative": int((~uniform).sum()),
+             "sandbox_stopped": sum(o.stopped for o in outcomes)}
     return table, stats

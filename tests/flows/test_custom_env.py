@@ -102,14 +102,19 @@ def test_documented_env_through_rollout_and_the_scoring_stage(env_module, tmp_pa
     assert float(g.std(1).max()) > 0  # some group's rewards differ, so the two scalings are told apart
 
 
-def test_a_reward_outside_0_1_fails_scoring_with_the_prompt(env_module, tmp_path, monkeypatch):
+def test_a_reward_outside_0_1_fails_scoring_with_the_prompt(env_module, tmp_path):
+    """User rewards run in the sandbox's worker processes, which import the module afresh: the broken
+    reward is a module of its own, not a patch of this process's class."""
     import pyarrow as pa
 
     from k3core.rl.data import ROLLOUT_SCHEMA
     from tasks.score import score_rewards
 
-    mod = __import__("uppercase_env")
-    monkeypatch.setattr(mod.UppercaseEnv, "reward", lambda self, p, c: 2.0)
+    (env_module / "too_big_env.py").write_text("from uppercase_env import UppercaseEnv\n\n\n"
+                                               "class TooBig(UppercaseEnv):\n"
+                                               "    def reward(self, prompt, completion):\n"
+                                               "        return 2.0\n\n\n"
+                                               "def make_env():\n    return TooBig()\n")
     rows = {f.name: [] for f in ROLLOUT_SCHEMA}
     for i in range(2):
         for k, v in dict(iteration=0, prompt_index=0, sample_index=i, prompt="up:cab=", prompt_ids=[1], output_ids=[2],
@@ -117,5 +122,5 @@ def test_a_reward_outside_0_1_fails_scoring_with_the_prompt(env_module, tmp_path
             rows[k].append(v)
     path = tmp_path / "rollouts.parquet"
     pq.write_table(pa.table(rows, schema=ROLLOUT_SCHEMA), path)
-    with pytest.raises(ValueError, match=r"uppercase_env:make_env.*reward 2\.0 for prompt 'up:cab='"):
-        score_rewards.fn(Run(str(tmp_path / "artifacts"), "c", env=SPEC), 0, _rollouts(path), 2)
+    with pytest.raises(ValueError, match=r"too_big_env:make_env.*returned reward 2\.0 .*for prompt 'up:cab='"):
+        score_rewards.fn(Run(str(tmp_path / "artifacts"), "c", env="too_big_env:make_env"), 0, _rollouts(path), 2)
