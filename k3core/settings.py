@@ -228,13 +228,6 @@ class RewardSettings(_Section):
             out.append(f"--reward-timeout must be a positive number of seconds, got {self.timeout!r}")
         return out
 
-    def limits(self):
-        """The sandbox's ``SandboxLimits`` for these settings."""
-        from k3core.rl.sandbox import SandboxLimits
-
-        return SandboxLimits(timeout_s=float(self.timeout), memory_mb=self.memory_mb,
-                             max_processes=self.max_processes, workers=self.workers)
-
 
 @dataclass
 class PipelineSettings(_Section):

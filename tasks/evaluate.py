@@ -7,6 +7,7 @@ refused (``WeightVersionMismatch``)."""
 from __future__ import annotations
 
 from k3core.artifacts import Artifact
+from k3core.rl.sandbox import SandboxLimits
 from k3core.settings import RewardSettings, RolloutSettings
 from tasks.common import Run, stage
 
@@ -30,6 +31,6 @@ def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: R
     env = load_env(run.env)
     prompts = heldout_prompts(env, run.seed, n_prompts, run.env)
     out = run_eval(client, tok, env, run.env, prompts, rollout.max_new_tokens, rollout.temperature, seed=run.seed,
-                   expected_version=weights.version, limits=reward.limits())
+                   expected_version=weights.version, limits=SandboxLimits.of(reward))
     out["version"] = weights.version
     return out

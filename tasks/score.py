@@ -9,6 +9,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 
 from k3core.artifacts import Artifact
+from k3core.rl.sandbox import SandboxLimits
 from k3core.settings import RewardSettings
 from tasks.common import Run, stage
 
@@ -29,7 +30,7 @@ def score_rewards(run: Run, iteration: int, rollouts: Artifact, group_size: int,
     from k3core.rl.tables import score_table
 
     table, stats = score_table(pq.read_table(rollouts.path), load_env(run.env), run.env, group_size,
-                               scale_advantages=scale_advantages, limits=reward.limits())
+                               scale_advantages=scale_advantages, limits=SandboxLimits.of(reward))
     run.store.publish_once(_rel(run, iteration, refill), lambda tmp: pq.write_table(table, tmp))
     return run.store.handle(_rel(run, iteration, refill), "scored", version=rollouts.version, **stats)
 

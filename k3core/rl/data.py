@@ -9,14 +9,13 @@ trainer state records and a resume restores (``k3core.rl.dataset_env``).
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import pyarrow as pa
 
 from k3core.rl.envs import checked_prompts
+from k3core.rl.heldout import HELDOUT_MOD, is_heldout  # noqa: F401  (re-exported: the data stream's split)
 
-HELDOUT_MOD = 8
 
 ROLLOUT_SCHEMA = pa.schema([
     ("iteration", pa.int32()),
@@ -37,10 +36,6 @@ SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + [
     ("advantage", pa.float32()),
     ("reward_reason", pa.string()),  # why the sandbox set the reward (timeout, memory, ...); '' otherwise
 ])
-
-
-def is_heldout(prompt: str) -> bool:
-    return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % HELDOUT_MOD == 0
 
 
 def _draw(env, rng: random.Random, n: int, want_heldout: bool, spec: str, max_tries: int = 200) -> list[str]:

@@ -79,7 +79,7 @@ class DatasetEnv:
     for ``code``, ``tests``."""
 
     def __init__(self, verifier: str, rows: list[dict], spec: str):
-        from k3core.rl.data import is_heldout
+        from k3core.rl.heldout import is_heldout
 
         self.verifier, self.spec, self.name = verifier, spec, f"dataset:{verifier}"
         problems, by_prompt = [], {}

@@ -84,6 +84,12 @@ class SandboxLimits:
     file_size_mb: int = 16
     workers: int = 2
 
+    @classmethod
+    def of(cls, reward) -> SandboxLimits:
+        """The limits a run's ``RewardSettings`` ask for."""
+        return cls(timeout_s=float(reward.timeout), memory_mb=reward.memory_mb,
+                   max_processes=reward.max_processes, workers=reward.workers)
+
 
 @dataclass(frozen=True)
 class RewardOutcome:

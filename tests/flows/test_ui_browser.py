@@ -280,7 +280,7 @@ def test_prefect_ui_shows_run_stages_artifacts_and_lineage(tmp_path):
             got = dict(zip(header, row))
             assert int(got["iteration"]) == h_["iteration"]
             for col in ("reward_mean", "heldout_reward"):
-                assert float(got[col]) == pytest.approx(round(h_[col], 5), abs=1e-9), col
+                assert got[col] == str(reports.table_number(h_[col])), col
         assert any(h_["reward_std"] > 0 for h_ in history), "the environment gave no reward signal"
         browser.screenshot(shots / "05-rl-metrics.png")
 
@@ -292,6 +292,21 @@ def test_prefect_ui_shows_run_stages_artifacts_and_lineage(tmp_path):
                            f"save_checkpoint-iter{ITERATIONS - 1}", f"rollout-iter{ITERATIONS - 1}",
                            "source checkpoint", "init:tiny:0"], "the lineage rows")
         browser.screenshot(shots / "06-rl-lineage.png")
+
+        # follow the chain back from the latest checkpoint, link by link: each row's producer and each
+        # input link to a task run, whose page names that task run
+        links = browser.eval("Object.fromEntries([...document.querySelectorAll('table a')]"
+                             ".map(a => [a.textContent.trim(), a.href]))")
+        last = ITERATIONS - 1
+        chain = [f"save_checkpoint-iter{last}", f"train_step-iter{last}", f"score_rewards-iter{last}",
+                 f"rollout-iter{last}", f"transfer_weights-iter{last - 1}", f"save_checkpoint-iter{last - 1}"]
+        for name in chain:
+            assert name in links and "/runs/task-run/" in links[name], (name, links)
+            browser.open(links[name])
+            browser.wait_text([name], f"the task run page of {name}")
+        # inputs link to their producers too: the rollouts of the last iteration name the engine weights
+        assert f"engine://{RUN_ID}@v{last}" in links, links
+        browser.screenshot(shots / "06b-lineage-chain.png")
 
         # rl-curves: the PNG inside the markdown really decodes in the browser
         png = (run_dir / f"curves-{ITERATIONS:04d}.png").read_bytes()
