@@ -39,6 +39,14 @@ SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + [
 ])
 
 
+# The frozen reference policy's log-probability of each generated token of a batch (KL penalty).
+REF_LOGPROBS_SCHEMA = pa.schema([
+    ("prompt_index", pa.int32()),
+    ("sample_index", pa.int32()),
+    ("ref_logprobs", pa.list_(pa.float32())),
+])
+
+
 def is_heldout(prompt: str) -> bool:
     return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % HELDOUT_MOD == 0
 
