@@ -68,6 +68,14 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local"):
     return client
 
 
+def serve_version(run_id: str, weights: Artifact, url: str = "local") -> None:
+    """Bring the engine (embedded, or the server at ``url``) to ``weights.version`` in the calling
+    thread. The one-step-off-policy flow calls it before it submits the next rollout, so that rollout
+    finds its engine ready and never reads the trainer's live model, which the train step running
+    beside it changes in place."""
+    rollout_client(run_id, weights, url)
+
+
 def _rel(run: Run, iteration: int, refill: int = 0) -> str:
     return run.iter_rel(iteration, f"rollouts-refill{refill}.parquet" if refill else "rollouts.parquet")
 
