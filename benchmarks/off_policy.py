@@ -6,14 +6,16 @@ forward per iteration and holds the policy nearer its start.
 The real pipeline (``flows.pipeline.rl_run``, Prefect in embedded mode, every stage and artifact),
 four configurations in one process, one after the other, same seed, same settings otherwise:
 ``sync`` (the baseline), ``off-policy`` (max_staleness 1), ``sync+kl`` and ``off-policy+kl``
-(kl_coef ``--kl-coef``). Per configuration: median wall seconds per iteration over iterations
+(kl_coef ``--kl-coef``). The supervised warm-up runs once (the ``prepare`` flow of a run of its own);
+every configuration starts from its weights (``--source file://...``, no warm-up of its own), which
+are also the KL reference. Per configuration: median wall seconds per iteration over iterations
 1..N-1 (``seconds_iteration``: the iteration flow's body; iteration 0 of the off-policy mode also
 samples the first batch in line and is the pipeline's fill), the seconds the train step ran, how
 long the rollout sampled ahead ran and how long the flow then still waited for it, train reward at
 each iteration, held-out reward after the last, and the k3 KL to the reference of the last update.
 Ratios are against ``sync`` measured in the same run.
 
-    python benchmarks/off_policy.py [--preset tiny] [--iterations 10] [--seeds 0] [--kl-coef 0.1] [--threads 2]
+    python benchmarks/off_policy.py [--preset small] [--iterations 10] [--seeds 0] [--kl-coef 0.1] [--threads 2]
 """
 
 from __future__ import annotations
@@ -35,12 +37,22 @@ CONFIGS = {
 }
 
 
-def run(root: str, preset: str, seed: int, iterations: int, name: str, grpo: dict, a) -> dict:
+def warmed_up(root: str, preset: str, seed: int, a) -> str:
+    """The URL of the warmed-up policy every configuration of ``seed`` starts from."""
+    from flows.pipeline import RLSettings, prepare
+
+    settings = RLSettings.from_dict(dict(preset=preset, seed=seed, artifacts=root, run_id=f"warmup-s{seed}", env=a.env,
+                                         warmup_steps=a.warmup_steps))
+    return Path(prepare(settings).policy.path).as_uri()
+
+
+def run(root: str, preset: str, seed: int, iterations: int, name: str, grpo: dict, source: str, a) -> dict:
     from flows.pipeline import RLSettings, rl_run
 
     settings = RLSettings.from_dict(dict(
-        preset=preset, iterations=iterations, seed=seed, artifacts=root, run_id=f"{name.replace('+', '-')}-s{seed}", env=a.env,
-        eval_prompts=a.eval_prompts, eval_every=0, **{k: (a.kl_coef if v is None else v) for k, v in grpo.items()}))
+        preset=preset, source=source, warmup_steps=0, iterations=iterations, seed=seed, artifacts=root,
+        run_id=f"{name.replace('+', '-')}-s{seed}", env=a.env, eval_prompts=a.eval_prompts, eval_every=0,
+        **{k: (a.kl_coef if v is None else v) for k, v in grpo.items()}))
     summary = rl_run(settings)
     metrics = json.loads(Path(root, "runs", settings.pipeline.run_id, "metrics.json").read_text())
     steady = metrics[1:] or metrics
@@ -57,11 +69,12 @@ def run(root: str, preset: str, seed: int, iterations: int, name: str, grpo: dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--preset", default="small")
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--kl-coef", type=float, default=0.1)
     ap.add_argument("--env", default="reverse")
+    ap.add_argument("--warmup-steps", type=int, default=25)
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
@@ -74,8 +87,9 @@ def main() -> None:
     results: dict[tuple[str, int], dict] = {}
     with tempfile.TemporaryDirectory(prefix="k3rl-offpolicy-") as root:
         for seed in a.seeds:
+            source = warmed_up(root, a.preset, seed, a)
             for name in names:
-                r = run(root, a.preset, seed, a.iterations, name, CONFIGS[name], a)
+                r = run(root, a.preset, seed, a.iterations, name, CONFIGS[name], source, a)
                 results[(name, seed)] = r
                 print(f"{name:<14} seed {seed}: {r['seconds_per_iteration']:.2f} s/iter (train "
                       f"{r['seconds_train']:.2f}, rollout in line {r['seconds_rollout']:.2f}, ahead "
