@@ -6,6 +6,7 @@ again) and ends bit-identical to the uninterrupted run."""
 
 import json
 import textwrap
+import threading
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -59,7 +60,10 @@ def _versions(path: Path) -> set[int]:
 
 
 @pytest.mark.slow
-def test_off_policy_run_resumes_on_the_batch_sampled_ahead(tmp_path, monkeypatch, prefect_harness):
+@pytest.mark.parametrize("updates", [{}, {"ppo_epochs": 2, "minibatches": 2}], ids=["one-update", "2x2-minibatches"])
+def test_off_policy_run_resumes_on_the_batch_sampled_ahead(tmp_path, monkeypatch, prefect_harness, updates):
+    """With minibatches the train step shuffles from the process's RNG while the rollout ahead runs in
+    another thread: the runs must still agree bit for bit."""
     (tmp_path / "flaky_even_for_tests.py").write_text(ENV_SRC)
     monkeypatch.syspath_prepend(str(tmp_path))
     marker = tmp_path / "crash-now"
@@ -67,23 +71,34 @@ def test_off_policy_run_resumes_on_the_batch_sampled_ahead(tmp_path, monkeypatch
     import k3core.rl.tables as tables
 
     calls = {"rollout": 0}
+    threads: list[int] = []  # the thread of each rollout
     real_rollout = tables.rollout_table
 
     def counting_rollout(*a, **k):
         calls["rollout"] += 1
+        threads.append(threading.get_ident())
         if calls["rollout"] == crash_at[0]:
             marker.write_text("crash")  # the next scorer to run (iteration 2's) raises
         return real_rollout(*a, **k)
 
     crash_at = [0]
     monkeypatch.setattr(tables, "rollout_table", counting_rollout)
+    import k3core.rl.train as train
+
+    train_threads: list[int] = []
+    real_train = train.train_on_table
+    monkeypatch.setattr(train, "train_on_table",
+                        lambda *a, **k: train_threads.append(threading.get_ident()) or real_train(*a, **k))
 
     # A: uninterrupted
     engines.clear()
     trainers.clear()
-    rl_run(_settings(tmp_path / "a", "run-a"))
+    rl_run(_settings(tmp_path / "a", "run-a", **updates))
     root_a = tmp_path / "a" / "runs" / "run-a"
     assert calls["rollout"] == 3  # batches 0, 1 (both by version 0) and 2 (by version 1); none after the last
+    # batch 0 is sampled in line by the flow; the batches sampled ahead run as submitted tasks, on the
+    # task runner's worker threads, while the flow's thread goes on to the train step
+    assert threads[0] in train_threads and not set(threads[1:]) & set(train_threads), (threads, train_threads)
     metrics = json.loads((root_a / "metrics.json").read_text())
     assert [m["staleness"] for m in metrics] == [0, 1, 1]
     assert [m["weight_version"] for m in metrics] == [0, 0, 1]
@@ -105,7 +120,7 @@ def test_off_policy_run_resumes_on_the_batch_sampled_ahead(tmp_path, monkeypatch
     engines.clear()
     trainers.clear()
     with pytest.raises(Exception, match="injected scorer crash"):
-        rl_run(_settings(tmp_path / "b", "run-b"))
+        rl_run(_settings(tmp_path / "b", "run-b", **updates))
     root_b = tmp_path / "b" / "runs" / "run-b"
     assert calls["rollout"] == 3
     ahead = root_b / "iter-0002" / "rollouts.parquet"
@@ -117,11 +132,13 @@ def test_off_policy_run_resumes_on_the_batch_sampled_ahead(tmp_path, monkeypatch
     marker.unlink()
     engines.clear()
     trainers.clear()
-    rl_run(_settings(tmp_path / "b", "run-b"))
+    rl_run(_settings(tmp_path / "b", "run-b", **updates))
     assert calls["rollout"] == 3, "the batch sampled ahead was sampled again"
     assert ahead.stat().st_mtime_ns == before
     metrics_b = json.loads((root_b / "metrics.json").read_text())
     assert [m["staleness"] for m in metrics_b] == [0, 1, 1]
+    want = updates.get("ppo_epochs", 1) * updates.get("minibatches", 1)
+    assert [m["updates"] for m in metrics_b] == [want] * 3
     assert pq.read_table(root_a / "iter-0002" / "scored.parquet").equals(pq.read_table(root_b / "iter-0002" / "scored.parquet"))
     la, ma = _final_state(tmp_path / "a", "run-a")
     lb, mb = _final_state(tmp_path / "b", "run-b")
