@@ -8,7 +8,7 @@ four configurations in one process, one after the other, same seed, same setting
 ``sync`` (the baseline), ``off-policy`` (max_staleness 1), ``sync+kl`` and ``off-policy+kl``
 (kl_coef ``--kl-coef``). The supervised warm-up runs once (the ``prepare`` flow of a run of its own);
 every configuration starts from its weights (``--source file://...``, no warm-up of its own), which
-are also the KL reference. Per configuration: median wall seconds per iteration over iterations
+are also the KL reference (``--source URL``: start from that checkpoint instead). Per configuration: median wall seconds per iteration over iterations
 1..N-1 (``seconds_iteration``: the iteration flow's body; iteration 0 of the off-policy mode also
 samples the first batch in line and is the pipeline's fill), the seconds the train step ran, how
 long the rollout sampled ahead ran and how long the flow then still waited for it, train reward at
@@ -75,6 +75,8 @@ def main() -> None:
     ap.add_argument("--kl-coef", type=float, default=0.1)
     ap.add_argument("--env", default="reverse")
     ap.add_argument("--warmup-steps", type=int, default=25)
+    ap.add_argument("--source", default="", help="start every configuration from this checkpoint URL instead of "
+                    "warming up (e.g. a warm-up of an earlier run of this script)")
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
@@ -87,7 +89,7 @@ def main() -> None:
     results: dict[tuple[str, int], dict] = {}
     with tempfile.TemporaryDirectory(prefix="k3rl-offpolicy-") as root:
         for seed in a.seeds:
-            source = warmed_up(root, a.preset, seed, a)
+            source = a.source or warmed_up(root, a.preset, seed, a)
             for name in names:
                 r = run(root, a.preset, seed, a.iterations, name, CONFIGS[name], source, a)
                 results[(name, seed)] = r

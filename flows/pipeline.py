@@ -125,16 +125,16 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                    if s.evaluation.due(iteration) else {})
         if rollouts is None:
             rollouts = rollout(run, iteration, behind or weights, s.rollout, cursor=cursor)
-        mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
-                                     s.rollout.temperature)
-                    if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
         scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages,
                                reward=s.reward)
         refills = refill(s, run, iteration, weights, scored.info["groups_informative"], cursor)
-        if ahead:  # the next batch, sampled at this version beside the train step, from where this one ends
+        if ahead:  # the next batch, at this version, beside the stages up to the save; its prompts follow this one's
             serve_version(run.run_id, weights, s.rollout.url)
             pending = rollout.submit(run, iteration + 1, weights, s.rollout,
                                      cursor=cursor + s.rollout.prompts_per_iteration * (1 + len(refills)))
+        mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
+                                     s.rollout.temperature)
+                    if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
         batch = (scored, *(sc for _, sc in refills))
         ref = reference_logprobs(run, iteration, reference, batch, s.grpo, s.rollout) if s.grpo.kl_coef else None
         trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, batch[1:], cursor, ref)
