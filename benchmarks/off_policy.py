@@ -15,7 +15,7 @@ long the rollout sampled ahead ran and how long the flow then still waited for i
 each iteration, held-out reward after the last, and the k3 KL to the reference of the last update.
 Ratios are against ``sync`` measured in the same run.
 
-    python benchmarks/off_policy.py [--preset small] [--iterations 10] [--seeds 0] [--kl-coef 0.1] [--threads 2]
+    python benchmarks/off_policy.py [--preset tiny] [--iterations 10] [--seeds 0 1] [--kl-coef 0.1] [--lr 3e-3]
 """
 
 from __future__ import annotations
@@ -28,6 +28,24 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+class LowercaseShare:
+    """The benchmark's own dense environment (``--env benchmarks.off_policy:make_env``, the default):
+    ``"say:abc="`` -> anything; reward: the share of the completion's characters that are a-z. It has
+    no reference answers, so the pipeline skips the warm-up and the KL reference is the seeded init."""
+
+    name = "lowercase-share"
+
+    def prompts(self, rng, n):
+        return ["say:" + "".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 4))) + "=" for _ in range(n)]
+
+    def reward(self, prompt, completion):
+        return sum("a" <= c <= "z" for c in completion) / len(completion) if completion else 0.0
+
+
+def make_env() -> LowercaseShare:
+    return LowercaseShare()
+
 
 CONFIGS = {
     "sync": dict(max_staleness=0, kl_coef=0.0),
@@ -51,7 +69,7 @@ def run(root: str, preset: str, seed: int, iterations: int, name: str, grpo: dic
 
     settings = RLSettings.from_dict(dict(
         preset=preset, source=source, warmup_steps=0, iterations=iterations, seed=seed, artifacts=root,
-        run_id=f"{name.replace('+', '-')}-s{seed}", env=a.env, eval_prompts=a.eval_prompts, eval_every=0,
+        run_id=f"{name.replace('+', '-')}-s{seed}", env=a.env, eval_prompts=a.eval_prompts, eval_every=0, lr=a.lr,
         **{k: (a.kl_coef if v is None else v) for k, v in grpo.items()}))
     summary = rl_run(settings)
     metrics = json.loads(Path(root, "runs", settings.pipeline.run_id, "metrics.json").read_text())
@@ -69,12 +87,13 @@ def run(root: str, preset: str, seed: int, iterations: int, name: str, grpo: dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--preset", default="tiny")
     ap.add_argument("--iterations", type=int, default=10)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--kl-coef", type=float, default=0.1)
-    ap.add_argument("--env", default="reverse")
-    ap.add_argument("--warmup-steps", type=int, default=25)
+    ap.add_argument("--env", default="benchmarks.off_policy:make_env")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup-steps", type=int, default=25, help="with an environment that has reference answers")
     ap.add_argument("--source", default="", help="start every configuration from this checkpoint URL instead of "
                     "warming up (e.g. a warm-up of an earlier run of this script)")
     ap.add_argument("--eval-prompts", type=int, default=64)
