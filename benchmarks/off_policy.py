@@ -13,7 +13,10 @@ are also the KL reference (``--source URL``: start from that checkpoint instead)
 samples the first batch in line and is the pipeline's fill), the seconds the train step ran, how
 long the rollout sampled ahead ran and how long the flow then still waited for it, train reward at
 each iteration, held-out reward after the last, and the k3 KL to the reference of the last update.
-Ratios are against ``sync`` measured in the same run.
+Ratios are against ``sync`` measured in the same run. The order of the configurations alternates
+from seed to seed, so a machine whose load drifts during the run does not favour one of them; the
+train step's own seconds (which overlap does not change) show how loaded the machine was during
+each configuration.
 
     python benchmarks/off_policy.py [--preset tiny] [--iterations 10] [--seeds 0 1] [--kl-coef 0.1] [--lr 3e-3]
 """
@@ -107,9 +110,9 @@ def main() -> None:
     names = a.configs.split(",")
     results: dict[tuple[str, int], dict] = {}
     with tempfile.TemporaryDirectory(prefix="k3rl-offpolicy-") as root:
-        for seed in a.seeds:
+        for i, seed in enumerate(a.seeds):
             source = a.source or warmed_up(root, a.preset, seed, a)
-            for name in names:
+            for name in (names if i % 2 == 0 else names[::-1]):  # alternate the order: load drift cancels
                 r = run(root, a.preset, seed, a.iterations, name, CONFIGS[name], source, a)
                 results[(name, seed)] = r
                 print(f"{name:<14} seed {seed}: {r['seconds_per_iteration']:.2f} s/iter (train "
