@@ -12,6 +12,14 @@ handles. One iteration N (engine at weight version N):
 
 With ``--refill-rounds`` (dynamic sampling), rollout and score run again on new prompts
 (``rollouts-refill1.parquet``, ...) while too few groups carry signal, before the train step.
+
+With ``--kl-coef`` > 0, ``reference_logprobs`` computes the frozen reference's (the run's starting
+policy) log-probabilities of the batch (``ref-logprobs.parquet``) for the train step's KL penalty.
+
+With ``--max-staleness 1`` (one-step-off-policy), iteration N's batch was sampled by version N-1:
+iteration N submits the rollout of N+1 on the engine at version N to the flow's task runner, trains
+beside it, and joins it before the transfer moves the engine to N+1. A batch sampled ahead is a
+published artifact like any other: a resumed run finds it and trains on it, never samples it again.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 from prefect import flow, get_run_logger
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows import reports
 from k3core.artifacts import Artifact
@@ -30,7 +39,8 @@ from tasks.evaluate import evaluate
 from tasks.fetch import fetch_checkpoint
 from tasks.mismatch import rollout_mismatch
 from tasks.quantize import quantize_mxfp4
-from tasks.rollout import rollout, rollout_refill
+from tasks.reference import reference_logprobs
+from tasks.rollout import rollout, rollout_refill, serve_version
 from tasks.save import save_checkpoint
 from tasks.score import score_refill, score_rewards
 from tasks.train import data_position, train_step
@@ -80,6 +90,7 @@ class Iteration:
     weights: Artifact  # what the engine serves next (version N+1)
     metrics: dict
     lineage: list[Artifact]
+    next_rollouts: Artifact | None = None  # the next iteration's batch, sampled ahead at this version
 
 
 @flow(name="prepare", flow_run_name="{settings.pipeline.run_id}-prepare", log_prints=True)
@@ -95,31 +106,48 @@ def prepare(settings: RLSettings) -> Prepared:
     return Prepared(checkpoint, report, policy, weights, seconds)
 
 
-@flow(name="rl_iteration", flow_run_name="{settings.pipeline.run_id}-iter{iteration}", log_prints=True)
-def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights: Artifact) -> Iteration:
+@flow(name="rl_iteration", flow_run_name="{settings.pipeline.run_id}-iter{iteration}", log_prints=True,
+      task_runner=ThreadPoolTaskRunner(max_workers=2))
+def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights: Artifact,
+                 reference: Artifact | None = None, rollouts: Artifact | None = None,
+                 behind: Artifact | None = None) -> Iteration:
     """One iteration: rollout, score, train, save, transfer. ``policy``: the trainer's weights at the
-    version the engine serves (``weights``)."""
+    version the engine serves (``weights``); ``reference``: the frozen policy of the KL penalty
+    (``kl_coef`` > 0). One-step-off-policy: ``rollouts``, this iteration's batch when the previous
+    iteration sampled it ahead; else it is sampled here by ``behind`` (the version before
+    ``weights``; a resumed run finds it published) or, with neither, by ``weights`` (iteration 0)."""
     s, run = settings, run_of(settings)
     cursor = data_position(policy)  # where this iteration's prompts start (datasets), as the trainer state says
+    t0 = time.perf_counter()
+    ahead = s.grpo.max_staleness > 0 and iteration + 1 < s.pipeline.iterations
     with stage_timings() as seconds:
         heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
                    if s.evaluation.due(iteration) else {})
-        rollouts = rollout(run, iteration, weights, s.rollout, cursor=cursor)
-        mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
-                                     s.rollout.temperature)
-                    if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
+        if rollouts is None:
+            rollouts = rollout(run, iteration, behind or weights, s.rollout, cursor=cursor)
         scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages,
                                reward=s.reward)
         refills = refill(s, run, iteration, weights, scored.info["groups_informative"], cursor)
-        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, tuple(sc for _, sc in refills),
-                             cursor)
+        if ahead:  # the next batch, at this version, beside the stages up to the save; its prompts follow this one's
+            serve_version(run.run_id, weights, s.rollout.url)
+            pending = rollout.submit(run, iteration + 1, weights, s.rollout,
+                                     cursor=cursor + s.rollout.prompts_per_iteration * (1 + len(refills)))
+        mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
+                                     s.rollout.temperature)
+                    if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
+        batch = (scored, *(sc for _, sc in refills))
+        ref = reference_logprobs(run, iteration, reference, batch, s.grpo, s.rollout) if s.grpo.kl_coef else None
+        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, batch[1:], cursor, ref)
         checkpoint = save_checkpoint(run, iteration, trained)
+        next_rollouts = pending.result() if ahead else None  # the engine keeps this version until it is done
         engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized)
     metrics = reports.iteration_metrics(iteration, weights, rollouts, scored, trained, engine, heldout, mismatch, seconds)
-    metrics["sampling_rounds"] = 1 + len(refills)
-    served = dataclasses.replace(checkpoint, info={**checkpoint.info, "quantized": s.rollout.quantized})
-    extra = [a for pair in refills for a in pair]
-    return Iteration(checkpoint, served, metrics, [rollouts, scored, *extra, trained, checkpoint, engine])
+    metrics.update(sampling_rounds=1 + len(refills), weight_version=rollouts.version, policy_version=iteration,
+                   staleness=iteration - rollouts.version, seconds_iteration=time.perf_counter() - t0)
+    served = _served(s, checkpoint)
+    extra = [a for pair in refills for a in pair] + ([ref] if ref is not None else [])
+    return Iteration(checkpoint, served, metrics, [rollouts, scored, *extra, trained, checkpoint, engine],
+                     next_rollouts)
 
 
 def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
@@ -151,12 +179,16 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     prep = prepare(s)
     history, done = reports.finished_iterations(s)  # a continued run starts after its last recorded iteration
     policy, weights = prep.policy, prep.weights
+    behind = pending = None  # one-step-off-policy: the previous version's weights; a batch sampled ahead
     if done:
-        policy = next(a for a in done[-1] if a.kind == "dcp" and "manifest" in a.info)  # its checkpoint
-        weights = dataclasses.replace(policy, info={**policy.info, "quantized": s.rollout.quantized})
+        checkpoints = [next(a for a in it if a.kind == "dcp" and "manifest" in a.info) for it in done]
+        policy, weights = checkpoints[-1], _served(s, checkpoints[-1])
+        behind = _served(s, checkpoints[-2]) if len(checkpoints) > 1 else prep.weights
         log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
+    reference = prep.policy if s.grpo.kl_coef else None
     for n in range(len(done), s.pipeline.iterations):
-        it = rl_iteration(s, n, policy, weights)
+        it = rl_iteration(s, n, policy, weights, reference, pending, behind if s.grpo.max_staleness and n else None)
+        behind, pending = weights, it.next_rollouts
         policy, weights = it.policy, it.weights
         history.append(it.metrics)
         done.append(it.lineage)
@@ -167,6 +199,11 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     summary = reports.summary(s, prep.seconds, history, final, time.perf_counter() - t_start)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary
+
+
+def _served(s: RLSettings, checkpoint: Artifact) -> Artifact:
+    """A checkpoint as the weights the engine serves (experts quantised as the run's rollouts are)."""
+    return dataclasses.replace(checkpoint, info={**checkpoint.info, "quantized": s.rollout.quantized})
 
 
 def _flat(prep: Prepared, done: list[list[Artifact]]) -> list[Artifact]:

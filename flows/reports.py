@@ -37,8 +37,8 @@ from prefect.context import FlowRunContext
 from k3core.artifacts import Artifact, ArtifactStore
 from k3core.settings import RLSettings
 
-TABLE_COLUMNS = ["iteration", "weight_version", "reward_mean", "reward_std", "solved_fraction", "heldout_reward",
-                 "heldout_greedy_reward", "kl_rollout_trainer_k3", "clip_fraction", "approx_kl", "ratio_std",
+TABLE_COLUMNS = ["iteration", "weight_version", "staleness", "reward_mean", "reward_std", "solved_fraction", "heldout_reward",
+                 "heldout_greedy_reward", "kl_rollout_trainer_k3", "clip_fraction", "approx_kl", "kl_ref", "ratio_std",
                  "groups_dropped", "sampling_rounds", "entropy", "grad_norm", "response_length_mean", "tis_weight_mean",
                  "train_tokens_per_s", "seconds_rollout", "seconds_train", "transfer_seconds"]
 # The progress artifact of each flow run (created on its first publication, then updated).

@@ -173,6 +173,12 @@ class GRPOSettings(_Section):
     refill_rounds: int = _int(0, "refill-rounds", "dynamic sampling: groups whose rewards are all equal are always "
                               "dropped; while fewer than --prompts-per-iteration groups differ, sample up to this many "
                               "extra rounds of new prompts (0: no refill)")
+    kl_coef: float = _float(0.0, "kl-coef", "coefficient of the KL penalty to the frozen reference policy (the run's "
+                            "starting weights: warmed up, or the source checkpoint), k3 estimator per token; its "
+                            "logprobs come from a stage of their own (0: off)", min=0.0)
+    max_staleness: int = _int(0, "max-staleness", "0: synchronous (each batch sampled by the weights it trains); 1: "
+                              "one-step-off-policy (iteration N+1's batch is sampled by version N while iteration N "
+                              "trains, TIS corrects the lag)")
 
     def problems(self) -> list[str]:
         out = super().problems()
@@ -183,6 +189,8 @@ class GRPOSettings(_Section):
             out.append(f"--tis-cap must be > 0, got {self.tis_cap!r}")
         if isinstance(self.clip_eps_low, (int, float)) and self.clip_eps_low >= 1:
             out.append(f"--clip-eps-low must be < 1 (the ratio's lower bound is 1 - eps), got {self.clip_eps_low!r}")
+        if isinstance(self.max_staleness, int) and self.max_staleness > 1:
+            out.append(f"--max-staleness must be 0 (synchronous) or 1 (one-step-off-policy), got {self.max_staleness!r}")
         return out
 
 

@@ -11,7 +11,8 @@
   (``produced_by``, ``inputs``) for the run's lineage report.
 - Declaration: ``@stage(...)`` on the stage body, in its own module, says all of the above once (task
   run name, published and read URIs as functions of the arguments, extra Prefect options); the flow
-  then calls the stage like a function. ``stage_timings()`` collects each call's wall time.
+  then calls the stage like a function, or ``.submit(...)``s it to run beside what the flow does next
+  (the flow's task runner; ``.result()`` joins it). ``stage_timings()`` collects each call's wall time.
 """
 
 from __future__ import annotations
@@ -166,6 +167,40 @@ class Stage:
             run_id = state.state_details.task_run_id
             out = dataclasses.replace(out, produced_by=name, inputs=tuple(inputs),
                                       produced_by_id=str(run_id) if run_id else "")
+        return out
+
+    def submit(self, *args: Any, **kwargs: Any) -> StageFuture:
+        """Run the stage as a task on the current flow's task runner, concurrently with the flow's next
+        calls (same retries, cache and lineage as a call). Join it with ``.result()``."""
+        task, name, inputs = self.task(*args, **kwargs)
+        return StageFuture(task.submit(*args, **kwargs), name, tuple(inputs), self.key, time.perf_counter())
+
+
+class StageFuture:
+    """A submitted stage. ``result()`` waits for it and returns what a call would have returned; the
+    timings of the enclosing ``stage_timings()`` block get ``<key>_ahead`` (its wall time from
+    submission to completion, spent beside other stages) and ``<key>_wait`` (how long the flow then
+    still waited for it: the part the overlap did not hide)."""
+
+    def __init__(self, future: Any, name: str, inputs: tuple[str, ...], key: str, submitted: float):
+        self.future, self.name, self.inputs, self.key = future, name, inputs, key
+        self._done_at: float | None = None
+        self._submitted = submitted
+        future.add_done_callback(self._mark_done)
+
+    def _mark_done(self, _future: Any) -> None:
+        self._done_at = time.perf_counter()
+
+    def result(self) -> Any:
+        t0 = time.perf_counter()
+        out = self.future.result()
+        t1 = time.perf_counter()
+        seconds = _timings.get()
+        if seconds is not None:
+            seconds[f"{self.key}_wait"] = seconds.get(f"{self.key}_wait", 0.0) + t1 - t0
+            seconds[f"{self.key}_ahead"] = seconds.get(f"{self.key}_ahead", 0.0) + (self._done_at or t1) - self._submitted
+        if isinstance(out, Artifact):
+            out = dataclasses.replace(out, produced_by=self.name, inputs=self.inputs)
         return out
 
 

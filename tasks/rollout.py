@@ -68,6 +68,14 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local"):
     return client
 
 
+def serve_version(run_id: str, weights: Artifact, url: str = "local") -> None:
+    """Bring the engine (embedded, or the server at ``url``) to ``weights.version`` in the calling
+    thread. The one-step-off-policy flow calls it before it submits the next rollout, so that rollout
+    finds its engine ready and never reads the trainer's live model, which the train step running
+    beside it changes in place."""
+    rollout_client(run_id, weights, url)
+
+
 def _rel(run: Run, iteration: int, refill: int = 0) -> str:
     return run.iter_rel(iteration, f"rollouts-refill{refill}.parquet" if refill else "rollouts.parquet")
 
@@ -115,11 +123,14 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
         pq.write_table(table, tmp)
 
     path = run.store.publish_once(_rel(run, iteration, refill), build)
-    table = pq.read_table(path, columns=["output_ids"])
+    table = pq.read_table(path, columns=["output_ids", "weight_version"])
     tokens = sum(len(x) for x in table.column("output_ids").to_pylist())
+    # the version the rows were sampled with: a batch published earlier (sampled ahead by the previous
+    # version in one-step-off-policy mode, then resumed in another mode) keeps its own
+    (version,) = set(table.column("weight_version").to_pylist())
     get_run_logger().info(f"iteration {iteration}{f' refill {refill}' if refill else ''}: {table.num_rows} samples, "
-                          f"{tokens} tokens, weight version {weights.version}, engine {settings.url}")
-    return run.store.handle(_rel(run, iteration, refill), "rollouts", version=weights.version, rows=table.num_rows,
+                          f"{tokens} tokens, weight version {version}, engine {settings.url}")
+    return run.store.handle(_rel(run, iteration, refill), "rollouts", version=version, rows=table.num_rows,
                             tokens=tokens)
 
 

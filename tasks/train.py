@@ -44,16 +44,20 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
 
 @stage(run_name="train_step-iter{iteration}", key="train",
        outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))],
-       inputs=lambda state, scored, refills, **_: [state.uri, scored.uri, *(a.uri for a in refills)])
+       inputs=lambda state, scored, refills, reference, **_: [state.uri, scored.uri, *(a.uri for a in refills),
+                                                              reference.uri if reference else ""])
 def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, settings: GRPOSettings,
-               sampling: RolloutSettings, refills: tuple[Artifact, ...] = (), cursor: int = 0) -> Artifact:
+               sampling: RolloutSettings, refills: tuple[Artifact, ...] = (), cursor: int = 0,
+               reference: Artifact | None = None) -> Artifact:
     """``sampling``: the settings the rollouts were sampled with (the trainer's log-probabilities use
     their temperature; ``max_new_tokens`` is the constant of ``seq-sum`` aggregation; at most
     ``prompts_per_iteration`` informative groups are trained on). ``refills``: the scored tables of
     dynamic-sampling refill rounds, trained on with ``scored``. Per-update statistics go into the
     trainer state's ``extra.json`` (``metrics.per_update``). ``cursor``: the data position the
     iteration's rollouts started at; the state records where the next iteration starts
-    (``data_cursor.position``: past every round's prompts, trained on or not)."""
+    (``data_cursor.position``: past every round's prompts, trained on or not). ``reference``: the
+    frozen reference's log-probabilities of the batch (``tasks.reference``), required when
+    ``settings.kl_coef`` > 0."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -62,16 +66,21 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
     from k3core.tokenizer import ByteTokenizer
 
     rel = _rel(run, iteration)
+    if settings.kl_coef and reference is None:
+        raise ValueError(f"--kl-coef {settings.kl_coef} needs the reference's logprobs of iteration {iteration} "
+                         "(the reference_logprobs stage); set --kl-coef 0 to train without the penalty")
 
     def build(tmp):
         model, opt = _trainer(run, state, settings)
         table = pa.concat_tables([pq.read_table(a.path) for a in (scored, *refills)])
         metrics = train_on_table(model, opt, table, settings, ByteTokenizer(model.config).pad_id,
                                  temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
-                                 max_groups=sampling.prompts_per_iteration)
+                                 max_groups=sampling.prompts_per_iteration,
+                                 reference=pq.read_table(reference.path) if reference is not None else None)
         position = cursor + sampling.prompts_per_iteration * (1 + len(refills))
         extra = {"iteration": iteration + 1, "data_cursor": {"next_iteration": iteration + 1, "position": position},
-                 "parent": state.uri, "scored": scored.uri, "refills": [a.uri for a in refills], "metrics": metrics}
+                 "parent": state.uri, "scored": scored.uri, "refills": [a.uri for a in refills],
+                 "reference": reference.uri if reference is not None else None, "metrics": metrics}
         save_trainer_state(tmp / "state", model, opt, extra, storage_writer_factory=_writer_factory())
         extra = json.loads((tmp / "state" / "extra.json").read_text())
         trainers.put(run.run_id, trainers.LiveTrainer(iteration + 1, model, opt, extra, rng_state()))

@@ -38,6 +38,14 @@ SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + [
 ])
 
 
+# The frozen reference policy's log-probability of each generated token of a batch (KL penalty).
+REF_LOGPROBS_SCHEMA = pa.schema([
+    ("prompt_index", pa.int32()),
+    ("sample_index", pa.int32()),
+    ("ref_logprobs", pa.list_(pa.float32())),
+])
+
+
 def _draw(env, rng: random.Random, n: int, want_heldout: bool, spec: str, max_tries: int = 200) -> list[str]:
     out: list[str] = []
     for _ in range(max_tries):

@@ -11,7 +11,15 @@ Three log-probabilities per generated token:
   ratio    = exp(logp - logp_old)
   w_tis    = min(exp(logp_old - logp_rollout), tis_cap)             detached: corrects the sampler
   loss_tok = -w_tis * min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+             + kl_coef * k3_ref                                        optional penalty to a frozen reference
+  k3_ref   = exp(logp_ref - logp) - (logp_ref - logp) - 1            k3 estimate of KL(trainer || reference)
   loss     = sum(loss_tok * weight)                                  weight: ``loss_weights``
+
+A fourth, optional log-probability, ``logp_ref`` (no gradient), is a frozen reference policy's (the
+run's starting weights) on the same tokens. k3_ref >= 0, is 0 where the two agree, and its mean under
+samples of the trainer is KL(trainer || reference) (E_p[q/p] = 1); d k3_ref / d logp = 1 - q/p pulls
+each token's log-probability back toward the reference's. The penalty is not weighted by TIS (it is a
+regulariser on the trainer, not a policy-gradient estimate) and is aggregated like the rest.
 
 Loss aggregation (``loss_weights``; ``n`` sequences and ``N`` generated tokens in the minibatch the
 update averages over, ``|y_i|`` the length of completion i, ``C`` a constant):
@@ -95,6 +103,7 @@ class GRPOStats:
     ratio_std: float = 0.0
     ratio_min: float = 1.0
     ratio_max: float = 1.0
+    kl_ref: float = 0.0  # k3 of KL(trainer || reference) on these tokens (0 without a reference)
 
 
 def merge_stats(parts: list[GRPOStats]) -> GRPOStats:
@@ -105,7 +114,7 @@ def merge_stats(parts: list[GRPOStats]) -> GRPOStats:
     if n == 0:
         return GRPOStats(sum(p.loss for p in parts), 0.0, 0.0, 0.0, 0.0, 0.0, 0)
     means = ("clip_fraction", "kl_rollout_trainer_k3", "kl_rollout_trainer_k1", "tis_weight_mean",
-             "tis_truncated_fraction", "approx_kl", "ratio_mean")
+             "tis_truncated_fraction", "approx_kl", "ratio_mean", "kl_ref")
     out = {k: sum(getattr(p, k) * p.tokens for p in parts) / n for k in means}
     second = sum((p.ratio_std ** 2 + p.ratio_mean ** 2) * p.tokens for p in parts) / n
     live = [p for p in parts if p.tokens]
@@ -116,14 +125,22 @@ def merge_stats(parts: list[GRPOStats]) -> GRPOStats:
 
 def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, clip_eps_low: float = 0.2, clip_eps_high: float = 0.28,
-              tis_cap: float | None = 2.0, weights: torch.Tensor | None = None) -> tuple[torch.Tensor, GRPOStats]:
+              tis_cap: float | None = 2.0, weights: torch.Tensor | None = None, logp_ref: torch.Tensor | None = None,
+              kl_coef: float = 0.0) -> tuple[torch.Tensor, GRPOStats]:
     """Token tensors ``[B, T]``; advantages ``[B]`` (per sequence) or ``[B, T]``; mask ``[B, T]`` of
     generated (trained) tokens; ``weights`` ``[B, T]``: the aggregation weights (``loss_weights``;
-    default token-mean over ``mask``). Returns the scalar loss ``sum(loss_tok * weights)`` and
-    detached statistics (means over the masked tokens)."""
+    default token-mean over ``mask``); ``logp_ref`` ``[B, T]``: the frozen reference's log-probabilities
+    (``kl_ref`` is reported whenever it is given; the penalty ``kl_coef * k3_ref`` joins the loss when
+    ``kl_coef`` > 0, which needs it). Returns the scalar loss ``sum(loss_tok * weights)`` and detached
+    statistics (means over the masked tokens)."""
     if not (logp.shape == logp_old.shape == logp_rollout.shape == mask.shape):
         raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, logp_old {tuple(logp_old.shape)}, "
                          f"logp_rollout {tuple(logp_rollout.shape)}, mask {tuple(mask.shape)}")
+    if kl_coef and logp_ref is None:
+        raise ValueError(f"kl_coef {kl_coef} needs the reference's log-probabilities (logp_ref); "
+                         "compute them with the reference stage, or set kl_coef 0")
+    if logp_ref is not None and logp_ref.shape != mask.shape:
+        raise ValueError(f"logp_ref has shape {tuple(logp_ref.shape)}, the mask {tuple(mask.shape)}")
     m = mask.float()
     n = m.sum().clamp_min(1.0)
     A = advantages.float()
@@ -138,6 +155,12 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Te
     rho = torch.exp(log_rho)
     w = rho if tis_cap is None else rho.clamp(max=tis_cap)
     per_tok = -w * torch.minimum(unclipped, clipped)
+    kl_tok = None
+    if logp_ref is not None:
+        d = (logp_ref.detach().float() - logp.float()).masked_fill(m == 0, 0.0)  # log(q / p); 0 off the mask
+        kl_tok = torch.exp(d) - d - 1.0
+        if kl_coef:
+            per_tok = per_tok + kl_coef * kl_tok
     if weights is None:
         weights = loss_weights(mask)
     elif weights.shape != mask.shape:
@@ -160,7 +183,8 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Te
                           tis_truncated_fraction=float(trunc), tokens=int(m.sum()), approx_kl=float(approx_kl),
                           ratio_mean=float(r_mean) if any_on else 1.0, ratio_std=float(r_std),
                           ratio_min=float(r[on].min()) if any_on else 1.0,
-                          ratio_max=float(r[on].max()) if any_on else 1.0)
+                          ratio_max=float(r[on].max()) if any_on else 1.0,
+                          kl_ref=float((kl_tok.detach() * m).sum() / n) if kl_tok is not None else 0.0)
     return loss, stats
 
 

@@ -1,6 +1,8 @@
 """RL in one process, without Prefect or artifacts: the functions the pipeline's stages call
 (``training_prompts``, ``rollout_table``, ``score_table``, ``train_on_table`` with ``StreamedAdamW``),
-with a float engine that takes the trainer's weights in memory after every update. For notebooks,
+with a float engine that takes the trainer's weights in memory after every update. With
+``kl_coef`` > 0 the frozen reference is the starting model, and its log-probabilities of each batch
+come from ``reference_logprobs_table`` (the pipeline's reference stage). For notebooks,
 the learning test and the update-rule benchmark; the pipeline itself is ``flows/pipeline.py``."""
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 from k3core.rl.data import heldout_prompts, training_prompts
 from k3core.rl.tables import rollout_table, score_table
-from k3core.rl.train import train_on_table
+from k3core.rl.train import reference_logprobs_table, train_on_table
 from k3core.rl.trainer_state import make_optimizer
 from k3core.rl.weights import engine_from_model, engine_state
 from k3core.rollout.engine import SamplingParams
@@ -28,14 +30,16 @@ def rl_in_process(env, spec: str, config: K3Config, seed: int, iterations: int, 
 
     Held-out reward (``heldout`` prompts x 4 samples, fixed seed) is measured before the first update,
     every ``eval_every`` iterations (0: never in between) and after the last. Returns ``heldout``
-    ({iteration: reward}), ``train_reward``, ``metrics`` (the train step's, per iteration) and
-    ``seconds`` (per iteration, rollout to weight load)."""
+    ({iteration: reward}), ``train_reward``, ``metrics`` (the train step's, per iteration),
+    ``seconds`` (per iteration, rollout to weight load), ``model`` (the trained policy) and
+    ``reference`` (the frozen starting model, when ``settings.kl_coef`` > 0)."""
     torch.manual_seed(seed)
     model = K3ForCausalLM(config)
     model.reset_parameters(seed)
     tok = ByteTokenizer(config)
     engine = engine_from_model(copy.deepcopy(model).eval(), 0, quantized=False)
     optimizer = make_optimizer(model, settings.lr)
+    reference = copy.deepcopy(model).requires_grad_(False) if settings.kl_coef else None
 
     def sampling(n: int, sample_seed: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, n=n, seed=sample_seed,
@@ -52,11 +56,13 @@ def rl_in_process(env, spec: str, config: K3Config, seed: int, iterations: int, 
         batch = rollout_table(engine, tok, training_prompts(env, seed, it, prompts, spec),
                               sampling(group, seed * 100003 + it), it)
         scored, stats = score_table(batch, env, spec, group, scale_advantages=settings.scale_advantages)
+        ref = None if reference is None else reference_logprobs_table(reference, scored, settings, tok.pad_id, 1.0)
         out["metrics"].append(train_on_table(model, optimizer, scored, settings, tok.pad_id, 1.0,
-                                             seq_sum_norm=max_new_tokens))
+                                             seq_sum_norm=max_new_tokens, reference=ref))
         engine.load_weights(engine_state(model, quantize_experts=False), it + 1)
         out["seconds"].append(time.perf_counter() - t0)
         out["train_reward"].append(stats["reward_mean"])
         if (eval_every and (it + 1) % eval_every == 0) or it + 1 == iterations:
             out["heldout"][it + 1] = heldout_reward(it + 1)
+    out.update(model=model, reference=reference)
     return out

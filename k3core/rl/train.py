@@ -32,6 +32,7 @@ class RLSequence:
     rollout_logprobs: list[float] | None = None
     advantage: float = 0.0
     routing: torch.Tensor | None = None  # [len(prompt)+len(output)-1, n_moe, k]
+    ref_logprobs: list[float] | None = None  # the frozen reference's, per generated token (KL penalty)
 
 
 def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = False) -> dict[str, torch.Tensor]:
@@ -49,6 +50,7 @@ def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = Fal
     valid = torch.zeros(B, L, dtype=torch.bool)
     gen = torch.zeros(B, L, dtype=torch.bool)
     lp_roll = torch.zeros(B, L)
+    lp_ref = torch.zeros(B, L) if any(s.ref_logprobs is not None for s in seqs) else None
     adv = torch.zeros(B)
     routing = None
     for b, (s, f) in enumerate(zip(seqs, full)):
@@ -62,6 +64,12 @@ def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = Fal
             if len(s.rollout_logprobs) != len(s.output_ids):
                 raise ValueError(f"sequence {b}: {len(s.rollout_logprobs)} rollout logprobs for {len(s.output_ids)} tokens")
             lp_roll[b, p - 1:n] = torch.tensor(s.rollout_logprobs)
+        if lp_ref is not None:
+            if s.ref_logprobs is None or len(s.ref_logprobs) != len(s.output_ids):
+                got = None if s.ref_logprobs is None else len(s.ref_logprobs)
+                raise ValueError(f"sequence {b}: {got} reference logprobs for {len(s.output_ids)} tokens (every "
+                                 "sequence of a batch needs them once one has)")
+            lp_ref[b, p - 1:n] = torch.tensor(s.ref_logprobs)
         adv[b] = s.advantage
     if with_routing:
         first = next((s.routing for s in seqs if s.routing is not None), None)
@@ -76,7 +84,7 @@ def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = Fal
                 raise ValueError(f"routing replay: sequence {b} has routing {got}, needs {n} positions")
             routing[b, :n] = s.routing.long()
     return {"input_ids": ids, "targets": tgt, "valid": valid, "gen_mask": gen, "rollout_logprobs": lp_roll,
-            "advantages": adv, "routing": routing}
+            "advantages": adv, "routing": routing, "ref_logprobs": lp_ref}
 
 
 def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
@@ -126,8 +134,8 @@ def old_logprobs(model: K3ForCausalLM, seqs: list[RLSequence], cfg: GRPOSettings
     return out
 
 
-_PER_UPDATE = ("loss", "clip_fraction", "approx_kl", "ratio_mean", "ratio_std", "ratio_min", "ratio_max", "grad_norm",
-               "tokens", "sequences", "micro_batches")
+_PER_UPDATE = ("loss", "clip_fraction", "approx_kl", "kl_ref", "ratio_mean", "ratio_std", "ratio_min", "ratio_max",
+               "grad_norm", "tokens", "sequences", "micro_batches")
 
 
 def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs: list[RLSequence],
@@ -141,7 +149,10 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
     one extra forward pass when there are several updates, and the detached ``logp`` itself when
     there is one (that update is on-policy: ratio 1, no clipping). TIS corrects the rollout engine's
     mismatch against ``logp_old``. ``seq_sum_norm``: the constant of ``seq-sum`` (the completion
-    length cap; default the longest completion of the batch).
+    length cap; default the longest completion of the batch). ``cfg.kl_coef`` > 0 adds the KL penalty
+    to the frozen reference, whose log-probabilities every sequence must carry (``ref_logprobs``);
+    ``kl_ref`` (k3 of KL(trainer || reference) on the update's tokens, before its step) is reported
+    per update whenever they are there.
 
     Returns flat metrics: the batch's rollout-mismatch statistics (over every token, first pass),
     per-update statistics aggregated (``<name>`` the mean over updates, ``<name>_first`` /
@@ -154,6 +165,9 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
         raise ValueError("empty batch: no sequences to train on")
     n_mb = min(cfg.minibatches, len(seqs))
     n_updates = cfg.ppo_epochs * n_mb
+    if cfg.kl_coef and any(s.ref_logprobs is None for s in seqs):
+        raise ValueError(f"kl_coef {cfg.kl_coef}: the batch has sequences without the reference's logprobs "
+                         "(run the reference_logprobs stage on it, or set kl_coef 0)")
     if cfg.loss_aggregation == "seq-sum" and seq_sum_norm is None:
         seq_sum_norm = max(len(s.output_ids) for s in seqs)
     old = old_logprobs(model, seqs, cfg, pad_id, temperature) if n_updates > 1 else None
@@ -181,8 +195,10 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
                     logp_old = torch.zeros_like(logp)
                     logp_old[mask] = torch.cat([old[mb[j]] for j in idx]).to(dev)
                 w = loss_weights(mask, cfg.loss_aggregation, tokens=tokens, sequences=len(mseqs), norm=seq_sum_norm)
+                ref = batch["ref_logprobs"]
                 loss, st = grpo_loss(logp, logp_old, batch["rollout_logprobs"].to(dev), batch["advantages"].to(dev),
-                                     mask, cfg.clip_eps_low, cfg.clip_eps_high, cfg.tis_cap, weights=w)
+                                     mask, cfg.clip_eps_low, cfg.clip_eps_high, cfg.tis_cap, weights=w,
+                                     logp_ref=None if ref is None else ref.to(dev), kl_coef=cfg.kl_coef)
                 loss.backward()
                 parts.append(st)
                 forwarded += int(batch["valid"].sum())
@@ -204,7 +220,7 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
     batch_stats = merge_stats(first_pass)
     m = {k: getattr(batch_stats, k) for k in ("kl_rollout_trainer_k3", "kl_rollout_trainer_k1", "tis_weight_mean",
                                               "tis_truncated_fraction", "tokens")}
-    for k in ("loss", "clip_fraction", "approx_kl", "ratio_std", "grad_norm"):
+    for k in ("loss", "clip_fraction", "approx_kl", "kl_ref", "ratio_std", "grad_norm"):
         vals = [u[k] for u in updates]
         m.update({k: sum(vals) / len(vals), f"{k}_first": vals[0], f"{k}_last": vals[-1]})
     m.update(ratio_min=min(u["ratio_min"] for u in updates), ratio_max=max(u["ratio_max"] for u in updates),
@@ -234,22 +250,53 @@ def table_to_sequences(table: pa.Table, n_moe: int, top_k: int) -> list[RLSequen
     seqs = []
     for r in table.to_pylist():
         routing = torch.tensor(r["routing"], dtype=torch.int16).view(-1, n_moe, top_k) if n_moe else None
-        seqs.append(RLSequence(r["prompt_ids"], r["output_ids"], r["logprobs"], r["advantage"], routing))
+        seqs.append(RLSequence(r["prompt_ids"], r["output_ids"], r["logprobs"], r.get("advantage", 0.0), routing))
     return seqs
+
+
+def reference_logprobs_table(reference: K3ForCausalLM, table: pa.Table, cfg: GRPOSettings, pad_id: int,
+                             temperature: float = 1.0) -> pa.Table:
+    """The frozen ``reference``'s log-probability of every generated token of ``table`` (rollout or
+    scored rows), computed as the trainer computes its own (``old_logprobs``: same temperature, same
+    micro-batches, through the rollout's experts when ``cfg.routing_replay``), so that a trainer at
+    the reference's weights sees no penalty (up to float rounding). One row per input row, keyed by
+    (``prompt_index``, ``sample_index``): ``REF_LOGPROBS_SCHEMA``."""
+    from k3core.rl.data import REF_LOGPROBS_SCHEMA
+
+    seqs = table_to_sequences(table, len(reference.moe_layer_ids), reference.config.num_experts_per_token)
+    lps = old_logprobs(reference, seqs, cfg, pad_id, temperature)
+    return pa.table({"prompt_index": table.column("prompt_index"), "sample_index": table.column("sample_index"),
+                     "ref_logprobs": [lp.tolist() for lp in lps]}, schema=REF_LOGPROBS_SCHEMA)
+
+
+def attach_reference(seqs: list[RLSequence], table: pa.Table, ref: pa.Table) -> None:
+    """Give each sequence (built from ``table``'s rows, in order) its reference log-probabilities from
+    ``ref`` (``reference_logprobs_table``), matched by (prompt_index, sample_index)."""
+    by_key = {(p, s): lp for p, s, lp in zip(ref.column("prompt_index").to_pylist(),
+                                             ref.column("sample_index").to_pylist(),
+                                             ref.column("ref_logprobs").to_pylist())}
+    for seq, p, s in zip(seqs, table.column("prompt_index").to_pylist(), table.column("sample_index").to_pylist()):
+        if (p, s) not in by_key:
+            raise ValueError(f"no reference logprobs for prompt {p} sample {s}: the reference table was computed on "
+                             "another batch (recompute it on this one)")
+        seq.ref_logprobs = by_key[(p, s)]
 
 
 def train_on_table(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, table: pa.Table, cfg: GRPOSettings,
                    pad_id: int, temperature: float = 1.0, seq_sum_norm: float | None = None,
-                   max_groups: int | None = None) -> dict:
+                   max_groups: int | None = None, reference: pa.Table | None = None) -> dict:
     """GRPO updates on a scored batch (``grpo_train_step``). Dynamic sampling: groups (rows sharing a
     ``prompt_index``) whose rewards are all equal carry no signal and are dropped before the batch is
     split and before the loss is normalised; of the others, the first ``max_groups`` by prompt index
     are trained on (a batch refilled by extra rollout rounds keeps its size). Reported:
     ``groups_sampled``, ``groups_dropped`` (uniform), ``groups_unused`` (beyond ``max_groups``),
     ``groups_trained``, ``sequences``. A batch where every group is uniform is a no-op step
-    (``skipped`` 1)."""
+    (``skipped`` 1). ``reference``: the frozen reference's log-probabilities of the batch
+    (``reference_logprobs_table``), needed when ``cfg.kl_coef`` > 0."""
     n_moe, k = len(model.moe_layer_ids), model.config.num_experts_per_token
     seqs = table_to_sequences(table, n_moe, k)
+    if reference is not None:
+        attach_reference(seqs, table, reference)
     index = table.column("prompt_index").to_pylist()
     groups: dict[int, list[int]] = {}
     for i, g in enumerate(index):

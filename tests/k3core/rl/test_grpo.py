@@ -131,3 +131,55 @@ def test_k3_is_unbiased_kl_estimate():
     kl = float((pr * (pr.log() - pt.log())).sum())
     assert st.kl_rollout_trainer_k3 == pytest.approx(kl, rel=0.03)
     assert st.kl_rollout_trainer_k1 == pytest.approx(kl, rel=0.03)
+
+
+def test_kl_penalty_value_and_gradient_against_a_naive_loop():
+    """loss_tok gains kl_coef * (exp(ref - logp) - (ref - logp) - 1); its gradient in logp is
+    kl_coef * (1 - exp(ref - logp)) times the token's weight; padding contributes nothing."""
+    torch.manual_seed(1)
+    B, T, c = 3, 5, 0.7
+    old = -torch.rand(B, T) * 3
+    logp = (old + 0.3 * torch.randn(B, T)).requires_grad_(True)
+    roll = old + 0.2 * torch.randn(B, T)
+    ref = old + 0.5 * torch.randn(B, T)
+    ref[0, 4] = 50.0  # a huge value on a padded position must not leak into the loss
+    adv = torch.randn(B)
+    mask = torch.ones(B, T)
+    mask[0, 4] = mask[2, 3:] = 0.0
+    base, st0 = grpo_loss(logp, old, roll, adv, mask)
+    with_kl, st = grpo_loss(logp, old, roll, adv, mask, logp_ref=ref, kl_coef=c)
+    n = int(mask.sum())
+    k3 = [[math.exp(float(ref[b, t] - logp[b, t])) - float(ref[b, t] - logp[b, t]) - 1 for t in range(T)]
+          for b in range(B)]
+    penalty = sum(k3[b][t] for b in range(B) for t in range(T) if mask[b, t]) / n
+    assert float(with_kl - base) == pytest.approx(c * penalty, rel=1e-5)
+    assert st.kl_ref == pytest.approx(penalty, rel=1e-5) and st0.kl_ref == 0.0
+    (g_base,) = torch.autograd.grad(base, logp)
+    (g_kl,) = torch.autograd.grad(with_kl, logp)
+    want = torch.tensor([[c * (1 - math.exp(float(ref[b, t] - logp[b, t]))) / n if mask[b, t] else 0.0
+                          for t in range(T)] for b in range(B)])
+    torch.testing.assert_close(g_kl - g_base, want, atol=1e-6, rtol=1e-5)
+    # reported, but no penalty, with a zero coefficient; a coefficient without a reference is refused
+    same, st_ref = grpo_loss(logp, old, roll, adv, mask, logp_ref=ref, kl_coef=0.0)
+    assert float(same) == pytest.approx(float(base)) and st_ref.kl_ref == pytest.approx(penalty, rel=1e-5)
+    with pytest.raises(ValueError, match="logp_ref"):
+        grpo_loss(logp, old, roll, adv, mask, kl_coef=0.1)
+
+
+def test_kl_penalty_is_exact_kl_of_trainer_to_reference_under_the_trainer():
+    """Weighting each vocabulary item by its probability under the trainer (the expectation the
+    samples estimate), the penalty is KL(p || q) = sum p log(p / q) in closed form, not the reverse
+    KL; and zero when the trainer is the reference."""
+    torch.manual_seed(2)
+    p = torch.softmax(torch.randn(1, 9) * 2, -1)
+    q = torch.softmax(torch.randn(1, 9) * 2, -1)
+    lp = p.log().requires_grad_(True)
+    zero = torch.zeros(1)
+    loss, st = grpo_loss(lp, lp.detach(), lp.detach(), zero, torch.ones(1, 9), weights=p, logp_ref=q.log(), kl_coef=1.0)
+    kl_pq = float((p * (p.log() - q.log())).sum())
+    kl_qp = float((q * (q.log() - p.log())).sum())
+    assert float(loss) == pytest.approx(kl_pq, rel=1e-5)
+    assert abs(kl_pq - kl_qp) > 0.05  # the two directions differ here, so the check tells them apart
+    same, st = grpo_loss(lp, lp.detach(), lp.detach(), zero, torch.ones(1, 9), weights=p, logp_ref=p.log(),
+                         kl_coef=1.0)
+    assert float(same) == pytest.approx(0.0, abs=1e-7) and st.kl_ref == pytest.approx(0.0, abs=1e-7)

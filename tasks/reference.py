@@ -1,0 +1,69 @@
+"""reference_logprobs: the frozen reference policy's log-probability of every generated token of an
+iteration's batch (the scored table and any refill rounds'), for the KL penalty of the train step
+(``GRPOSettings.kl_coef``). The reference is a public-layout checkpoint that never changes during
+the run (the pipeline passes its starting policy: the warmed-up weights, or the fetched checkpoint);
+it is read once per process and kept, keyed by its content hash. Output: ``iter-N/ref-logprobs.parquet``
+(``REF_LOGPROBS_SCHEMA``: prompt_index, sample_index, ref_logprobs), published atomically."""
+
+from __future__ import annotations
+
+import threading
+
+from prefect import get_run_logger
+
+from k3core.artifacts import Artifact
+from k3core.settings import GRPOSettings, RolloutSettings
+from tasks.common import Run, stage
+
+_lock = threading.Lock()
+_models: dict[str, object] = {}  # reference sha256 -> model (frozen; read only)
+
+
+def reference_model(reference: Artifact):
+    """The reference policy of ``reference`` (read once per process; the caller must not change it)."""
+    if reference.kind == "dcp":
+        raise ValueError(f"the KL reference {reference.uri} is a trainer state: give a public-layout checkpoint "
+                         "(the run's warmed-up or fetched weights)")
+    with _lock:
+        model = _models.get(reference.sha256)
+        if model is None:
+            from k3core.rl.weights import load_policy
+
+            model = load_policy(reference.path).requires_grad_(False)
+            _models.clear()  # one reference per process at a time
+            _models[reference.sha256] = model
+        return model
+
+
+def _rel(run: Run, iteration: int) -> str:
+    return run.iter_rel(iteration, "ref-logprobs.parquet")
+
+
+@stage(run_name="reference_logprobs-iter{iteration}", key="reference",
+       outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))],
+       inputs=lambda reference, scored, **_: [reference.uri, *(a.uri for a in scored)])
+def reference_logprobs(run: Run, iteration: int, reference: Artifact, scored: tuple[Artifact, ...],
+                       settings: GRPOSettings, sampling: RolloutSettings) -> Artifact:
+    """``scored``: the iteration's scored tables (first round, then refills); their rows are keyed by
+    (prompt_index, sample_index), distinct across rounds. The log-probabilities are the trainer's
+    computation on the reference's weights (``reference_logprobs_table``: the rollouts' temperature,
+    ``settings.micro_batch_tokens``, routing replay as ``settings.routing_replay``)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from k3core.rl.train import reference_logprobs_table
+    from k3core.tokenizer import ByteTokenizer
+
+    rel = _rel(run, iteration)
+
+    def build(tmp):
+        model = reference_model(reference)
+        table = pa.concat_tables([pq.read_table(a.path) for a in scored])
+        out = reference_logprobs_table(model, table, settings, ByteTokenizer(model.config).pad_id,
+                                       temperature=sampling.temperature)
+        pq.write_table(out, tmp)
+
+    path = run.store.publish_once(rel, build)
+    rows = pq.read_metadata(path).num_rows
+    get_run_logger().info(f"iteration {iteration}: reference logprobs of {rows} rollouts from {reference.uri}")
+    return run.store.handle(rel, "ref-logprobs", version=reference.version, rows=rows)

@@ -1,0 +1,164 @@
+"""One-step-off-policy mode (``max_staleness`` 1) with the KL penalty to the frozen reference, end to
+end on the tiny preset in Prefect's embedded mode: each batch records the version that sampled it
+(iteration N trains on version N-1's batch), the reference stage publishes its table, and a run that
+crashes with a batch sampled ahead but not yet trained resumes on that very batch (never sampled
+again) and ends bit-identical to the uninterrupted run."""
+
+import json
+import textwrap
+import threading
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from flows.pipeline import RLSettings, rl_run
+from k3core.rl.data import REF_LOGPROBS_SCHEMA
+from k3core.settings import SettingsError
+from tasks import engines, trainers
+
+ENV_SRC = textwrap.dedent('''
+    import os
+    from k3core.rl.envs import ReverseEnv
+
+    class FlakyEven(ReverseEnv):
+        """Reversal prompts; reward: the fraction of even bytes of the completion (varied rewards from
+        a random tiny policy, so every iteration takes an optimizer step). The scorer crashes while
+        K3RL_TEST_CRASH_FILE exists."""
+        name = "flaky-even"
+        def reward(self, prompt, completion):
+            marker = os.environ.get("K3RL_TEST_CRASH_FILE")
+            if marker and os.path.exists(marker):
+                raise RuntimeError("injected scorer crash")
+            data = completion.encode()
+            return sum(b % 2 == 0 for b in data) / len(data) if data else 0.0
+
+    def make():
+        return FlakyEven()
+''')
+
+
+def _settings(root: Path, run_id: str, **kw) -> RLSettings:
+    base = dict(preset="tiny", source="init:tiny:3", env="flaky_even_for_tests:make", iterations=3,
+                artifacts=str(root), run_id=run_id, prompts_per_iteration=4, samples_per_prompt=4,
+                max_new_tokens=4, warmup_steps=3, warmup_batch=8, eval_prompts=8, eval_every=2, lr=1e-3,
+                max_staleness=1, kl_coef=0.5)
+    base.update(kw)
+    return RLSettings.from_dict(base)
+
+
+def _final_state(root: Path, run_id: str):
+    from k3core.rl.trainer_state import load_trainer_state
+    latest = json.loads((root / "runs" / run_id / "latest.json").read_text())
+    path = Path(latest["checkpoint"].removeprefix("file://")) / "state"
+    return latest, load_trainer_state(path, lr=0.0)[0].state_dict()
+
+
+def _versions(path: Path) -> set[int]:
+    return set(pq.read_table(path, columns=["weight_version"]).column("weight_version").to_pylist())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("updates", [{}, {"ppo_epochs": 2, "minibatches": 2}], ids=["one-update", "2x2-minibatches"])
+def test_off_policy_run_resumes_on_the_batch_sampled_ahead(tmp_path, monkeypatch, prefect_harness, updates):
+    """With minibatches the train step shuffles from the process's RNG while the rollout ahead runs in
+    another thread: the runs must still agree bit for bit."""
+    (tmp_path / "flaky_even_for_tests.py").write_text(ENV_SRC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "crash-now"
+    monkeypatch.setenv("K3RL_TEST_CRASH_FILE", str(marker))
+    import k3core.rl.tables as tables
+
+    calls = {"rollout": 0}
+    threads: list[int] = []  # the thread of each rollout
+    real_rollout = tables.rollout_table
+
+    def counting_rollout(*a, **k):
+        calls["rollout"] += 1
+        threads.append(threading.get_ident())
+        if calls["rollout"] == crash_at[0]:
+            marker.write_text("crash")  # the next scorer to run (iteration 2's) raises
+        return real_rollout(*a, **k)
+
+    crash_at = [0]
+    monkeypatch.setattr(tables, "rollout_table", counting_rollout)
+    import k3core.rl.train as train
+
+    train_threads: list[int] = []
+    real_train = train.train_on_table
+    monkeypatch.setattr(train, "train_on_table",
+                        lambda *a, **k: train_threads.append(threading.get_ident()) or real_train(*a, **k))
+
+    # A: uninterrupted
+    engines.clear()
+    trainers.clear()
+    rl_run(_settings(tmp_path / "a", "run-a", **updates))
+    root_a = tmp_path / "a" / "runs" / "run-a"
+    assert calls["rollout"] == 3  # batches 0, 1 (both by version 0) and 2 (by version 1); none after the last
+    # batch 0 is sampled in line by the flow; the batches sampled ahead run as submitted tasks, on the
+    # task runner's worker threads, while the flow's thread goes on to the train step
+    assert threads[0] in train_threads and not set(threads[1:]) & set(train_threads), (threads, train_threads)
+    metrics = json.loads((root_a / "metrics.json").read_text())
+    assert [m["staleness"] for m in metrics] == [0, 1, 1]
+    assert [m["weight_version"] for m in metrics] == [0, 0, 1]
+    assert [m["policy_version"] for m in metrics] == [0, 1, 2]
+    for n, v in enumerate([0, 0, 1]):
+        assert _versions(root_a / f"iter-{n:04d}" / "rollouts.parquet") == {v}
+        ref = pq.read_table(root_a / f"iter-{n:04d}" / "ref-logprobs.parquet")
+        assert ref.schema.equals(REF_LOGPROBS_SCHEMA) and ref.num_rows == 16
+    # the reference is the starting policy: the first update is at the reference (k3 0 up to rounding),
+    # later ones have moved away from it
+    assert abs(metrics[0]["kl_ref_first"]) < 1e-5
+    assert metrics[2]["kl_ref"] > 0
+    assert all(m["seconds_rollout_ahead"] > 0 for m in metrics[:2]) and "seconds_rollout_ahead" not in metrics[2]
+
+    # B: the scorer crashes in iteration 2, whose batch (sampled by version 1 during iteration 1) is
+    # published and not yet trained
+    calls["rollout"] = 0
+    crash_at[0] = 3
+    engines.clear()
+    trainers.clear()
+    with pytest.raises(Exception, match="injected scorer crash"):
+        rl_run(_settings(tmp_path / "b", "run-b", **updates))
+    root_b = tmp_path / "b" / "runs" / "run-b"
+    assert calls["rollout"] == 3
+    ahead = root_b / "iter-0002" / "rollouts.parquet"
+    assert _versions(ahead) == {1} and not (root_b / "iter-0002" / "scored.parquet").exists()
+    assert json.loads((root_b / "latest.json").read_text())["iteration"] == 2
+    before = ahead.stat().st_mtime_ns
+
+    # B again, a new "process": the batch sampled ahead is trained on, not sampled again
+    marker.unlink()
+    engines.clear()
+    trainers.clear()
+    rl_run(_settings(tmp_path / "b", "run-b", **updates))
+    assert calls["rollout"] == 3, "the batch sampled ahead was sampled again"
+    assert ahead.stat().st_mtime_ns == before
+    metrics_b = json.loads((root_b / "metrics.json").read_text())
+    assert [m["staleness"] for m in metrics_b] == [0, 1, 1]
+    want = updates.get("ppo_epochs", 1) * updates.get("minibatches", 1)
+    assert [m["updates"] for m in metrics_b] == [want] * 3
+    assert pq.read_table(root_a / "iter-0002" / "scored.parquet").equals(pq.read_table(root_b / "iter-0002" / "scored.parquet"))
+    la, ma = _final_state(tmp_path / "a", "run-a")
+    lb, mb = _final_state(tmp_path / "b", "run-b")
+    assert la["iteration"] == lb["iteration"] == 3
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+
+
+def test_max_staleness_beyond_one_is_refused():
+    with pytest.raises(SettingsError, match="--max-staleness must be 0 .* or 1"):
+        RLSettings.from_dict({"max_staleness": 2})
+    with pytest.raises(SettingsError, match="--kl-coef must be >= 0"):
+        RLSettings.from_dict({"kl_coef": -0.1})
+    s = RLSettings.from_dict({"grpo": {"max_staleness": 1, "kl_coef": 0.1}})
+    assert (s.grpo.max_staleness, s.grpo.kl_coef) == (1, 0.1)
+
+
+def test_cli_refuses_a_bad_max_staleness_with_exit_2(capsys):
+    from flows.cli import main
+
+    assert main(["run", "--preset", "tiny", "--max-staleness", "3", "--kl-coef", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-staleness must be 0 (synchronous) or 1" in err and "--kl-coef must be >= 0" in err
