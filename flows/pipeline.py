@@ -112,7 +112,7 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                                reward=s.reward)
         refills = refill(s, run, iteration, weights, scored.info["groups_informative"], cursor)
         trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, tuple(sc for _, sc in refills),
-                             cursor)
+                             cursor, procs=s.scale_out.train_procs)
         checkpoint = save_checkpoint(run, iteration, trained)
         engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized)
     metrics = reports.iteration_metrics(iteration, weights, rollouts, scored, trained, engine, heldout, mismatch, seconds)

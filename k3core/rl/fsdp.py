@@ -125,6 +125,9 @@ def train_rank(job: TrainJob) -> dict:
                              temperature=job.temperature, seq_sum_norm=job.seq_sum_norm, max_groups=job.max_groups,
                              dp=dp)
     metrics["train_procs"] = dp.world
+    box = [metrics]  # every rank saves the same extra (DCP keeps one copy of it): rank 0's timings
+    dist.broadcast_object_list(box, src=0)
+    metrics = box[0]
     writer = None
     if job.odirect:
         from k3core.checkpoint.odirect import ODirectFileSystemWriter
@@ -134,6 +137,14 @@ def train_rank(job: TrainJob) -> dict:
     return metrics
 
 
+def _record(fn):
+    """torchrun's error recording: a failing rank's exception goes into the job's failure summary."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
+
+
+@_record
 def main(argv: list[str] | None = None) -> int:
     """The program torchrun starts on every rank: ``python -m k3core.rl.fsdp JOB.json``."""
     import torch.distributed as dist
