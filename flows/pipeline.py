@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from prefect import flow, get_run_logger
 
 from flows import reports
+from flows.scale import iteration_runner
 from k3core.artifacts import Artifact
 from k3core.settings import RLSettings
 from tasks.common import Run, stage_timings
@@ -30,7 +31,7 @@ from tasks.evaluate import evaluate
 from tasks.fetch import fetch_checkpoint
 from tasks.mismatch import rollout_mismatch
 from tasks.quantize import quantize_mxfp4
-from tasks.rollout import rollout, rollout_refill
+from tasks.rollout import rollout, rollout_fanout, rollout_refill
 from tasks.save import save_checkpoint
 from tasks.score import score_refill, score_rewards
 from tasks.train import data_position, train_step
@@ -39,7 +40,7 @@ from tasks.validate import validate_checkpoint
 from tasks.warmup import warmup
 
 __all__ = ["Iteration", "Prepared", "RLSettings", "check_environment", "prepare", "refill", "rl_iteration", "rl_run",
-           "run_of"]
+           "rollout_of", "run_of"]
 
 
 def run_of(s: RLSettings) -> Run:
@@ -104,7 +105,7 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
     with stage_timings() as seconds:
         heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
                    if s.evaluation.due(iteration) else {})
-        rollouts = rollout(run, iteration, weights, s.rollout, cursor=cursor)
+        rollouts = rollout_of(s, run, iteration, weights, cursor=cursor)
         mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
                                      s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
@@ -122,6 +123,17 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
     return Iteration(checkpoint, served, metrics, [rollouts, scored, *extra, trained, checkpoint, engine])
 
 
+def rollout_of(s: RLSettings, run: Run, iteration: int, weights: Artifact, refill: int = 0,
+               cursor: int = 0) -> Artifact:
+    """The rollout (or refill round ``refill``) in this process, or fanned out as shards over the
+    task runner's engine workers (``--task-runner dask``): the same table either way."""
+    if s.scale_out.task_runner == "dask":
+        return rollout_fanout(run, iteration, weights, s.rollout, s.scale_out.rollout_workers, refill, cursor)
+    if refill:
+        return rollout_refill(run, iteration, weights, s.rollout, refill, cursor)
+    return rollout(run, iteration, weights, s.rollout, cursor=cursor)
+
+
 def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
            informative: int, cursor: int = 0) -> list[tuple[Artifact, Artifact]]:
     """Dynamic sampling: while fewer than ``prompts_per_iteration`` groups have rewards that differ
@@ -131,7 +143,7 @@ def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
     for r in range(1, s.grpo.refill_rounds + 1):
         if informative >= s.rollout.prompts_per_iteration:
             break
-        rollouts = rollout_refill(run, iteration, weights, s.rollout, r, cursor)
+        rollouts = rollout_of(s, run, iteration, weights, r, cursor)
         scored = score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, r,
                               s.reward)
         informative += scored.info["groups_informative"]
@@ -155,14 +167,16 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
         policy = next(a for a in done[-1] if a.kind == "dcp" and "manifest" in a.info)  # its checkpoint
         weights = dataclasses.replace(policy, info={**policy.info, "quantized": s.rollout.quantized})
         log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
-    for n in range(len(done), s.pipeline.iterations):
-        it = rl_iteration(s, n, policy, weights)
-        policy, weights = it.policy, it.weights
-        history.append(it.metrics)
-        done.append(it.lineage)
-        log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics))
-        reports.record_lineage(s, prep.lineage(), done)
-        reports.publish_iteration(s, history, _flat(prep, done))
+    with iteration_runner(s.scale_out) as runner:  # a Dask cluster lives as long as the run's iterations
+        for n in range(len(done), s.pipeline.iterations):
+            iterate = rl_iteration if runner is None else rl_iteration.with_options(task_runner=runner())
+            it = iterate(s, n, policy, weights)
+            policy, weights = it.policy, it.weights
+            history.append(it.metrics)
+            done.append(it.lineage)
+            log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics))
+            reports.record_lineage(s, prep.lineage(), done)
+            reports.publish_iteration(s, history, _flat(prep, done))
     final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward)
     summary = reports.summary(s, prep.seconds, history, final, time.perf_counter() - t_start)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)

@@ -286,6 +286,9 @@ class ScaleOutSettings(_Section):
                 out.append("--dask-address needs --task-runner dask")
             if not self.dask_address.startswith(("tcp://", "tls://", "inproc://", "ucx://")):
                 out.append(f"--dask-address {self.dask_address!r}: use a scheduler address such as tcp://127.0.0.1:8786")
+        if isinstance(self.rollout_workers, int) and self.rollout_workers > 1 and self.task_runner != "dask":
+            out.append(f"--rollout-workers {self.rollout_workers} needs --task-runner dask (the local runner has one "
+                       "engine, in the flow's process)")
         return out
 
 

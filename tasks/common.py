@@ -128,6 +128,14 @@ def stage_timings():
         _timings.reset(token)
 
 
+def record_seconds(key: str, seconds: float) -> None:
+    """Add ``seconds`` under ``key`` to the enclosing ``stage_timings()`` (work that is not one stage
+    call, such as a fan-out of submitted stages)."""
+    timings = _timings.get()
+    if timings is not None:
+        timings[key] = timings.get(key, 0.0) + seconds
+
+
 class Stage:
     """A stage body with its Prefect declaration; calling it runs the body as a task in the current
     flow (or standalone). ``.fn`` is the bare body (tests call it without Prefect)."""
@@ -153,6 +161,12 @@ class Stage:
         task = MaterializingTask(fn=self.fn, name=self.fn.__name__, task_run_name=name, assets=outputs,
                                  asset_deps=inputs or None, **opts)
         return task, name, inputs
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the stage on the current flow's task runner (``Task.submit``; a Dask worker with
+        ``DaskTaskRunner``): a Prefect future of the body's result, unstamped and untimed."""
+        task, _, _ = self.task(*args, **kwargs)
+        return task.submit(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         task, name, inputs = self.task(*args, **kwargs)

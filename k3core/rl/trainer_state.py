@@ -104,6 +104,25 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     return model, opt, extra
 
 
+def load_trainer_model(path: str | Path, dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
+    """The model alone from a trainer-state directory (DCP reads only the model's entries; no
+    optimizer is built): what a rollout engine needs from a trainer state."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from k3core.checkpoint.hf import meta_model
+
+    path = Path(path)
+    model = meta_model(K3Config.from_json_file(path / "config.json"))
+    model.to_empty(device="cpu")
+    model.cast(dtype)
+    state = {"model": get_model_state_dict(model)}
+    with _single_process_dcp():
+        dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+    set_qat(model, json.loads((path / "extra.json").read_text()).get(QAT_KEY, False))
+    return model
+
+
 def rng_state() -> tuple:
     """The process's torch and Python RNG states (what a trainer state saves)."""
     return torch.get_rng_state(), random.getstate()
