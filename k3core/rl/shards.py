@@ -43,10 +43,14 @@ def shard_bounds(prompts: int, shards: int) -> list[tuple[int, int]]:
 def shard_table(engine, tok, prompts: list[str], bounds: tuple[int, int], params, iteration: int,
                 first_prompt_index: int, worker: str) -> pa.Table:
     """Rows of ``prompts[start:stop]`` as the whole rollout would give them (seeds and prompt
-    indices of their positions), each marked with ``worker``."""
+    indices of their positions), each marked with ``worker``; an empty shard has no rows."""
     from k3core.rl.tables import rollout_table
 
     start, stop = bounds
+    if start == stop:  # more shards than prompts
+        from k3core.rl.data import ROLLOUT_SCHEMA
+
+        return ROLLOUT_SCHEMA.empty_table()
     return rollout_table(engine, tok, prompts[start:stop], params, iteration, first_prompt_index, shard_start=start,
                          worker=worker)
 
