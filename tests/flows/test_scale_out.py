@@ -75,16 +75,21 @@ def reference(env_module, tmp_path_factory, prefect_harness):
 
 
 def _same_rows(run: Path, ref: Path) -> list[set[str]]:
-    """Every iteration's rollout table equals the reference's row for row (log-probabilities to
-    rounding: k3core.rl.shards says why). -> the workers of each iteration."""
+    """Every iteration's rollout table equals the reference's row for row: prompts, token ids,
+    routing, versions exactly; log-probabilities to rounding. Batch composition changes the last
+    bits of iteration 0's log-probabilities (k3core.rl.shards says why); those feed the update
+    through the importance weights, and re-quantising the updated experts to MXFP4 can move a
+    weight next to a code boundary into the neighbouring code, so later iterations' log-probabilities
+    agree to 1e-3 rather than 1e-5. -> the workers of each iteration."""
     workers = []
     for it in range(ITERATIONS):
+        atol = 1e-5 if it == 0 else 1e-3
         got, want = (pq.read_table(p / f"iter-{it:04d}" / "rollouts.parquet") for p in (run, ref))
         assert got.schema.equals(want.schema) and got.num_rows == want.num_rows == 16
         for col in want.column_names:
             if col == "logprobs":
                 for a, b in zip(got.column(col).to_pylist(), want.column(col).to_pylist()):
-                    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-5)
+                    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)
             elif col != "worker":
                 assert got.column(col).to_pylist() == want.column(col).to_pylist(), (it, col)
         assert set(want.column("worker").to_pylist()) == {"local"}
@@ -115,7 +120,7 @@ def test_local_cluster_run_gives_the_one_process_run(reference, tmp_path):
     want, ref_extra = _final_state(reference)
     assert extra["metrics"]["loss"] == pytest.approx(ref_extra["metrics"]["loss"], rel=1e-3, abs=1e-6)
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-5, msg=k)
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=5e-5, msg=k)
 
 
 def _free_port() -> int:
@@ -177,6 +182,7 @@ def test_run_joins_a_separate_dask_cluster_and_survives_a_killed_worker(referenc
                 p.kill()
         logs.close()
     assert killed is not None, "no rollout shard was seen running, so no worker was killed"
+    assert "was killed by signal 9" in (tmp_path / "cluster.log").read_text()  # the nanny saw its worker die
     assert "error" not in out, out.get("error")
     assert out["summary"]["iterations"] == ITERATIONS
     workers = _same_rows(tmp_path / "runs" / "ext", reference)
