@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -125,6 +126,8 @@ def train_rank(job: TrainJob) -> dict:
                              temperature=job.temperature, seq_sum_norm=job.seq_sum_norm, max_groups=job.max_groups,
                              dp=dp)
     metrics["train_procs"] = dp.world
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # this rank's peak so far (Linux: KiB)
+    metrics["peak_rss_mib_per_rank"] = [kib / 1024 for kib in dp.gather(peak_kib)]
     box = [metrics]  # every rank saves the same extra (DCP keeps one copy of it): rank 0's timings
     dist.broadcast_object_list(box, src=0)
     metrics = box[0]
