@@ -1,7 +1,7 @@
 """FSDP2 train step under torchrun (k3core.rl.fsdp): step time and peak memory per rank at 1 and 2
 ranks, against the one-process step (``train_on_table`` in this process, no torchrun) as the baseline.
 
-One scored batch (the small preset's W4A8 engine: 16 prompts x 8 samples, 8 new tokens, rewards =
+One scored batch (the small preset's W4A8 engine: ``--prompts`` (16) x 8 samples, 8 new tokens, rewards =
 fraction of even bytes so every group trains), one GRPO update of the pipeline's default settings.
 Rows:
   in-process   train_on_table in this process, torch threads = the machine's cores (the baseline)
@@ -12,7 +12,7 @@ optimizer); "job s" is the whole job as the task sees it (interpreter and torch 
 update, DCP save through the O_DIRECT writer); "peak RSS" is each rank's peak resident memory after
 the update (``ru_maxrss``), the in-process row this process's.
 
-Usage: python benchmarks/fsdp_train_step.py [--preset small] [--repeats 3]
+Usage: python benchmarks/fsdp_train_step.py [--preset small] [--repeats 3] [--prompts 16]
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=16)
     a = ap.parse_args()
     cores = os.cpu_count() or 1
     tmp = Path(tempfile.mkdtemp(prefix="k3rl-bench-fsdp-"))
@@ -62,7 +63,7 @@ def main() -> None:
     tok = ByteTokenizer(engine.model.config)
     env = EvenBytes()
     params = SamplingParams(max_new_tokens=8, temperature=1.0, n=8, stop_token_ids=(tok.eos_id,), seed=1)
-    table, _ = score_table(rollout_table(engine, tok, training_prompts(env, 0, 0, 16, "reverse"), params, 0), env,
+    table, _ = score_table(rollout_table(engine, tok, training_prompts(env, 0, 0, a.prompts, "reverse"), params, 0), env,
                            "even-bytes", 8)
     pq.write_table(table, tmp / "scored.parquet")
     del engine
@@ -78,7 +79,7 @@ def main() -> None:
     for _ in range(a.repeats):
         model = copy.deepcopy(start)
         opt = make_optimizer(model, g.lr)
-        m = train_on_table(model, opt, table, g, tok.pad_id, seq_sum_norm=8, max_groups=16)
+        m = train_on_table(model, opt, table, g, tok.pad_id, seq_sum_norm=8, max_groups=a.prompts)
         times.append(m["train_seconds"])
     rows["in-process"] = (statistics.median(times), None, [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
 
@@ -86,7 +87,8 @@ def main() -> None:
         train, job_s, rss = [], [], None
         for r in range(a.repeats):
             job = TrainJob(state=str(tmp / "ckpt"), state_kind="public", tables=[str(tmp / "scored.parquet")],
-                           grpo=dataclasses.asdict(g), out=str(tmp / f"out-{procs}-{r}"), seq_sum_norm=8, max_groups=16)
+                           grpo=dataclasses.asdict(g), out=str(tmp / f"out-{procs}-{r}"), seq_sum_norm=8,
+                           max_groups=a.prompts)
             t0 = time.perf_counter()
             m = run_train_job(job, procs, tmp / f"work-{procs}-{r}")["metrics"]
             job_s.append(time.perf_counter() - t0)

@@ -17,6 +17,7 @@ Rows:
   dask N=2          LocalCluster of 2 single-threaded worker processes, 2 shards
 
 Usage: python benchmarks/rollout_dask_workers.py [--repeats 3] [--prompts 16] [--samples 8] [--new-tokens 16]
+       [--preset small]   (tiny with a few tokens shows the runner's fixed cost per rollout)
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def _timed(calls) -> list[float]:
 
 
 @flow(name="bench-prepare")
-def prepare(root: str):
+def prepare(root: str, preset: str):
     run = Run(root, "bench-src")
-    return quantize_mxfp4(run, fetch_checkpoint(run, "init:small:0"))
+    return quantize_mxfp4(run, fetch_checkpoint(run, f"init:{preset}:0"))
 
 
 @flow(name="bench-local")
@@ -86,12 +87,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--preset", default="small")
     a = ap.parse_args()
     root = tempfile.mkdtemp(prefix="k3rl-bench-dask-")
     settings = RolloutSettings(prompts_per_iteration=a.prompts, samples_per_prompt=a.samples,
                                max_new_tokens=a.new_tokens)
-    weights = prepare(root)
-    print(f"small preset, W4A8 engine; {a.prompts} prompts x {a.samples} samples x <= {a.new_tokens} tokens; "
+    weights = prepare(root, a.preset)
+    print(f"{a.preset} preset, W4A8 engine; {a.prompts} prompts x {a.samples} samples x <= {a.new_tokens} tokens; "
           f"{os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.1f}")
     rows = {"local x1 thread": statistics.median(local_rollouts(root, weights, settings, a.repeats))}
     for n in (1, 2):
