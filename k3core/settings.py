@@ -319,6 +319,9 @@ class RLSettings:
                 problems.append(f"section {name!r} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         if problems:
             raise SettingsError("RLSettings", problems)
+        if self.scale_out.task_runner == "dask" and self.rollout.url not in ("", "local"):
+            raise SettingsError("RLSettings", [f"--task-runner dask runs rollouts on the Dask workers' own engines; "
+                                               f"it cannot be combined with --rollout-url {self.rollout.url}"])
         if not self.model.source:
             self.model.source = f"init:{self.model.preset}:{self.pipeline.seed}"
 

@@ -195,6 +195,7 @@ def test_run_joins_a_separate_dask_cluster_and_survives_a_killed_worker(referenc
     (["--task-runner", "dask", "--dask-address", "127.0.0.1:1"], "use a scheduler address such as tcp://"),
     (["--task-runner", "dask", "--dask-address", "tcp://127.0.0.1:1"], "no Dask scheduler answers there"),
     (["--train-procs", "0"], "--train-procs must be >= 1"),
+    (["--task-runner", "dask", "--rollout-url", "http://127.0.0.1:30000"], "cannot be combined with --rollout-url"),
 ])
 def test_bad_scale_out_usage_exits_2_naming_the_fix(tmp_path, capsys, flags, message):
     from flows.cli import main
