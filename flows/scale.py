@@ -47,6 +47,14 @@ def check_dask(scale: ScaleOutSettings, timeout: float = 10.0) -> None:
                              "for a LocalCluster on this machine") from None
 
 
+# Dask's nannies start workers with MALLOC_TRIM_THRESHOLD_=65536 by default. Setting it at all turns
+# off glibc's dynamic mmap threshold, so every large tensor the engine allocates per decode step is a
+# fresh mmap with fresh page faults: the engine generated at about half its speed in such a worker.
+# None unsets it for the workers of our LocalCluster; `dask worker` processes started by hand need
+# the same in their Dask config (docs/scale-out.md gives the file).
+NO_MALLOC_TRIM = "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"
+
+
 def _worker_env() -> dict[str, str]:
     """Environment of LocalCluster workers: the Prefect API this flow talks to (in embedded mode, the
     temporary server of this process; otherwise every worker would start a server of its own) and
@@ -78,9 +86,12 @@ def iteration_runner(scale: ScaleOutSettings) -> Iterator[Callable[[], object] |
     with contextlib.ExitStack() as stack:
         address = scale.dask_address
         if not address:
-            cluster = stack.enter_context(LocalCluster(n_workers=scale.rollout_workers, threads_per_worker=1,
-                                                       processes=True, host="127.0.0.1", dashboard_address=None,
-                                                       env=_worker_env()))
+            import dask
+
+            with dask.config.set({NO_MALLOC_TRIM: None}):  # read when the nannies are made
+                cluster = stack.enter_context(LocalCluster(n_workers=scale.rollout_workers, threads_per_worker=1,
+                                                           processes=True, host="127.0.0.1", dashboard_address=None,
+                                                           env=_worker_env()))
             address = cluster.scheduler_address
         client = stack.enter_context(Client(address))
         client.register_plugin(worker_plugin(), name="k3rl-engines")

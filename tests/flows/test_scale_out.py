@@ -44,6 +44,7 @@ ENV_SRC = textwrap.dedent('''
         return EvenBytes()
 ''')
 ITERATIONS = 2
+DASK_CONFIG = "distributed:\n  nanny:\n    pre-spawn-environ:\n      MALLOC_TRIM_THRESHOLD_: null\n"
 
 
 def _settings(root: Path, run_id: str, **kw) -> RLSettings:
@@ -136,8 +137,10 @@ def test_run_joins_a_separate_dask_cluster_and_survives_a_killed_worker(referenc
 
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
+    (tmp_path / "dask-config").mkdir()  # the worker setting docs/scale-out.md gives (glibc's malloc left alone)
+    (tmp_path / "dask-config" / "k3rl.yaml").write_text(DASK_CONFIG)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               PREFECT_API_URL=PREFECT_API_URL.value(), OMP_NUM_THREADS="1")
+               PREFECT_API_URL=PREFECT_API_URL.value(), OMP_NUM_THREADS="1", DASK_CONFIG=str(tmp_path / "dask-config"))
     logs = open(tmp_path / "cluster.log", "w")
     procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
                                "--port", str(port), "--no-dashboard"], env=env, stdout=logs, stderr=logs)]
@@ -148,6 +151,7 @@ def test_run_joins_a_separate_dask_cluster_and_survives_a_killed_worker(referenc
                                            f"ext{k}"], env=env, stdout=logs, stderr=logs))
         with Client(address, timeout=120) as client:
             client.wait_for_workers(2, timeout=120)
+            assert set(client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()) == {None}
             engines.clear()
             trainers.clear()
             out: dict = {}
