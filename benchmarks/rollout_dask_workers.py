@@ -15,6 +15,10 @@ Rows:
   local x1 thread   the stage in the flow's process, torch.set_num_threads(1) (the runner baseline)
   dask N=1          LocalCluster of 1 single-threaded worker process, 1 shard
   dask N=2          LocalCluster of 2 single-threaded worker processes, 2 shards
+  engines N=1, N=2  no Prefect, no tables: each worker builds an engine (untimed), then all start
+                    ``generate`` on their contiguous share of the same prompts at one instant;
+                    tokens / (last end - first start). What the cores give two engines, so that a
+                    missing speed-up can be told apart from the runner's cost.
 
 Usage: python benchmarks/rollout_dask_workers.py [--repeats 3] [--prompts 16] [--samples 8] [--new-tokens 16]
        [--preset small]   (tiny with a few tokens shows the runner's fixed cost per rollout)
@@ -81,6 +85,45 @@ def dask_rollouts(root: str, weights, settings: RolloutSettings, repeats: int, w
         return dask_iterations.with_options(task_runner=runner())(root, weights, settings, repeats, workers)
 
 
+def _engine_share(path: str, lo: int, hi: int, prompts: int, samples: int, new_tokens: int, start_at: float):
+    torch.set_num_threads(1)
+    from k3core.rl.data import training_prompts
+    from k3core.rl.envs import load_env
+    from k3core.rl.weights import build_engine
+    from k3core.rollout.engine import SamplingParams
+    from k3core.tokenizer import ByteTokenizer
+
+    eng = build_engine(path, 0)
+    tok = ByteTokenizer(eng.model.config)
+    ids = [tok.encode(p) for p in training_prompts(load_env("reverse"), 0, 99, prompts, "reverse")][lo:hi]
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, n=samples, stop_token_ids=(tok.eos_id,), seed=5)
+    eng.generate(ids[:1], params)  # first-call costs, untimed
+    while time.time() < start_at:
+        time.sleep(0.01)
+    t0 = time.time()
+    out = eng.generate(ids, params)
+    return sum(len(c.output_ids) for c in out), t0, time.time()
+
+
+def engines_only(path: str, workers: int, a) -> float:
+    import dask
+    from distributed import Client, LocalCluster
+
+    from flows.scale import NO_MALLOC_TRIM
+
+    with dask.config.set({NO_MALLOC_TRIM: None}):
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                               dashboard_address=None)
+    with cluster, Client(cluster) as client:
+        go = time.time() + 30  # every worker has built its engine by then
+        names = list(client.scheduler_info()["workers"])
+        futures = [client.submit(_engine_share, path, k * a.prompts // workers, (k + 1) * a.prompts // workers,
+                                 a.prompts, a.samples, a.new_tokens, go, workers=[w], pure=False)
+                   for k, w in enumerate(names)]
+        res = client.gather(futures)
+    return sum(r[0] for r in res) / (max(r[2] for r in res) - min(r[1] for r in res))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -98,10 +141,13 @@ def main() -> None:
     rows = {"local x1 thread": statistics.median(local_rollouts(root, weights, settings, a.repeats))}
     for n in (1, 2):
         rows[f"dask N={n}"] = statistics.median(dask_rollouts(root, weights, settings, a.repeats, n))
+    for n in (1, 2):
+        rows[f"engines N={n}"] = engines_only(weights.path, n, a)
     print(f"load average at end {os.getloadavg()[0]:.1f}")
-    print(f"{'row':<16} {'tokens/s':>9} {'vs local':>9} {'vs dask N=1':>12}")
+    print(f"{'row':<16} {'tokens/s':>9} {'vs local':>9} {'vs dask N=1':>12} {'vs engines N=1':>15}")
     for name, rate in rows.items():
-        print(f"{name:<16} {rate:9.1f} {rate / rows['local x1 thread']:8.2f}x {rate / rows['dask N=1']:11.2f}x")
+        print(f"{name:<16} {rate:9.1f} {rate / rows['local x1 thread']:8.2f}x {rate / rows['dask N=1']:11.2f}x "
+              f"{rate / rows['engines N=1']:14.2f}x")
 
 
 if __name__ == "__main__":
