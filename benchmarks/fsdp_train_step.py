@@ -4,15 +4,22 @@ ranks, against the one-process step (``train_on_table`` in this process, no torc
 One scored batch (the small preset's W4A8 engine: ``--prompts`` (16) x 8 samples, 8 new tokens, rewards =
 fraction of even bytes so every group trains), one GRPO update of the pipeline's default settings.
 Rows:
-  in-process   train_on_table in this process, torch threads = the machine's cores (the baseline)
-  torchrun x1  the torchrun job with 1 rank (FSDP2 over one rank), threads = cores
-  torchrun x2  2 ranks (gloo), threads = cores / 2 each
+  in-process cold  train_on_table, the first step in this process (the baseline: like a torchrun
+                   job, it pays first-call costs)
+  in-process warm  the median of the next steps in this process (what a long-running one-process
+                   pipeline pays after its first iteration)
+  torchrun x1      the torchrun job with 1 rank (FSDP2 over one rank)
+  torchrun x2      2 ranks (gloo)
+Every process runs ``--threads`` torch threads (default 1: on a shared machine, a parallel region
+of as many threads as cores stalls whenever another job takes one core, which swamped the figures).
+Every torchrun job is fresh processes, as in the pipeline (one job per iteration), so its update
+includes first-call costs.
 "train s" is the update alone (rank 0's ``train_seconds``: forward, backward, reduce-scatter,
 optimizer); "job s" is the whole job as the task sees it (interpreter and torch start-up, load,
 update, DCP save through the O_DIRECT writer); "peak RSS" is each rank's peak resident memory after
 the update (``ru_maxrss``), the in-process row this process's.
 
-Usage: python benchmarks/fsdp_train_step.py [--preset small] [--repeats 3] [--prompts 16]
+Usage: python benchmarks/fsdp_train_step.py [--preset small] [--repeats 3] [--prompts 16] [--threads 1]
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     cores = os.cpu_count() or 1
     tmp = Path(tempfile.mkdtemp(prefix="k3rl-bench-fsdp-"))
@@ -71,17 +79,20 @@ def main() -> None:
     start = load_policy(tmp / "ckpt")
     n_params = sum(p.numel() for p in start.parameters())
     print(f"preset {a.preset} ({n_params / 1e6:.1f}M parameters), {table.num_rows} sequences, {cores} cores, "
+          f"{a.threads} torch thread(s) per process, "
           f"load average {os.getloadavg()[0]:.1f}")
 
     rows = {}
-    torch.set_num_threads(cores)
+    torch.set_num_threads(a.threads)
     times = []
-    for _ in range(a.repeats):
+    for _ in range(a.repeats + 1):
         model = copy.deepcopy(start)
         opt = make_optimizer(model, g.lr)
         m = train_on_table(model, opt, table, g, tok.pad_id, seq_sum_norm=8, max_groups=a.prompts)
         times.append(m["train_seconds"])
-    rows["in-process"] = (statistics.median(times), None, [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
+    rss = [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]
+    rows["in-process cold"] = (times[0], None, rss)
+    rows["in-process warm"] = (statistics.median(times[1:] or times), None, rss)
 
     for procs in (1, 2):
         train, job_s, rss = [], [], None
@@ -90,17 +101,17 @@ def main() -> None:
                            grpo=dataclasses.asdict(g), out=str(tmp / f"out-{procs}-{r}"), seq_sum_norm=8,
                            max_groups=a.prompts)
             t0 = time.perf_counter()
-            m = run_train_job(job, procs, tmp / f"work-{procs}-{r}")["metrics"]
+            m = run_train_job(job, procs, tmp / f"work-{procs}-{r}", threads_per_proc=a.threads)["metrics"]
             job_s.append(time.perf_counter() - t0)
             train.append(m["train_seconds"])
             rss = m["peak_rss_mib_per_rank"]
         rows[f"torchrun x{procs}"] = (statistics.median(train), statistics.median(job_s), rss)
 
-    base = rows["in-process"][0]
-    print(f"{'row':<13} {'train s':>8} {'vs in-process':>14} {'job s':>7}  peak RSS per rank (MiB)")
+    base = rows["in-process cold"][0]
+    print(f"{'row':<16} {'train s':>8} {'vs in-process cold':>19} {'job s':>7}  peak RSS per rank (MiB)")
     for name, (train, job, rss) in rows.items():
         job_txt = f"{job:7.2f}" if job is not None else "      -"
-        print(f"{name:<13} {train:8.3f} {base / train:13.2f}x {job_txt}  {', '.join(f'{x:.0f}' for x in rss)}")
+        print(f"{name:<16} {train:8.3f} {base / train:18.2f}x {job_txt}  {', '.join(f'{x:.0f}' for x in rss)}")
 
 
 if __name__ == "__main__":
