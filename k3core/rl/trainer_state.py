@@ -106,18 +106,22 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
 
 def load_trainer_model(path: str | Path, dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
     """The model alone from a trainer-state directory (DCP reads only the model's entries; no
-    optimizer is built): what a rollout engine needs from a trainer state."""
+    optimizer is built): what a rollout engine needs from a trainer state. The manifest is checked
+    first, as in ``load_trainer_state``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from k3core.checkpoint.dcp_safe import METADATA_NAME, safe_dcp_load
     from k3core.checkpoint.hf import meta_model
+    from k3core.checkpoint.manifest import verify_manifest
 
     path = Path(path)
+    manifest = verify_manifest(path, required=True, must_list=(METADATA_NAME, "config.json", "extra.json"))
     model = meta_model(K3Config.from_json_file(path / "config.json"))
     model.to_empty(device="cpu")
     model.cast(dtype)
     state = {"model": get_model_state_dict(model)}
     with _single_process_dcp():
-        dcp.load(state, checkpoint_id=str(path))
+        safe_dcp_load(state, path, manifest=manifest)
     set_model_state_dict(model, state["model"])
     set_qat(model, json.loads((path / "extra.json").read_text()).get(QAT_KEY, False))
     return model
