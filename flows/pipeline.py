@@ -32,6 +32,7 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows import reports
+from flows.scale import iteration_runner
 from k3core.artifacts import Artifact
 from k3core.settings import RLSettings
 from tasks.common import Run, stage_timings
@@ -40,7 +41,7 @@ from tasks.fetch import fetch_checkpoint
 from tasks.mismatch import rollout_mismatch
 from tasks.quantize import quantize_mxfp4
 from tasks.reference import reference_logprobs
-from tasks.rollout import rollout, rollout_refill, serve_version
+from tasks.rollout import rollout, rollout_fanout, rollout_refill, serve_version
 from tasks.save import save_checkpoint
 from tasks.score import score_refill, score_rewards
 from tasks.train import data_position, train_step
@@ -49,7 +50,7 @@ from tasks.validate import validate_checkpoint
 from tasks.warmup import warmup
 
 __all__ = ["Iteration", "Prepared", "RLSettings", "check_environment", "prepare", "refill", "rl_iteration", "rl_run",
-           "run_of"]
+           "rollout_of", "run_of"]
 
 
 def run_of(s: RLSettings) -> Run:
@@ -124,7 +125,7 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
         heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
                    if s.evaluation.due(iteration) else {})
         if rollouts is None:
-            rollouts = rollout(run, iteration, behind or weights, s.rollout, cursor=cursor)
+            rollouts = rollout_of(s, run, iteration, behind or weights, cursor=cursor)
         scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages,
                                reward=s.reward)
         refills = refill(s, run, iteration, weights, scored.info["groups_informative"], cursor)
@@ -137,7 +138,8 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                     if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
         batch = (scored, *(sc for _, sc in refills))
         ref = reference_logprobs(run, iteration, reference, batch, s.grpo, s.rollout) if s.grpo.kl_coef else None
-        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, batch[1:], cursor, ref)
+        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, batch[1:], cursor, ref,
+                             procs=s.scale_out.train_procs)
         checkpoint = save_checkpoint(run, iteration, trained)
         next_rollouts = pending.result() if ahead else None  # the engine keeps this version until it is done
         engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized)
@@ -150,6 +152,17 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                      next_rollouts)
 
 
+def rollout_of(s: RLSettings, run: Run, iteration: int, weights: Artifact, refill: int = 0,
+               cursor: int = 0) -> Artifact:
+    """The rollout (or refill round ``refill``) in this process, or fanned out as shards over the
+    task runner's engine workers (``--task-runner dask``): the same table either way."""
+    if s.scale_out.task_runner == "dask":
+        return rollout_fanout(run, iteration, weights, s.rollout, s.scale_out.rollout_workers, refill, cursor)
+    if refill:
+        return rollout_refill(run, iteration, weights, s.rollout, refill, cursor)
+    return rollout(run, iteration, weights, s.rollout, cursor=cursor)
+
+
 def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
            informative: int, cursor: int = 0) -> list[tuple[Artifact, Artifact]]:
     """Dynamic sampling: while fewer than ``prompts_per_iteration`` groups have rewards that differ
@@ -159,7 +172,7 @@ def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
     for r in range(1, s.grpo.refill_rounds + 1):
         if informative >= s.rollout.prompts_per_iteration:
             break
-        rollouts = rollout_refill(run, iteration, weights, s.rollout, r, cursor)
+        rollouts = rollout_of(s, run, iteration, weights, r, cursor)
         scored = score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, r,
                               s.reward)
         informative += scored.info["groups_informative"]
@@ -186,15 +199,18 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
         behind = _served(s, checkpoints[-2]) if len(checkpoints) > 1 else prep.weights
         log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
     reference = prep.policy if s.grpo.kl_coef else None
-    for n in range(len(done), s.pipeline.iterations):
-        it = rl_iteration(s, n, policy, weights, reference, pending, behind if s.grpo.max_staleness and n else None)
-        behind, pending = weights, it.next_rollouts
-        policy, weights = it.policy, it.weights
-        history.append(it.metrics)
-        done.append(it.lineage)
-        log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics))
-        reports.record_lineage(s, prep.lineage(), done)
-        reports.publish_iteration(s, history, _flat(prep, done))
+    with iteration_runner(s.scale_out) as runner:  # a Dask cluster lives as long as the run's iterations
+        for n in range(len(done), s.pipeline.iterations):
+            iterate = rl_iteration if runner is None else rl_iteration.with_options(task_runner=runner())
+            it = iterate(s, n, policy, weights, reference, pending,
+                         behind if s.grpo.max_staleness and n else None)
+            behind, pending = weights, it.next_rollouts
+            policy, weights = it.policy, it.weights
+            history.append(it.metrics)
+            done.append(it.lineage)
+            log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics))
+            reports.record_lineage(s, prep.lineage(), done)
+            reports.publish_iteration(s, history, _flat(prep, done))
     final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward)
     summary = reports.summary(s, prep.seconds, history, final, time.perf_counter() - t_start)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)

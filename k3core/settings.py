@@ -1,5 +1,5 @@
 """Run settings, in sections: model and source, rollout, GRPO (the trainer), warm-up, evaluation,
-pipeline, reward (the sandbox). ``RLSettings`` composes them. The defaults live here and only here: the CLI flags, the
+pipeline, reward (the sandbox), scale-out. ``RLSettings`` composes them. The defaults live here and only here: the CLI flags, the
 Prefect deployments' parameters and the stages all read these objects.
 
 Every section validates itself in ``__post_init__`` and raises one ``SettingsError`` listing every
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["EvalSettings", "GRPOSettings", "LOSS_AGGREGATIONS", "ModelSettings", "PipelineSettings", "RLSettings",
-           "RewardSettings", "RolloutSettings", "SettingsError", "WarmupSettings"]
+           "RewardSettings", "RolloutSettings", "ScaleOutSettings", "SettingsError", "TASK_RUNNERS", "WarmupSettings"]
 
 # pydantic (through Prefect) reads this attribute of stdlib dataclasses: refuse unknown keys.
 _FORBID_EXTRA = {"extra": "forbid"}
@@ -261,9 +261,41 @@ class PipelineSettings(_Section):
         return out
 
 
+TASK_RUNNERS = ("local", "dask")
+
+
+@dataclass
+class ScaleOutSettings(_Section):
+    """Beyond one process: the Prefect task runner that fans rollout shards out over resident engine
+    workers, and the number of torchrun processes of the train stage (FSDP2)."""
+
+    task_runner: str = _str("local", "task-runner", "local (every stage in this process) or dask (rollout shards on "
+                            "--rollout-workers resident engine workers of a Dask cluster)")
+    dask_address: str = _str("", "dask-address", "scheduler address of an existing Dask cluster (tcp://host:port); "
+                             "empty: a LocalCluster of --rollout-workers single-threaded processes on this machine")
+    rollout_workers: int = _int(1, "rollout-workers", "rollout shards per iteration (with --task-runner dask: "
+                                "engine workers of the LocalCluster)", min=1)
+    train_procs: int = _int(1, "train-procs", "processes of the train stage: > 1 runs it as a torchrun job, the "
+                            "model sharded with FSDP2 (gloo on CPU, NCCL on GPUs)", min=1)
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if isinstance(self.task_runner, str) and self.task_runner not in TASK_RUNNERS:
+            out.append(f"--task-runner: unknown runner {self.task_runner!r}; choose one of {', '.join(TASK_RUNNERS)}")
+        if isinstance(self.dask_address, str) and self.dask_address:
+            if self.task_runner != "dask":
+                out.append("--dask-address needs --task-runner dask")
+            if not self.dask_address.startswith(("tcp://", "tls://", "inproc://", "ucx://")):
+                out.append(f"--dask-address {self.dask_address!r}: use a scheduler address such as tcp://127.0.0.1:8786")
+        if isinstance(self.rollout_workers, int) and self.rollout_workers > 1 and self.task_runner != "dask":
+            out.append(f"--rollout-workers {self.rollout_workers} needs --task-runner dask (the local runner has one "
+                       "engine, in the flow's process)")
+        return out
+
+
 _SECTIONS: dict[str, type[_Section]] = {"model": ModelSettings, "rollout": RolloutSettings, "grpo": GRPOSettings,
                                         "warmup": WarmupSettings, "evaluation": EvalSettings,
-                                        "pipeline": PipelineSettings, "reward": RewardSettings}
+                                        "pipeline": PipelineSettings, "reward": RewardSettings, "scale_out": ScaleOutSettings}
 
 
 @dataclass
@@ -279,6 +311,7 @@ class RLSettings:
     evaluation: EvalSettings = field(default_factory=EvalSettings)
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
     reward: RewardSettings = field(default_factory=RewardSettings)
+    scale_out: ScaleOutSettings = field(default_factory=ScaleOutSettings)
 
     def __post_init__(self) -> None:
         problems = []
@@ -287,6 +320,18 @@ class RLSettings:
                 problems.append(f"section {name!r} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         if problems:
             raise SettingsError("RLSettings", problems)
+        cross = []
+        if self.scale_out.task_runner == "dask" and self.rollout.url not in ("", "local"):
+            cross.append(f"--task-runner dask runs rollouts on the Dask workers' own engines; "
+                         f"it cannot be combined with --rollout-url {self.rollout.url}")
+        if self.scale_out.task_runner == "dask" and self.grpo.max_staleness:
+            cross.append("--max-staleness 1 samples the next batch on this process's engine beside the train step; "
+                         "it is not combined with --task-runner dask yet (use one or the other)")
+        if self.scale_out.train_procs > 1 and self.grpo.kl_coef:
+            cross.append("--kl-coef with --train-procs > 1: the FSDP2 train step does not read the reference's "
+                         "logprobs yet (use --train-procs 1, or --kl-coef 0)")
+        if cross:
+            raise SettingsError("RLSettings", cross)
         if not self.model.source:
             self.model.source = f"init:{self.model.preset}:{self.pipeline.seed}"
 

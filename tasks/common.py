@@ -129,6 +129,14 @@ def stage_timings():
         _timings.reset(token)
 
 
+def record_seconds(key: str, seconds: float) -> None:
+    """Add ``seconds`` under ``key`` to the enclosing ``stage_timings()`` (work that is not one stage
+    call, such as a fan-out of submitted stages)."""
+    timings = _timings.get()
+    if timings is not None:
+        timings[key] = timings.get(key, 0.0) + seconds
+
+
 class Stage:
     """A stage body with its Prefect declaration; calling it runs the body as a task in the current
     flow (or standalone). ``.fn`` is the bare body (tests call it without Prefect)."""
@@ -170,8 +178,9 @@ class Stage:
         return out
 
     def submit(self, *args: Any, **kwargs: Any) -> StageFuture:
-        """Run the stage as a task on the current flow's task runner, concurrently with the flow's next
-        calls (same retries, cache and lineage as a call). Join it with ``.result()``."""
+        """Run the stage as a task on the current flow's task runner (threads, or a Dask worker with
+        ``DaskTaskRunner``), concurrently with the flow's next calls (same retries, cache and lineage
+        as a call). Join it with ``.result()``."""
         task, name, inputs = self.task(*args, **kwargs)
         return StageFuture(task.submit(*args, **kwargs), name, tuple(inputs), self.key, time.perf_counter())
 
@@ -200,7 +209,9 @@ class StageFuture:
             seconds[f"{self.key}_wait"] = seconds.get(f"{self.key}_wait", 0.0) + t1 - t0
             seconds[f"{self.key}_ahead"] = seconds.get(f"{self.key}_ahead", 0.0) + (self._done_at or t1) - self._submitted
         if isinstance(out, Artifact):
-            out = dataclasses.replace(out, produced_by=self.name, inputs=self.inputs)
+            run_id = getattr(self.future, "task_run_id", None)
+            out = dataclasses.replace(out, produced_by=self.name, inputs=self.inputs,
+                                      produced_by_id=str(run_id) if run_id else "")
         return out
 
 

@@ -2,7 +2,14 @@
 engine (``url="local"``, the default) or a rollout server at a URL (``k3rl rollout-server``, or SGLang
 serving K3); per-token logprobs, routed expert ids and the weight version, written as Parquet. A
 server that does not serve the version asked for is first pushed those weights from disk; a rollout
-whose rows carry another version is refused, never written."""
+whose rows carry another version is refused, never written.
+
+Fan-out (``--task-runner dask``, ``rollout_fanout``): the prompts are cut into ``--rollout-workers``
+contiguous shards (``k3core.rl.shards``), each shard is a ``rollout_shard`` task submitted to the
+flow's task runner (a Dask worker with its resident engine), and ``rollout_merge`` publishes their
+rows in the one-engine order: the same table whatever the number of shards, with the worker of
+each row recorded. A worker that dies mid-shard loses only that shard: Dask runs it again on
+another worker, and a finished shard is a published file that a rerun skips."""
 
 from __future__ import annotations
 
@@ -138,3 +145,103 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
 rollout_refill = stage(run_name="rollout-iter{iteration}-refill{refill}",
                        outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
                        inputs=lambda run, weights, **_: [run.served_uri(weights)])(rollout.fn)
+
+
+# ---- fan-out over resident engine workers ----------------------------------------------------------------
+
+def _shards_rel(run: Run, iteration: int, refill: int, k: int, n: int) -> str:
+    folder = f"rollout-shards-refill{refill}" if refill else "rollout-shards"
+    return run.iter_rel(iteration, f"{folder}/shard-{k}-of-{n}.parquet")
+
+
+def _sampling(run: Run, iteration: int, refill: int, settings: RolloutSettings, eos_id: int):
+    from k3core.rollout.engine import SamplingParams
+
+    return SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                          top_p=settings.top_p, stop_token_ids=(eos_id,), n=settings.samples_per_prompt,
+                          seed=_seed(run, iteration, refill))
+
+
+@stage(run_name="rollout-iter{iteration}-shard{shard}-of-{shards}",
+       outputs=lambda run, iteration, refill, shard, shards, **_: [run.uri(_shards_rel(run, iteration, refill, shard,
+                                                                                       shards))],
+       inputs=lambda run, weights, **_: [run.served_uri(weights)])
+def rollout_shard(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, prompts: tuple[str, ...],
+                  shard: int, shards: int, refill: int = 0) -> Artifact:
+    """Shard ``shard`` of ``shards`` of the rollout of ``prompts`` (all of the rollout's prompts; the
+    shard generates its contiguous run of them) on this worker's resident engine at
+    ``weights.version``."""
+    from k3core.rl.shards import shard_bounds, shard_table
+    from k3core.rollout.client import WeightVersionMismatch
+    from k3core.tokenizer import ByteTokenizer
+
+    rel = _shards_rel(run, iteration, refill, shard, shards)
+    bounds = shard_bounds(len(prompts), shards)[shard]
+    holder, worker = engines.resident_engines()
+
+    def build(tmp):
+        eng = holder.engine(run.run_id, weights.path, weights.kind, weights.version,
+                            weights.info.get("quantized", True))
+        tok = ByteTokenizer(eng.model.config)
+        table = shard_table(eng, tok, list(prompts), bounds, _sampling(run, iteration, refill, settings, tok.eos_id),
+                            iteration, refill * len(prompts), worker)
+        versions = set(table.column("weight_version").to_pylist())
+        if versions - {weights.version}:
+            raise WeightVersionMismatch(f"rollout {iteration} shard {shard} came back with weight versions "
+                                        f"{sorted(versions)}, expected {weights.version} only")
+        pq.write_table(table, tmp)
+
+    path = run.store.publish_once(rel, build)
+    rows = pq.read_metadata(path).num_rows
+    return run.store.handle(rel, "rollout-shard", version=weights.version, rows=rows, worker=worker,
+                            prompts=list(bounds))
+
+
+def _merge(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, shards: tuple[Artifact, ...],
+           refill: int = 0) -> Artifact:
+    """The shards' rows as one rollout table (``k3core.rl.shards.merge_shards``), published where the
+    one-engine rollout publishes it."""
+    from k3core.rl.shards import merge_shards
+
+    n = settings.prompts_per_iteration
+
+    def build(tmp):
+        table = merge_shards([pq.read_table(a.path) for a in shards], n, settings.samples_per_prompt, refill * n)
+        pq.write_table(table, tmp)
+
+    path = run.store.publish_once(_rel(run, iteration, refill), build)
+    table = pq.read_table(path, columns=["output_ids", "worker"])
+    tokens = sum(len(x) for x in table.column("output_ids").to_pylist())
+    workers = sorted(set(table.column("worker").to_pylist()))
+    get_run_logger().info(f"iteration {iteration}{f' refill {refill}' if refill else ''}: {table.num_rows} samples, "
+                          f"{tokens} tokens, weight version {weights.version}, {len(shards)} shards on workers "
+                          f"{', '.join(workers)}")
+    return run.store.handle(_rel(run, iteration, refill), "rollouts", version=weights.version, rows=table.num_rows,
+                            tokens=tokens, shards=len(shards), workers=workers)
+
+
+rollout_merge = stage(run_name="rollout-iter{iteration}-merge", key="rollout_merge",
+                      outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
+                      inputs=lambda shards, **_: [a.uri for a in shards])(_merge)
+
+
+def rollout_fanout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, shards: int,
+                   refill: int = 0, cursor: int = 0) -> Artifact:
+    """The rollout of ``rollout``/``rollout_refill`` (the same prompts: ``cursor`` as there) as
+    ``shards`` ``rollout_shard`` tasks on the flow's task runner, then ``rollout_merge``. Call it
+    from a flow body."""
+    import time
+
+    from k3core.rl.data import training_prompts
+    from k3core.rl.envs import load_env
+    from tasks.common import record_seconds
+
+    t0 = time.perf_counter()
+    n = settings.prompts_per_iteration
+    prompts = tuple(training_prompts(load_env(run.env), run.seed, iteration, n, run.env, refill=refill,
+                                     position=cursor + refill * n))
+    futures = [rollout_shard.submit(run, iteration, weights, settings, prompts, k, shards, refill)
+               for k in range(shards)]
+    parts = tuple(f.result() for f in futures)
+    record_seconds("rollout", time.perf_counter() - t0)  # the merge times itself (rollout_merge)
+    return rollout_merge(run, iteration, weights, settings, parts, refill)

@@ -2,7 +2,9 @@
 routing replay, micro-batches) of the trainer state on a scored batch; the new trainer state
 (model, optimizer, RNG, data cursor) is written with torch.distributed.checkpoint through the
 O_DIRECT writer into a staged directory that save_checkpoint then commits. The trained model stays
-live in this process (``tasks.trainers``)."""
+live in this process (``tasks.trainers``). With ``procs`` > 1 the step runs as a torchrun job of that
+many processes (``k3core.rl.fsdp``: FSDP2, gloo), which save the same trainer state together; the
+next stages then read it from disk."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
                                                               reference.uri if reference else ""])
 def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, settings: GRPOSettings,
                sampling: RolloutSettings, refills: tuple[Artifact, ...] = (), cursor: int = 0,
-               reference: Artifact | None = None) -> Artifact:
+               reference: Artifact | None = None, procs: int = 1) -> Artifact:
     """``sampling``: the settings the rollouts were sampled with (the trainer's log-probabilities use
     their temperature; ``max_new_tokens`` is the constant of ``seq-sum`` aggregation; at most
     ``prompts_per_iteration`` informative groups are trained on). ``refills``: the scored tables of
@@ -57,7 +59,8 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
     iteration's rollouts started at; the state records where the next iteration starts
     (``data_cursor.position``: past every round's prompts, trained on or not). ``reference``: the
     frozen reference's log-probabilities of the batch (``tasks.reference``), required when
-    ``settings.kl_coef`` > 0."""
+    ``settings.kl_coef`` > 0. ``procs``: processes of the step (> 1: a torchrun job, the model
+    sharded with FSDP2; the same update up to floating-point summation order)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -71,23 +74,25 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
                          "(the reference_logprobs stage); set --kl-coef 0 to train without the penalty")
 
     def build(tmp):
+        position = cursor + sampling.prompts_per_iteration * (1 + len(refills))
+        if procs > 1:
+            metrics = _train_distributed(run, iteration, state, scored, settings, sampling, refills, procs, tmp,
+                                         position)
+            _log(iteration, metrics)
+            return
         model, opt = _trainer(run, state, settings)
         table = pa.concat_tables([pq.read_table(a.path) for a in (scored, *refills)])
         metrics = train_on_table(model, opt, table, settings, ByteTokenizer(model.config).pad_id,
                                  temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
                                  max_groups=sampling.prompts_per_iteration,
                                  reference=pq.read_table(reference.path) if reference is not None else None)
-        position = cursor + sampling.prompts_per_iteration * (1 + len(refills))
         extra = {"iteration": iteration + 1, "data_cursor": {"next_iteration": iteration + 1, "position": position},
                  "parent": state.uri, "scored": scored.uri, "refills": [a.uri for a in refills],
                  "reference": reference.uri if reference is not None else None, "metrics": metrics}
         save_trainer_state(tmp / "state", model, opt, extra, storage_writer_factory=_writer_factory())
         extra = json.loads((tmp / "state" / "extra.json").read_text())
         trainers.put(run.run_id, trainers.LiveTrainer(iteration + 1, model, opt, extra, rng_state()))
-        get_run_logger().info(f"iteration {iteration}: {metrics.get('updates', 0)} updates, loss "
-                              f"{metrics.get('loss', 0):.4f}, grad norm {metrics.get('grad_norm', 0):.3f}, clip fraction "
-                              f"{metrics.get('clip_fraction', 0):.3f}, approx KL {metrics.get('approx_kl', 0):.2e}, "
-                              f"{metrics.get('groups_dropped', 0)} of {metrics.get('groups_sampled', 0)} groups uniform (dropped)")
+        _log(iteration, metrics)
 
     local = run.store.publish_once(rel, build, is_dir=True) / "state"
     extra = json.loads((local / "extra.json").read_text())
@@ -102,6 +107,44 @@ def data_position(state: Artifact) -> int:
         return 0
     extra = json.loads((Path(state.path) / "extra.json").read_text())
     return int(extra.get("data_cursor", {}).get("position", 0))
+
+
+def _log(iteration: int, metrics: dict) -> None:
+    procs = f" on {metrics['train_procs']} FSDP2 ranks" if metrics.get("train_procs", 1) > 1 else ""
+    get_run_logger().info(f"iteration {iteration}: {metrics.get('updates', 0)} updates{procs}, loss "
+                          f"{metrics.get('loss', 0):.4f}, grad norm {metrics.get('grad_norm', 0):.3f}, clip fraction "
+                          f"{metrics.get('clip_fraction', 0):.3f}, approx KL {metrics.get('approx_kl', 0):.2e}, "
+                          f"{metrics.get('groups_dropped', 0)} of {metrics.get('groups_sampled', 0)} groups uniform (dropped)")
+
+
+def _train_distributed(run: Run, iteration: int, state: Artifact, scored: Artifact, settings: GRPOSettings,
+                       sampling: RolloutSettings, refills: tuple[Artifact, ...], procs: int, tmp,
+                       position: int) -> dict:
+    """The train step as a torchrun job of ``procs`` ranks writing the trainer state into ``tmp/state``.
+    A public-layout start (the first iteration) takes this process's RNG state, as the one-process
+    step would; a DCP state restores its own."""
+    import dataclasses
+    import tempfile
+
+    import torch
+
+    from k3core.rl.fsdp import TrainJob, run_train_job
+    from k3core.rl.trainer_state import rng_state
+
+    trainers.take(run.run_id, state.version)  # the ranks train from the durable state; drop the stale live copy
+    with tempfile.TemporaryDirectory(prefix="k3rl-train-job-") as work:
+        rng = None
+        if state.kind != "dcp":
+            rng = f"{work}/rng.pt"
+            torch.save(rng_state(), rng)
+        job = TrainJob(state=str(state.path), state_kind="dcp" if state.kind == "dcp" else "public",
+                       tables=[str(a.path) for a in (scored, *refills)], grpo=dataclasses.asdict(settings),
+                       out=str(tmp / "state"), temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
+                       max_groups=sampling.prompts_per_iteration, rng=rng,
+                       extra={"iteration": iteration + 1,
+                              "data_cursor": {"next_iteration": iteration + 1, "position": position},
+                              "parent": state.uri, "scored": scored.uri, "refills": [a.uri for a in refills]})
+        return run_train_job(job, procs, work)["metrics"]
 
 
 def _writer_factory():

@@ -29,6 +29,7 @@ ROLLOUT_SCHEMA = pa.schema([
     ("routing", pa.list_(pa.int16())),  # [positions, n_moe, k] flattened, prompt positions first
     ("finish_reason", pa.string()),
     ("weight_version", pa.int64()),
+    ("worker", pa.string()),  # what generated the row: "local", or the Dask worker of its rollout shard
 ])
 
 SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + [

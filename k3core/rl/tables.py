@@ -15,10 +15,19 @@ from k3core.tokenizer import ByteTokenizer
 
 
 def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str], params: SamplingParams,
-                  iteration: int, first_prompt_index: int = 0) -> pa.Table:
+                  iteration: int, first_prompt_index: int = 0, *, shard_start: int = 0,
+                  worker: str = "local") -> pa.Table:
     """One row per completion; ``prompt_index`` counts from ``first_prompt_index`` (refill rounds of
-    dynamic sampling number their prompts after the earlier rounds', so groups stay distinct)."""
-    comps = engine.generate([tok.encode(p) for p in prompts], params, pad_id=tok.pad_id)
+    dynamic sampling number their prompts after the earlier rounds', so groups stay distinct).
+    ``shard_start`` > 0: ``prompts`` are a rollout's prompts from that position on (a shard,
+    ``k3core.rl.shards``): they get that rollout's seeds and prompt indices (``engine`` must be a
+    ``RolloutEngine``). ``worker``: recorded in every row."""
+    ids = [tok.encode(p) for p in prompts]
+    if shard_start:
+        comps = engine.generate(ids, params, pad_id=tok.pad_id, first_index=shard_start)
+    else:
+        comps = engine.generate(ids, params, pad_id=tok.pad_id)
+    first_prompt_index += shard_start
     rows = {f.name: [] for f in ROLLOUT_SCHEMA}
     for c in comps:
         rows["iteration"].append(iteration)
@@ -32,6 +41,7 @@ def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str],
         rows["routing"].append(c.routing.reshape(-1).tolist())
         rows["finish_reason"].append(c.finish_reason)
         rows["weight_version"].append(c.weight_version)
+        rows["worker"].append(worker)
     return pa.table(rows, schema=ROLLOUT_SCHEMA)
 
 

@@ -9,6 +9,12 @@ Sequences arrive as token lists (prompt, completion) with per-token rollout log-
 sequence advantage and, for routing replay, the expert ids the rollout engine chose at every input
 position. They are right-padded into ``[B, L]`` with ``L = max(len(prompt) + len(completion)) - 1``:
 inputs are ``seq[:-1]``, targets ``seq[1:]``, and only targets that are generated tokens are trained.
+
+Data parallel (``DataParallel``, FSDP2 under torchrun: k3core.rl.fsdp): every rank runs the same
+updates and micro-batches and trains on its share of each micro-batch (positions ``rank::world``);
+the loss weights are the whole minibatch's and the loss is scaled by ``world``, so the ranks'
+gradients averaged by FSDP2's reduce-scatter equal the one-process gradient. Statistics are
+gathered from every rank before they are reported.
 """
 
 from __future__ import annotations
@@ -23,6 +29,33 @@ import torch
 from k3core.model import K3ForCausalLM
 from k3core.rl.grpo import grpo_loss, masked_entropy
 from k3core.settings import GRPOSettings
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place among ``world`` data-parallel ranks of an initialised process group."""
+
+    rank: int
+    world: int
+
+    def share(self, idx: list[int]) -> tuple[list[int], bool]:
+        """(this rank's positions of a micro-batch, whether it is a stand-in). Every FSDP2 forward is a
+        collective all ranks join, so a rank with no share runs the micro-batch's first sequence at
+        zero loss weight (the stand-in) instead of skipping it."""
+        mine = idx[self.rank::self.world]
+        return (mine, False) if mine else (idx[:1], True)
+
+    def gather(self, obj):
+        """``obj`` of every rank, in rank order."""
+        import torch.distributed as dist
+
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def _share(dp: DataParallel | None, idx: list[int]) -> tuple[list[int], bool]:
+    return (idx, False) if dp is None else dp.share(idx)
 
 
 @dataclass
@@ -119,18 +152,24 @@ def _forward_logp(model: K3ForCausalLM, batch: dict, temperature: float, dev) ->
 
 @torch.no_grad()
 def old_logprobs(model: K3ForCausalLM, seqs: list[RLSequence], cfg: GRPOSettings, pad_id: int,
-                 temperature: float = 1.0) -> list[torch.Tensor]:
+                 temperature: float = 1.0, dp: DataParallel | None = None) -> list[torch.Tensor]:
     """``logp_old``: the trainer's log-probability of every generated token (one 1-D tensor per
-    sequence) before any update of this batch, in micro-batches of ``cfg.micro_batch_tokens``."""
+    sequence) before any update of this batch, in micro-batches of ``cfg.micro_batch_tokens``
+    (with ``dp``: each rank its share, then every rank gets all of them)."""
     dev = next(model.parameters()).device
     model.train()
     model.use_inference_caches = False
     out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
     for idx in micro_batches([_input_len(s) for s in seqs], cfg.micro_batch_tokens):
-        batch = pack_sequences([seqs[i] for i in idx], pad_id, with_routing=cfg.routing_replay)
+        mine, stand_in = _share(dp, idx)
+        batch = pack_sequences([seqs[i] for i in mine], pad_id, with_routing=cfg.routing_replay)
         logp, _ = _forward_logp(model, batch, temperature, dev)
-        for row, i in enumerate(idx):
+        for row, i in enumerate([] if stand_in else mine):
             out[i] = logp[row][batch["gen_mask"][row].to(dev)].float().cpu()
+    if dp is not None:
+        for part in dp.gather({i: t for i, t in enumerate(out) if t.numel()}):
+            for i, t in part.items():
+                out[i] = t
     return out
 
 
@@ -140,7 +179,7 @@ _PER_UPDATE = ("loss", "clip_fraction", "approx_kl", "kl_ref", "ratio_mean", "ra
 
 def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs: list[RLSequence],
                     cfg: GRPOSettings, pad_id: int, temperature: float = 1.0,
-                    seq_sum_norm: float | None = None) -> dict:
+                    seq_sum_norm: float | None = None, dp: DataParallel | None = None) -> dict:
     """GRPO updates of ``model`` on one rollout batch: ``cfg.ppo_epochs`` passes, each over
     ``cfg.minibatches`` shuffled minibatches, one optimizer step per minibatch; each minibatch runs in
     micro-batches of at most ``cfg.micro_batch_tokens`` padded tokens whose gradients accumulate
@@ -152,7 +191,8 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
     length cap; default the longest completion of the batch). ``cfg.kl_coef`` > 0 adds the KL penalty
     to the frozen reference, whose log-probabilities every sequence must carry (``ref_logprobs``);
     ``kl_ref`` (k3 of KL(trainer || reference) on the update's tokens, before its step) is reported
-    per update whenever they are there.
+    per update whenever they are there. ``dp``: this rank's place in a data-parallel (FSDP2) group
+    (module docstring); the metrics are the whole group's.
 
     Returns flat metrics: the batch's rollout-mismatch statistics (over every token, first pass),
     per-update statistics aggregated (``<name>`` the mean over updates, ``<name>_first`` /
@@ -170,8 +210,9 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
                          "(run the reference_logprobs stage on it, or set kl_coef 0)")
     if cfg.loss_aggregation == "seq-sum" and seq_sum_norm is None:
         seq_sum_norm = max(len(s.output_ids) for s in seqs)
-    old = old_logprobs(model, seqs, cfg, pad_id, temperature) if n_updates > 1 else None
-    forwarded = sum(_input_len(s) for s in seqs) if old is not None else 0
+    old = old_logprobs(model, seqs, cfg, pad_id, temperature, dp) if n_updates > 1 else None
+    counts_old = old is not None and (dp is None or dp.rank == 0)  # the group's tokens, counted once
+    forwarded = sum(_input_len(s) for s in seqs) if counts_old else 0
     model.train()
     model.use_inference_caches = False
     first_pass: list = []  # stats of every micro-batch of the first pass: each token once, logp_old fixed
@@ -186,6 +227,7 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
             parts = []
             micro = micro_batches([_input_len(s) for s in mseqs], cfg.micro_batch_tokens)
             for idx in micro:
+                idx, stand_in = _share(dp, idx)
                 batch = pack_sequences([mseqs[j] for j in idx], pad_id, with_routing=cfg.routing_replay)
                 logp, logits = _forward_logp(model, batch, temperature, dev)
                 mask = batch["gen_mask"].to(dev)
@@ -199,7 +241,13 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
                 loss, st = grpo_loss(logp, logp_old, batch["rollout_logprobs"].to(dev), batch["advantages"].to(dev),
                                      mask, cfg.clip_eps_low, cfg.clip_eps_high, cfg.tis_cap, weights=w,
                                      logp_ref=None if ref is None else ref.to(dev), kl_coef=cfg.kl_coef)
+                if dp is not None:  # FSDP2 averages the ranks' gradients: scale back to their sum
+                    loss = loss * (0.0 if stand_in else dp.world)
                 loss.backward()
+                del logp_old
+                if stand_in:
+                    del logits, logp, loss
+                    continue
                 parts.append(st)
                 forwarded += int(batch["valid"].sum())
                 if epoch == 0:
@@ -207,8 +255,11 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
                     ent_sum += masked_entropy(logits, mask) * st.tokens
                     ent_n += st.tokens
                 del logits, logp, loss
-            grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                                             cfg.max_grad_norm))
+            if dp is not None:
+                parts = [st for rank_parts in dp.gather(parts) for st in rank_parts]
+            grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                                       cfg.max_grad_norm)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(f"non-finite gradient norm {grad_norm} in update {len(updates) + 1} of "
                                          f"{n_updates}: that update was not applied")
@@ -216,6 +267,10 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
             u = asdict(merge_stats(parts))
             u.update(grad_norm=grad_norm, sequences=len(mseqs), micro_batches=len(micro))
             updates.append({k: u[k] for k in _PER_UPDATE})
+    if dp is not None:
+        gathered = dp.gather((first_pass, ent_sum, ent_n, forwarded))
+        first_pass = [st for g in gathered for st in g[0]]
+        ent_sum, ent_n, forwarded = (sum(g[k] for g in gathered) for k in (1, 2, 3))
     dt = time.perf_counter() - t0
     batch_stats = merge_stats(first_pass)
     m = {k: getattr(batch_stats, k) for k in ("kl_rollout_trainer_k3", "kl_rollout_trainer_k1", "tis_weight_mean",
@@ -284,7 +339,8 @@ def attach_reference(seqs: list[RLSequence], table: pa.Table, ref: pa.Table) -> 
 
 def train_on_table(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, table: pa.Table, cfg: GRPOSettings,
                    pad_id: int, temperature: float = 1.0, seq_sum_norm: float | None = None,
-                   max_groups: int | None = None, reference: pa.Table | None = None) -> dict:
+                   max_groups: int | None = None, reference: pa.Table | None = None,
+                   dp: DataParallel | None = None) -> dict:
     """GRPO updates on a scored batch (``grpo_train_step``). Dynamic sampling: groups (rows sharing a
     ``prompt_index``) whose rewards are all equal carry no signal and are dropped before the batch is
     split and before the loss is normalised; of the others, the first ``max_groups`` by prompt index
@@ -292,7 +348,7 @@ def train_on_table(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, table
     ``groups_sampled``, ``groups_dropped`` (uniform), ``groups_unused`` (beyond ``max_groups``),
     ``groups_trained``, ``sequences``. A batch where every group is uniform is a no-op step
     (``skipped`` 1). ``reference``: the frozen reference's log-probabilities of the batch
-    (``reference_logprobs_table``), needed when ``cfg.kl_coef`` > 0."""
+    (``reference_logprobs_table``), needed when ``cfg.kl_coef`` > 0. ``dp``: see ``grpo_train_step``."""
     n_moe, k = len(model.moe_layer_ids), model.config.num_experts_per_token
     seqs = table_to_sequences(table, n_moe, k)
     if reference is not None:
@@ -310,6 +366,6 @@ def train_on_table(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, table
               "sequences": len(kept)}
     if not kept:
         return {"skipped": 1.0, **counts}
-    m = grpo_train_step(model, optimizer, kept, cfg, pad_id, temperature, seq_sum_norm=seq_sum_norm)
+    m = grpo_train_step(model, optimizer, kept, cfg, pad_id, temperature, seq_sum_norm=seq_sum_norm, dp=dp)
     m.update(counts, skipped=0.0)
     return m

@@ -59,18 +59,22 @@ def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: tor
     writer = storage_writer_factory(out_dir) if storage_writer_factory else None
     with _single_process_dcp():
         dcp.save(state, checkpoint_id=str(out_dir), storage_writer=writer)
-    model.config.to_json_file(out_dir / "config.json")
-    (out_dir / "extra.json").write_text(json.dumps(extra, indent=2))
-    write_manifest(out_dir)  # last: sha256 of every file, .metadata included, checked before any load
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # FSDP2: every rank saved its shards
+        model.config.to_json_file(out_dir / "config.json")
+        (out_dir / "extra.json").write_text(json.dumps(extra, indent=2))
+        write_manifest(out_dir)  # last: sha256 of every file (all ranks' data, .metadata included), checked before any load
 
 
-def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.float32):
+def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.float32, shard=None):
     """(model, optimizer, extra) from a trainer-state directory written by ``save_trainer_state``;
     the model trains with QAT when the state was saved with it (``extra['qat_routed_experts']``).
 
     Nothing is read before the directory's manifest checks out (every file's size and sha256;
     ``ManifestError`` names the first that differs). ``.metadata`` is then unpickled from the
-    verified bytes with an allowlist, and non-tensor items with ``weights_only`` (``dcp_safe``)."""
+    verified bytes with an allowlist, and non-tensor items with ``weights_only`` (``dcp_safe``).
+    ``shard``: applied to the model on the meta device before it gets storage (FSDP2,
+    ``k3core.rl.fsdp.shard_model``); each rank then reads its shards. DCP reshards on load, so a
+    state saved by any number of ranks loads into any other."""
     from k3core.checkpoint.dcp_safe import METADATA_NAME, safe_dcp_load
     from k3core.checkpoint.hf import meta_model
     from k3core.checkpoint.manifest import verify_manifest
@@ -79,8 +83,13 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     manifest = verify_manifest(path, required=True, must_list=(METADATA_NAME, "config.json", "extra.json"))
     config = K3Config.from_json_file(path / "config.json")
     model = meta_model(config)
-    model.to_empty(device="cpu")
-    model.cast(dtype)
+    if shard is None:
+        model.to_empty(device="cpu")
+        model.cast(dtype)
+    else:
+        model.cast(dtype)
+        shard(model)
+        model.to_empty(device="cpu")
     opt = make_optimizer(model, lr)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "rng": {"torch": torch.get_rng_state(), "python": ""}, "extra": ""}
@@ -93,6 +102,29 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     extra = json.loads(state["extra"])
     set_qat(model, extra.get(QAT_KEY, False))
     return model, opt, extra
+
+
+def load_trainer_model(path: str | Path, dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
+    """The model alone from a trainer-state directory (DCP reads only the model's entries; no
+    optimizer is built): what a rollout engine needs from a trainer state. The manifest is checked
+    first, as in ``load_trainer_state``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from k3core.checkpoint.dcp_safe import METADATA_NAME, safe_dcp_load
+    from k3core.checkpoint.hf import meta_model
+    from k3core.checkpoint.manifest import verify_manifest
+
+    path = Path(path)
+    manifest = verify_manifest(path, required=True, must_list=(METADATA_NAME, "config.json", "extra.json"))
+    model = meta_model(K3Config.from_json_file(path / "config.json"))
+    model.to_empty(device="cpu")
+    model.cast(dtype)
+    state = {"model": get_model_state_dict(model)}
+    with _single_process_dcp():
+        safe_dcp_load(state, path, manifest=manifest)
+    set_model_state_dict(model, state["model"])
+    set_qat(model, json.loads((path / "extra.json").read_text()).get(QAT_KEY, False))
+    return model
 
 
 def rng_state() -> tuple:

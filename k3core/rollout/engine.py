@@ -403,15 +403,18 @@ class RolloutEngine:
         return self.submit_many([(prompt, params, stop_checker)])[0]
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, pad_id: int | None = None) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, pad_id: int | None = None,
+                 first_index: int = 0) -> list[Completion]:
         """Blocking batch generation: ``n`` Completions per prompt, ordered (prompt, sample). Prompt
-        ``i`` gets request seed ``derive_seed(params.seed, i)``. ``pad_id`` is accepted for
-        compatibility: pads are neutral, so their id never changes a result."""
+        ``i`` gets request seed ``derive_seed(params.seed, first_index + i)``, so the prompts of a
+        larger call generated as consecutive shards (``first_index``: the shard's first position)
+        get that call's samples. ``pad_id`` is accepted for compatibility: pads are neutral, so
+        their id never changes a result."""
         params.validate()
         if not prompts:
             raise ValueError("every prompt needs at least one token (prompts: non-empty lists of token ids)")
         base = params.seed if params.seed is not None else secrets.randbits(63)
-        reqs = [(p, replace(params, seed=derive_seed(base, i)), None) for i, p in enumerate(prompts)]
+        reqs = [(p, replace(params, seed=derive_seed(base, first_index + i)), None) for i, p in enumerate(prompts)]
         futures = self.submit_many(reqs, bounded=False, prompt_indices=list(range(len(prompts))))
         while not all(f.done() for f in futures):
             if self.is_serving:

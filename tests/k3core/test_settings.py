@@ -3,6 +3,7 @@ construction agreeing, unknown settings refused (never silently ignored), and Pr
 validation (pydantic building the same dataclasses) giving the CLI's messages."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -126,3 +127,14 @@ def test_grpo_bounds():
         GRPOSettings(clip_eps_low=1.0)
     with pytest.raises(SettingsError, match=r"--rollout-url 'ftp://x'"):
         RolloutSettings(url="ftp://x")
+
+
+@pytest.mark.parametrize("flat, says", [
+    (dict(task_runner="dask", max_staleness=1), "--max-staleness 1 samples the next batch"),
+    (dict(train_procs=2, kl_coef=0.1), "--kl-coef with --train-procs > 1"),
+])
+def test_combinations_not_supported_yet_are_refused_naming_both_flags(flat, says):
+    with pytest.raises(SettingsError, match=re.escape(says)):
+        RLSettings.from_dict(flat)
+    for key, value in flat.items():  # either flag alone is fine
+        RLSettings.from_dict({key: value})

@@ -1,0 +1,120 @@
+"""Rollout shards: one rollout's prompts split over N engines, with a table that is the same, row for
+row, whatever N is; and the resident engines of a worker process.
+
+Owns: where shards cut (``shard_bounds``: contiguous runs of prompt positions, a pure function of
+the prompt count and N), generating one shard (``shard_table``), putting shard tables back in the
+one-engine order (``merge_shards``), and ``ResidentEngines``: a worker's engines, one per run, built
+once and then pushed each newer weight version (``k3core.transfer.push_inprocess``, which refuses
+a version that is not newer). Does not own: placing shards on workers (Prefect's task runner, Dask),
+storage (the caller publishes tables), or the engine itself.
+
+Why N does not change the table: prompt ``i`` of a rollout gets request seed
+``derive_seed(seed, i)`` in whichever shard it lands (``RolloutEngine.generate(first_index=...)``),
+every sample is drawn from its own generator by inverse CDF, and rows are merged by
+(prompt_index, sample_index). What batch composition can change is floating-point rounding: the
+matrix products of a batch of other rows may block differently, so log-probabilities can differ in
+their last bits between N values, and a token drawn within that rounding of a CDF boundary could
+differ. Token ids, routing and versions are compared exactly by the tests; log-probabilities to
+rounding.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+
+__all__ = ["ResidentEngines", "StaleWeightVersion", "merge_shards", "shard_bounds", "shard_table"]
+
+
+class StaleWeightVersion(RuntimeError):
+    """A shard asked a resident engine for a weight version older than the one it serves."""
+
+
+def shard_bounds(prompts: int, shards: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each of ``shards`` contiguous runs covering ``prompts`` positions, sizes
+    differing by at most one (empty runs when there are fewer prompts than shards)."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    return [(k * prompts // shards, (k + 1) * prompts // shards) for k in range(shards)]
+
+
+def shard_table(engine, tok, prompts: list[str], bounds: tuple[int, int], params, iteration: int,
+                first_prompt_index: int, worker: str) -> pa.Table:
+    """Rows of ``prompts[start:stop]`` as the whole rollout would give them (seeds and prompt
+    indices of their positions), each marked with ``worker``; an empty shard has no rows."""
+    from k3core.rl.tables import rollout_table
+
+    start, stop = bounds
+    if start == stop:  # more shards than prompts
+        from k3core.rl.data import ROLLOUT_SCHEMA
+
+        return ROLLOUT_SCHEMA.empty_table()
+    return rollout_table(engine, tok, prompts[start:stop], params, iteration, first_prompt_index, shard_start=start,
+                         worker=worker)
+
+
+def merge_shards(tables: list[pa.Table], prompts: int, samples: int, first_prompt_index: int = 0) -> pa.Table:
+    """The shards' rows in the one-engine order (prompt, then sample); every (prompt, sample) of the
+    rollout exactly once, or ``ValueError`` naming what is missing or doubled."""
+    table = pa.concat_tables([t for t in tables if t.num_rows]) if any(t.num_rows for t in tables) else tables[0]
+    keys = list(zip(table.column("prompt_index").to_pylist(), table.column("sample_index").to_pylist()))
+    want = {(first_prompt_index + p, s) for p in range(prompts) for s in range(samples)}
+    if len(keys) != len(set(keys)) or set(keys) != want:
+        missing, extra = sorted(want - set(keys)), len(keys) - len(set(keys))
+        raise ValueError(f"rollout shards do not cover the rollout: {len(missing)} (prompt, sample) pairs missing "
+                         f"(first {missing[:3]}), {extra} doubled")
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    return table.take(order)
+
+
+class ResidentEngines:
+    """A worker process's rollout engines, one per run id, kept across rollouts.
+
+    ``engine(run_id, path, kind, version, quantized)``: the engine at ``version``. The first call
+    builds it from the weights at ``path`` (a public-layout checkpoint, or a DCP trainer state:
+    ``kind`` "dcp"); a later call with a newer version pushes those weights into the same engine;
+    an older version is refused (``StaleWeightVersion``): an engine only moves forward, and a
+    rollout at an old version must not be served by newer weights."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines: dict[str, object] = {}
+        self.builds = 0
+        self.pushes = 0
+
+    def engine(self, run_id: str, path: str | Path, kind: str, version: int, quantized: bool):
+        with self._lock:
+            eng = self._engines.get(run_id)
+            if eng is not None and eng.weight_version == version:
+                return eng
+            if eng is not None and version < eng.weight_version:
+                raise StaleWeightVersion(f"run {run_id!r}: this worker's engine serves weight version "
+                                         f"{eng.weight_version}, a rollout asked for the older version {version}; "
+                                         "rerun the rollout on a fresh worker (or a new run id)")
+            if eng is not None and kind == "dcp":
+                from k3core.rl.trainer_state import load_trainer_model
+                from k3core.transfer import push_inprocess
+
+                push_inprocess(eng, load_trainer_model(path).state_dict(), version, quantize_experts=quantized)
+                self.pushes += 1
+                return eng
+            eng = self._build(path, kind, version, quantized)
+            self._engines[run_id] = eng
+            self.builds += 1
+            return eng
+
+    @staticmethod
+    def _build(path, kind: str, version: int, quantized: bool):
+        from k3core.rl.weights import build_engine, engine_from_model
+
+        if kind == "dcp":
+            from k3core.rl.trainer_state import load_trainer_model
+
+            return engine_from_model(load_trainer_model(path), version, quantized=quantized)
+        return build_engine(path, version)
+
+    def versions(self) -> dict[str, int]:
+        with self._lock:
+            return {k: e.weight_version for k, e in self._engines.items()}

@@ -1,0 +1,210 @@
+"""Scale-out end to end on the tiny preset, Prefect in embedded mode, real Dask and real torchrun:
+
+- a LocalCluster run (2 resident engine workers): the same rollout rows, iteration by iteration, as
+  the one-process run (the reference), and the same final weights up to rounding;
+- a run that joins a Dask cluster started as separate processes (``dask scheduler``, 2 ``dask
+  worker``), one of whose workers is killed with SIGKILL while it runs a rollout shard: the run
+  completes and its rows equal the reference's;
+- bad scale-out usage exits 2 with the fix named, before any work.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+pytest.importorskip("prefect_dask", reason="scale-out tests need the test extra (prefect-dask, distributed)")
+
+from flows.pipeline import RLSettings, rl_run  # noqa: E402
+from tasks import engines, trainers  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV_SRC = textwrap.dedent('''
+    from k3core.rl.envs import ReverseEnv
+
+    class EvenBytes(ReverseEnv):
+        """Reversal prompts rewarded by the fraction of even bytes: a random tiny policy gets varied
+        rewards, so every iteration takes a real optimizer step and pushes new weights."""
+        name = "even-bytes"
+        def reward(self, prompt, completion):
+            data = completion.encode()
+            return sum(b % 2 == 0 for b in data) / len(data) if data else 0.0
+
+    def make():
+        return EvenBytes()
+''')
+ITERATIONS = 2
+DASK_CONFIG = "distributed:\n  nanny:\n    pre-spawn-environ:\n      MALLOC_TRIM_THRESHOLD_: null\n"
+
+
+def _settings(root: Path, run_id: str, **kw) -> RLSettings:
+    base = dict(preset="tiny", source="init:tiny:3", env="scale_env_for_tests:make", iterations=ITERATIONS,
+                artifacts=str(root), run_id=run_id, prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens=4,
+                warmup_steps=1, warmup_batch=8, eval_prompts=4, eval_every=0, mismatch_sequences=0, lr=1e-3)
+    base.update(kw)
+    return RLSettings.from_dict(base)
+
+
+@pytest.fixture(scope="module")
+def env_module(tmp_path_factory):
+    d = tmp_path_factory.mktemp("env")
+    (d / "scale_env_for_tests.py").write_text(ENV_SRC)
+    sys.path.insert(0, str(d))
+    yield d
+    sys.path.remove(str(d))
+
+
+@pytest.fixture(scope="module")
+def reference(env_module, tmp_path_factory, prefect_harness):
+    """The one-process run (local task runner, one train process)."""
+    root = tmp_path_factory.mktemp("local")
+    engines.clear()
+    trainers.clear()
+    summary = rl_run(_settings(root, "ref"))
+    assert summary["iterations"] == ITERATIONS
+    return root / "runs" / "ref"
+
+
+def _same_rows(run: Path, ref: Path) -> list[set[str]]:
+    """Every iteration's rollout table equals the reference's row for row: prompts, token ids,
+    routing, versions exactly; log-probabilities to rounding. Batch composition changes the last
+    bits of iteration 0's log-probabilities (k3core.rl.shards says why); those feed the update
+    through the importance weights, and re-quantising the updated experts to MXFP4 can move a
+    weight next to a code boundary into the neighbouring code, so later iterations' log-probabilities
+    agree to 1e-3 rather than 1e-5. -> the workers of each iteration."""
+    workers = []
+    for it in range(ITERATIONS):
+        atol = 1e-5 if it == 0 else 1e-3
+        got, want = (pq.read_table(p / f"iter-{it:04d}" / "rollouts.parquet") for p in (run, ref))
+        assert got.schema.equals(want.schema) and got.num_rows == want.num_rows == 16
+        for col in want.column_names:
+            if col == "logprobs":
+                for a, b in zip(got.column(col).to_pylist(), want.column(col).to_pylist()):
+                    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=atol)
+            elif col != "worker":
+                assert got.column(col).to_pylist() == want.column(col).to_pylist(), (it, col)
+        assert set(want.column("worker").to_pylist()) == {"local"}
+        workers.append(set(got.column("worker").to_pylist()))
+    return workers
+
+
+def _final_state(run: Path):
+    from k3core.rl.trainer_state import load_trainer_state
+
+    latest = json.loads((run / "latest.json").read_text())
+    path = Path(latest["checkpoint"].removeprefix("file://")) / "state"
+    model, _, extra = load_trainer_state(path, lr=0.0)
+    return model.state_dict(), extra
+
+
+@pytest.mark.slow  # two tiny RL runs in embedded Prefect plus a LocalCluster: ~1.5 min on 2 cores
+def test_local_cluster_run_gives_the_one_process_run(reference, tmp_path):
+    engines.clear()
+    trainers.clear()
+    s = _settings(tmp_path, "dask", task_runner="dask", rollout_workers=2)
+    summary = rl_run(s)
+    assert summary["iterations"] == ITERATIONS
+    run = tmp_path / "runs" / "dask"
+    assert _same_rows(run, reference) == [{"0", "1"}] * ITERATIONS  # both workers served every iteration
+
+    got, extra = _final_state(run)
+    want, ref_extra = _final_state(reference)
+    assert extra["metrics"]["loss"] == pytest.approx(ref_extra["metrics"]["loss"], rel=1e-3, abs=1e-6)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=5e-5, msg=k)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # a Dask cluster of 3 processes and a tiny RL run: ~1 min on 2 cores
+def test_run_joins_a_separate_dask_cluster_and_survives_a_killed_worker(reference, tmp_path):
+    from distributed import Client
+    from prefect.settings import PREFECT_API_URL
+
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    (tmp_path / "dask-config").mkdir()  # the worker setting docs/scale-out.md gives (glibc's malloc left alone)
+    (tmp_path / "dask-config" / "k3rl.yaml").write_text(DASK_CONFIG)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               PREFECT_API_URL=PREFECT_API_URL.value(), OMP_NUM_THREADS="1", DASK_CONFIG=str(tmp_path / "dask-config"))
+    logs = open(tmp_path / "cluster.log", "w")
+    procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+                               "--port", str(port), "--no-dashboard"], env=env, stdout=logs, stderr=logs)]
+    try:
+        for k in range(2):
+            procs.append(subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads",
+                                           "1", "--nworkers", "1", "--no-dashboard", "--host", "127.0.0.1", "--name",
+                                           f"ext{k}"], env=env, stdout=logs, stderr=logs))
+        with Client(address, timeout=120) as client:
+            client.wait_for_workers(2, timeout=120)
+            assert set(client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()) == {None}
+            engines.clear()
+            trainers.clear()
+            out: dict = {}
+
+            def run():
+                try:
+                    out["summary"] = rl_run(_settings(tmp_path, "ext", task_runner="dask", dask_address=address,
+                                                      rollout_workers=2))
+                except BaseException as e:  # reported below
+                    out["error"] = e
+
+            flow = threading.Thread(target=run)
+            flow.start()
+            killed = None
+            deadline = time.monotonic() + 300
+            while killed is None and flow.is_alive() and time.monotonic() < deadline:
+                busy = [w for w, keys in client.processing().items() if keys]  # only rollout shards are submitted
+                if busy:
+                    pid = client.run(os.getpid, workers=[busy[0]])[busy[0]]
+                    os.kill(pid, signal.SIGKILL)
+                    killed = busy[0]
+                time.sleep(0.02)
+            flow.join(timeout=600)
+            assert not flow.is_alive(), "the run did not finish after its worker was killed"
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        logs.close()
+    assert killed is not None, "no rollout shard was seen running, so no worker was killed"
+    assert "was killed by signal 9" in (tmp_path / "cluster.log").read_text()  # the nanny saw its worker die
+    assert "error" not in out, out.get("error")
+    assert out["summary"]["iterations"] == ITERATIONS
+    workers = _same_rows(tmp_path / "runs" / "ext", reference)
+    assert set().union(*workers) <= {"ext0", "ext1"}
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--rollout-workers", "2"], "--rollout-workers 2 needs --task-runner dask"),
+    (["--task-runner", "ray"], "--task-runner: unknown runner 'ray'; choose one of local, dask"),
+    (["--task-runner", "dask", "--dask-address", "127.0.0.1:1"], "use a scheduler address such as tcp://"),
+    (["--task-runner", "dask", "--dask-address", "tcp://127.0.0.1:1"], "no Dask scheduler answers there"),
+    (["--train-procs", "0"], "--train-procs must be >= 1"),
+    (["--task-runner", "dask", "--rollout-url", "http://127.0.0.1:30000"], "cannot be combined with --rollout-url"),
+])
+def test_bad_scale_out_usage_exits_2_naming_the_fix(tmp_path, capsys, flags, message):
+    from flows.cli import main
+
+    code = main(["run", "--preset", "tiny", "--artifacts", str(tmp_path), "--run-id", "bad", *flags])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "bad").exists()  # refused before any work
