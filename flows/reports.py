@@ -1,8 +1,7 @@
 """What a run shows in the Prefect UI (the open-source UI has no asset graph, so lineage is shown
 through artifacts), published by the ``rl_run`` flow after every iteration:
 
-- ``rl-metrics-<run id>`` (table): one row per RL iteration; each publication is a new version of the key, so
-  the artifact's page lists the versions across the run's iterations;
+- ``rl-metrics-<run id>`` (table): one row per RL iteration;
 - ``rl-lineage-<run id>`` (markdown): every artifact of the run (relative to the artifact root, which it names
   once), its kind, content hash, the task run that produced it and its inputs;
 - ``rl-curves-<run id>`` (markdown): the reward and KL curves as a PNG inside the markdown, as a
@@ -14,6 +13,10 @@ through artifacts), published by the ``rl_run`` flow after every iteration:
   manifest hash, and the validation report (http(s) URIs as links; ``file://`` and ``s3://`` as text,
   since the UI strips links it cannot open), with the commands that read them;
 - ``rl-progress-<run id>`` (progress): iterations done out of those asked for.
+
+Each report is created once per flow run and updated in place after every iteration, so the flow
+run's Artifacts tab shows one card per report with the run's current state (a continued run, one
+more flow run, adds one version of each key).
 
 Also writes the curves as PNG files and the history as ``metrics.json`` beside the run's artifacts,
 and ``summary.json`` at the end (``summary``)."""
@@ -28,6 +31,7 @@ import statistics
 
 from prefect.artifacts import (
     create_markdown_artifact,
+    TableArtifact,
     create_progress_artifact,
     create_table_artifact,
     update_progress_artifact,
@@ -43,6 +47,8 @@ TABLE_COLUMNS = ["iteration", "weight_version", "staleness", "reward_mean", "rew
                  "train_tokens_per_s", "seconds_rollout", "seconds_train", "transfer_seconds"]
 # The progress artifact of each flow run (created on its first publication, then updated).
 _progress_ids: dict = {}
+# The report artifacts of each flow run, by kind (created once, then updated).
+_report_ids: dict = {}
 
 
 def table_number(x):
@@ -233,17 +239,34 @@ def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact
     if not _in_flow():
         return
     rows = [{c: table_number(h.get(c, "")) for c in TABLE_COLUMNS} for h in history]
-    create_table_artifact(rows, key=artifact_key("metrics", run_id), description=f"run {run_id}: one row per RL iteration")
-    create_markdown_artifact(lineage_markdown(s, lineage), key=artifact_key("lineage", run_id),
-                             description=f"run {run_id}: where every artifact came from")
+    _report(create_table_artifact, TableArtifact(table=rows).format(), rows, "metrics", run_id,
+            f"run {run_id}: one row per RL iteration")
+    md = lineage_markdown(s, lineage)
+    _report(create_markdown_artifact, md, md, "lineage", run_id, f"run {run_id}: where every artifact came from")
     b64 = base64.b64encode(png).decode()
     text = f"### run `{run_id}`: reward and KL\n\n![reward and KL curves](data:image/png;base64,{b64})\n"
     if final:
         text += "\n" + "\n".join(f"- **{k}**: {v}" for k, v in final.items() if not isinstance(v, dict))
-    create_markdown_artifact(text, key=artifact_key("curves", run_id), description=f"run {run_id}: reward / KL curves")
-    create_markdown_artifact(checkpoints_markdown(s, lineage), key=artifact_key("checkpoints", run_id),
-                             description=f"run {run_id}: checkpoints and validation report")
+    _report(create_markdown_artifact, text, text, "curves", run_id, f"run {run_id}: reward / KL curves")
+    md = checkpoints_markdown(s, lineage)
+    _report(create_markdown_artifact, md, md, "checkpoints", run_id, f"run {run_id}: checkpoints and validation report")
     _publish_progress(s, len(history))
+
+
+def _report(create, data: str, value, kind: str, run_id: str, description: str) -> None:
+    """One report of the run: created on the flow run's first publication, then updated in place
+    (``PATCH /artifacts/{id}``), so the flow run's Artifacts tab holds one card per report showing
+    the run's current state, not one version per iteration. ``data``: the formatted payload of an
+    update; ``value``: what ``create`` takes."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+
+    ident = (FlowRunContext.get().flow_run.id, kind)
+    if ident not in _report_ids:
+        _report_ids[ident] = create(value, key=artifact_key(kind, run_id), description=description)
+        return
+    with get_client(sync_client=True) as client:
+        client.update_artifact(_report_ids[ident], ArtifactUpdate(data=data, description=description))
 
 
 def _publish_progress(s, done: int) -> None:
