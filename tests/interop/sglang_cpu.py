@@ -86,6 +86,32 @@ def install_cpu_stubs() -> None:
         sys.meta_path.insert(0, _FINDER)
 
 
+def uninstall_cpu_stubs() -> None:
+    """Take the stub finder and the stub modules away (the rest of a test session sees no torchvision)."""
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    for name in [n for n, m in sys.modules.items() if isinstance(m, _StubModule)]:
+        del sys.modules[name]
+
+
+def teardown() -> None:
+    """Undo what this module did to the process: SGLang's process groups (and torch.distributed's default
+    group) and runtime context, and the stubs. Later tests in the same pytest process start clean."""
+    global _PUBLISHED
+    if _PUBLISHED:
+        import torch.distributed as dist
+        from sglang.srt import runtime_context as rc
+        from sglang.srt.distributed import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        ps.destroy_distributed_environment()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        rc.reset_context()
+        _PUBLISHED = False
+    uninstall_cpu_stubs()
+
+
 def import_sglang(module: str):
     """``importlib.import_module`` of an SGLang module with the CPU stubs in place."""
     install_cpu_stubs()
