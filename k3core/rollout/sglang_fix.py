@@ -2,7 +2,7 @@
 weight update (``attn-res-cw-refresh``).
 
 Owns: ``refresh_attn_res_cw_caches(model)`` and its registration as an SGLang plugin hook.
-Does not own: launching SGLang (``k3core.rollout.sglang_launch``), anything else of SGLang.
+Does not own: launching SGLang (``k3core.rollout.sglang_serving.launch_command``), anything else of SGLang.
 
 Why: SGLang's K3 caches the product of each AttnRes site's norm and projection weights on the
 projection module (``get_cw`` in ``sglang/srt/layers/attn_residual.py``) and warms it after loading.
