@@ -28,7 +28,8 @@ ENV = "K3RL_SGLANG_FIXES"
 # Every WeightUpdater method that writes weights into a running model.
 _UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
 HOOKED = tuple(f"{_UPDATER}.{m}" for m in ("update_weights_from_disk", "update_weights_from_tensor",
-                                           "update_weights_from_ipc", "end_weight_update"))
+                                           "update_weights_from_ipc", "load_weights_from_distributed",
+                                           "end_weight_update"))
 
 
 def _attn_res_sites(model):

@@ -94,3 +94,13 @@ def test_the_fix_refreshes_the_cache_in_place_after_an_update(loaded, monkeypatc
     assert _stale(model) == []
     after = [proj._attn_res_cw_cache[torch.float32] for proj, _ in _sites(model)]
     assert all(x is y for x, y in zip(cached, after))  # same tensors: captured CUDA graphs see the update
+
+    # the tensor path (/update_weights_from_tensor) with only the AttnRes weights changed
+    g = torch.Generator().manual_seed(3)
+    named = [(n, torch.randn(p.shape, generator=g).to(p.dtype)) for n, p in model.named_parameters()
+             if "_res_proj." in n or "_res_norm." in n]
+    before = [proj.weight.detach().clone() for proj, _ in _sites(model)]
+    ok, message = updater.update_weights_from_tensor(named)
+    assert ok, message
+    assert not any(torch.equal(b, proj.weight) for b, (proj, _) in zip(before, _sites(model)))
+    assert _stale(model) == []
