@@ -68,9 +68,10 @@ class WeightUpdateRefused(RequestRefused):
     """A weight update was refused; the server keeps serving its previous version."""
 
 
-class ServerWouldComputeWrongly(WeightUpdateRefused):
+class ServerWouldComputeWrongly(WeightUpdateRefused, ValueError):
     """The server is an SGLang that would compute the pushed checkpoint wrongly (the reasons are in the
-    message; ``k3core.rollout.sglang_serving.serving_problems``). Nothing was sent."""
+    message; ``k3core.rollout.sglang_serving.serving_problems``). Nothing was sent. A ``ValueError``: bad
+    input that a retry cannot fix, so the stages do not retry it (``tasks.common.NON_RETRYABLE``)."""
 
 
 class WeightVersionMismatch(RolloutClientError):

@@ -194,6 +194,7 @@ def test_push_to_sglang_that_would_compute_wrongly_is_refused(server, tmp_path):
     with pytest.raises(ServerWouldComputeWrongly, match="hidden_size 64 is not a multiple of 1024") as e:
         client.update_weights_from_disk(str(tmp_path / "ckpt"), 4)
     assert e.value.status == 409 and server.updates == []  # nothing was sent
+    assert isinstance(e.value, ValueError)  # bad input: the stages do not retry it
     ok = tmp_path / "serve-small"
     ok.mkdir()
     K3Config.preset("serve-small").to_json_file(ok / "config.json")
