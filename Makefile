@@ -3,6 +3,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
+# The SGLang release whose K3 code the interop suite (tests/interop) checks k3rl against; installed
+# without its dependencies (they are CUDA builds), see the `interop` extra in pyproject.toml.
+SGLANG_VERSION := 0.5.23
 
 .PHONY: setup run test lint bench clean
 
@@ -15,7 +18,8 @@ $(BIN)/python:
 setup: $(BIN)/python
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0; fi
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,interop]"
+	$(BIN)/python -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
 
 run: setup
 	PYTHONUNBUFFERED=1 $(BIN)/k3rl run --preset small $(ARGS)

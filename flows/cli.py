@@ -8,6 +8,7 @@
   k3rl status [--run-id ID] [--artifacts URL]
   k3rl serve | deploy | worker          deployments of prefect.yaml (see flows/deploy.py)
   k3rl rollout-server --checkpoint DIR  a checkpoint behind the SGLang-style HTTP API (flows/cli_serve.py)
+  k3rl sglang-server --checkpoint DIR   a checkpoint served by real SGLang with the fix k3rl needs (flows/cli_sglang.py)
 
 Run settings (``k3rl run --help``) are the sections of ``k3core.settings.RLSettings``, one flag each.
 
@@ -243,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flows.cli_checkpoint import add_checkpoint_subcommands
     from flows.cli_plan import add_plan_subcommand
     from flows.cli_serve import add_rollout_server_subcommand, refuse_checkpoint_on_serve
+    from flows.cli_sglang import add_sglang_server_subcommand
     from flows.deploy import add_deploy_subcommands
 
     add_checkpoint_subcommands(sub)
@@ -250,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     refuse_checkpoint_on_serve(sub)  # `serve` is the deployments; the rollout server has its own name
     add_plan_subcommand(sub)
     add_rollout_server_subcommand(sub)
+    add_sglang_server_subcommand(sub)
     _add_examples(sub)
     return p
 

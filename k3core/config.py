@@ -486,5 +486,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=6144, num_experts=64, num_experts_per_token=8, num_shared_experts=2,
         moe_intermediate_size=384, routed_expert_hidden_size=768, attn_res_block_size=6,
     ),
+    # The smallest preset SGLang's K3 serves correctly: its AttnRes aggregation kernel walks the hidden
+    # dimension in blocks of 1024 (SGLANG_ATTN_RES_BLOCK_H), so hidden_size must be a multiple of it.
+    # Byte-level vocabulary (no tokenizer: k3rl and `--skip-tokenizer-init` speak token ids).
+    "serve-small": dict(
+        **_BYTE_VOCAB, hidden_size=1024, num_hidden_layers=8, max_position_embeddings=8192,
+        kda_num_heads=8, kda_head_dim=128,
+        num_attention_heads=8, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
+        qk_rope_head_dim=32, v_head_dim=64,
+        intermediate_size=2816, num_experts=16, num_experts_per_token=4, num_shared_experts=1,
+        moe_intermediate_size=256, routed_expert_hidden_size=512, attn_res_block_size=4,
+    ),
     "full": dict(),
 }
+
+# SGLang's AttnRes aggregation (``sglang/srt/layers/attn_residual.py``, ``_BLOCK_H``) reads the hidden
+# dimension in blocks of this many elements; a hidden size that is not a multiple is computed wrongly.
+SGLANG_ATTN_RES_BLOCK_H = 1024

@@ -45,5 +45,7 @@ class ResNorm(nn.Module):
 
 
 def w_gamma(proj: ResProj, norm: ResNorm) -> torch.Tensor:
-    """The score vector ``w * gamma`` ``[D]`` of one mixing site."""
-    return proj.weight[0] * norm.weight
+    """The score vector ``w * gamma`` ``[D]`` of one mixing site, in fp32 whatever the weights' dtype: the
+    scores are fp32 sums, and a bf16 product would move them (SGLang's ``get_cw`` keeps it fp32 too;
+    tests/interop/test_sglang_reference_ops.py)."""
+    return at_least_fp32(proj.weight[0]) * at_least_fp32(norm.weight)

@@ -28,6 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
@@ -65,6 +66,12 @@ class RequestRefused(RolloutClientError):
 
 class WeightUpdateRefused(RequestRefused):
     """A weight update was refused; the server keeps serving its previous version."""
+
+
+class ServerWouldComputeWrongly(WeightUpdateRefused, ValueError):
+    """The server is an SGLang that would compute the pushed checkpoint wrongly (the reasons are in the
+    message; ``k3core.rollout.sglang_serving.serving_problems``). Nothing was sent. A ``ValueError``: bad
+    input that a retry cannot fix, so the stages do not retry it (``tasks.common.NON_RETRYABLE``)."""
 
 
 class WeightVersionMismatch(RolloutClientError):
@@ -208,8 +215,34 @@ class RolloutClient:
                                           f"{weight_version}", 400)
             self.engine.load_weights(sd, weight_version)
             return {"success": True, "weight_version": weight_version}
+        problems = self.serving_problems(model_path)
+        if problems:
+            raise ServerWouldComputeWrongly(f"refusing to push {model_path} to the SGLang server at {self.url}:\n  - "
+                                            + "\n  - ".join(problems), 409)
         body = {"model_path": str(model_path), "weight_version": weight_version}
         return self._ok("POST", "/update_weights_from_disk", body, refused=WeightUpdateRefused)
+
+    def server_info(self) -> dict | None:
+        """The server's ``/get_server_info`` (SGLang answers its server arguments and version), or None
+        when it has none (k3rl's rollout server). Asked once per client."""
+        if self.is_local:
+            return None
+        if not hasattr(self, "_server_info"):
+            status, payload = self._call("GET", "/get_server_info")
+            self._server_info = payload if status == 200 and isinstance(payload, dict) else None
+        return self._server_info
+
+    def serving_problems(self, model_path) -> list[str]:
+        """Why the server would compute the checkpoint at ``model_path`` wrongly: empty unless the server
+        is an SGLang (its ``/get_server_info``) and the checkpoint's config.json is readable here."""
+        from k3core.config import K3Config
+        from k3core.rollout.sglang_serving import is_sglang, serving_problems
+
+        info = self.server_info()
+        cfg = Path(model_path) / "config.json"
+        if not is_sglang(info) or not cfg.is_file():
+            return []
+        return serving_problems(K3Config.from_json_file(cfg), info)
 
     def update_weights_from_tensor(self, payload: dict) -> dict:
         if self.is_local:
@@ -291,6 +324,10 @@ class RolloutClient:
         fr = meta.get("finish_reason") or {}
         reason = fr.get("type", "length") if isinstance(fr, dict) else str(fr)
         matched = fr.get("matched", fr.get("length")) if isinstance(fr, dict) else None
+        spans = {str(s.get("version")) for s in meta.get("weight_versions") or [] if isinstance(s, dict)}
+        if len(spans) > 1:  # SGLang: the weights changed while this sample was generated
+            raise WeightVersionMismatch(f"{self._where()} generated one sample under weight versions {sorted(spans)} "
+                                        "(the weights changed mid-sample); its tokens mix two policies")
         version = meta.get("weight_version")
         if isinstance(version, str) and version.lstrip("-").isdigit():
             version = int(version)  # SGLang reports versions as strings
