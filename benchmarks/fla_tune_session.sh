@@ -12,12 +12,7 @@ groups_deadline=${2:-300}
 pytest_deadline=${3:-240}
 max_configs=${4:-4}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if ! python3 -c "import fla" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/k3rl_site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/k3rl_site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
+source benchmarks/device_env.sh
 unset FLA_CACHE_MODE FLA_CONFIG_DIR
 {
   echo "# bash benchmarks/fla_tune_session.sh $out $groups_deadline $pytest_deadline $max_configs   (commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"

@@ -11,13 +11,7 @@ set -u -o pipefail
 out=${1:?usage: bash benchmarks/gpu_tests.sh OUTDIR [WORKERS]}
 workers=${2:-8}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-if ! python3 -c "import fla" 2>/dev/null; then
-  # python3 -m pip: a bare pip on the device machine belongs to another interpreter
-  python3 -m pip install -q --no-index --no-deps --target /tmp/k3rl_site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/k3rl_site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
+source benchmarks/device_env.sh
 TRITON_CACHE_DIR=$(mktemp -d /tmp/k3rl_triton.XXXXXX)
 export TRITON_CACHE_DIR
 unset TRITON_CACHE_AUTOTUNING FLA_CACHE_MODE FLA_CONFIG_DIR
