@@ -289,9 +289,10 @@ def summary(s: RLSettings, prepare_seconds: dict[str, float], history: list[dict
     per_stage: dict[str, float] = {}
     for h in history:
         for k, v in h.items():
-            if k.startswith("seconds_"):
+            if k.startswith("seconds_") and k != "seconds_iteration":  # the whole body is not a stage
                 per_stage[k[8:]] = per_stage.get(k[8:], 0.0) + v
     per_stage.update({f"prepare_{k}": v for k, v in prepare_seconds.items()})
+    iteration_seconds = sum(h.get("seconds_iteration", 0.0) for h in history)
     out = {
         "run_id": s.pipeline.run_id, "iterations": len(history), "env": s.pipeline.env, "preset": s.model.preset,
         "heldout_reward_start": ev[0]["heldout_reward"] if ev else None,
@@ -308,6 +309,7 @@ def summary(s: RLSettings, prepare_seconds: dict[str, float], history: list[dict
         "mismatch_kl_ratio_median": _median([h["mismatch_kl_ratio"] for h in history
                                              if h.get("mismatch_kl_ratio") is not None]),
         "wall_seconds": wall,
+        "iteration_seconds": round(iteration_seconds, 1),  # the iterations' bodies, end to end
         "seconds_per_stage": {k: round(v, 1) for k, v in per_stage.items()},
     }
     ArtifactStore(s.pipeline.artifacts).replace_text(f"runs/{s.pipeline.run_id}/summary.json", json.dumps(out, indent=2))

@@ -219,3 +219,12 @@ def test_table_numbers_keep_four_significant_digits_and_small_ones_readable():
     assert table_number(0.0) == "0" and table_number(float("nan")) == "nan"
     assert table_number(3) == 3 and table_number(True) is True and table_number("") == ""
     assert float(table_number(0.001)) == 0.001 and table_number(0.001) == "0.001"
+
+
+def test_summary_sums_stages_and_keeps_the_iteration_wall_time_apart(tmp_path):
+    s = RLSettings.from_dict(dict(preset="tiny", artifacts=str(tmp_path), run_id="sum"))
+    history = [{"seconds_rollout": 1.0, "seconds_train": 2.0, "seconds_iteration": 3.5, "reward_mean": 0.1},
+               {"seconds_rollout": 1.5, "seconds_train": 2.5, "seconds_iteration": 4.5, "reward_mean": 0.2}]
+    out = reports.summary(s, {"fetch": 0.25}, history, {"heldout_reward": 0.5, "heldout_solved": 0.0}, 10.0)
+    assert out["seconds_per_stage"] == {"rollout": 2.5, "train": 4.5, "prepare_fetch": 0.2}
+    assert out["iteration_seconds"] == 8.0
