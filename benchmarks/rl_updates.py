@@ -29,21 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.off_policy import LowercaseShare  # noqa: E402  (the benchmarks' dense environment)
+
 CONFIGS = {
     "single": lambda lr: dict(lr=lr),
     "minibatch": lambda lr: dict(lr=lr, ppo_epochs=2, minibatches=2),
     "single-4lr": lambda lr: dict(lr=4 * lr),
 }
-
-
-class LowercaseShare:
-    name = "lowercase-share"
-
-    def prompts(self, rng, n):
-        return ["say:" + "".join(rng.choice("abcdefgh") for _ in range(rng.randint(2, 4))) + "=" for _ in range(n)]
-
-    def reward(self, prompt, completion):
-        return sum("a" <= c <= "z" for c in completion) / len(completion) if completion else 0.0
 
 
 def run(preset: str, seed: int, iterations: int, grpo: dict, eval_every: int, prompts: int, group: int,

@@ -364,6 +364,19 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
     return {"broken": f"exited (status {os.waitstatus_to_exitcode(status)}) without returning a reward"}
 
 
+def kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid``, from a child that takes that uid (``kill(-1)`` reaches exactly
+    the processes of the caller's uid); returns once that child is done. Needs root."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
 def _sweep(uid: int | None) -> None:
     """Kill whatever the call left running and reap it (the worker is their subreaper, so once the
     call's process is gone, anything it left is a child of the worker): with a uid of the call's own
@@ -375,14 +388,7 @@ def _sweep(uid: int | None) -> None:
     except ChildProcessError:
         return  # nothing left
     if uid is not None:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setresuid(uid, uid, uid)
-                os.kill(-1, signal.SIGKILL)
-            finally:
-                os._exit(0)
-        os.waitpid(pid, 0)
+        kill_uid(uid)
     while True:
         try:
             pid, _ = os.waitpid(-1, 0 if uid is not None else os.WNOHANG)

@@ -5,7 +5,6 @@ crashes with a batch sampled ahead but not yet trained resumes on that very batc
 again) and ends bit-identical to the uninterrupted run."""
 
 import json
-import textwrap
 import threading
 from pathlib import Path
 
@@ -18,25 +17,9 @@ from k3core.rl.data import REF_LOGPROBS_SCHEMA
 from k3core.settings import SettingsError
 from tasks import engines, trainers
 
-ENV_SRC = textwrap.dedent('''
-    import os
-    from k3core.rl.envs import ReverseEnv
-
-    class FlakyEven(ReverseEnv):
-        """Reversal prompts; reward: the fraction of even bytes of the completion (varied rewards from
-        a random tiny policy, so every iteration takes an optimizer step). The scorer crashes while
-        K3RL_TEST_CRASH_FILE exists."""
-        name = "flaky-even"
-        def reward(self, prompt, completion):
-            marker = os.environ.get("K3RL_TEST_CRASH_FILE")
-            if marker and os.path.exists(marker):
-                raise RuntimeError("injected scorer crash")
-            data = completion.encode()
-            return sum(b % 2 == 0 for b in data) / len(data) if data else 0.0
-
-    def make():
-        return FlakyEven()
-''')
+# the even-bytes environment of tests/even_bytes_env.py (crash injection included), under this test file's
+# own module name
+ENV_SRC = (Path(__file__).resolve().parents[1] / "even_bytes_env.py").read_text()
 
 
 def _settings(root: Path, run_id: str, **kw) -> RLSettings:

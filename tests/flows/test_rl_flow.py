@@ -3,7 +3,6 @@ run that crashes mid-iteration (a user environment that raises) then resumes wit
 skipping every finished stage and ending bit-identical to the uninterrupted run."""
 
 import json
-import textwrap
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -14,25 +13,9 @@ from flows.pipeline import RLSettings, rl_run
 from k3core.rl.data import SCORED_SCHEMA
 from tasks import engines, trainers
 
-ENV_SRC = textwrap.dedent('''
-    import os
-    from k3core.rl.envs import ReverseEnv
-
-    class FlakyReverse(ReverseEnv):
-        """Reversal prompts; the reward (exact, in [0, 1]) is the fraction of even bytes in the
-        completion, so even a random tiny policy gets varied rewards and every iteration takes a
-        real optimizer step. The scorer crashes while K3RL_TEST_CRASH_FILE exists."""
-        name = "flaky-reverse"
-        def reward(self, prompt, completion):
-            marker = os.environ.get("K3RL_TEST_CRASH_FILE")
-            if marker and os.path.exists(marker):
-                raise RuntimeError("injected scorer crash")
-            data = completion.encode()
-            return sum(b % 2 == 0 for b in data) / len(data) if data else 0.0
-
-    def make():
-        return FlakyReverse()
-''')
+# the even-bytes environment of tests/even_bytes_env.py (crash injection included), under this test file's
+# own module name
+ENV_SRC = (Path(__file__).resolve().parents[1] / "even_bytes_env.py").read_text()
 
 
 def _settings(root: Path, run_id: str, **kw) -> RLSettings:

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -29,20 +28,9 @@ from flows.pipeline import RLSettings, rl_run  # noqa: E402
 from tasks import engines, trainers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV_SRC = textwrap.dedent('''
-    from k3core.rl.envs import ReverseEnv
-
-    class EvenBytes(ReverseEnv):
-        """Reversal prompts rewarded by the fraction of even bytes: a random tiny policy gets varied
-        rewards, so every iteration takes a real optimizer step and pushes new weights."""
-        name = "even-bytes"
-        def reward(self, prompt, completion):
-            data = completion.encode()
-            return sum(b % 2 == 0 for b in data) / len(data) if data else 0.0
-
-    def make():
-        return EvenBytes()
-''')
+# the even-bytes environment of tests/even_bytes_env.py (crash injection included), under this test file's
+# own module name
+ENV_SRC = (Path(__file__).resolve().parents[1] / "even_bytes_env.py").read_text()
 ITERATIONS = 2
 DASK_CONFIG = "distributed:\n  nanny:\n    pre-spawn-environ:\n      MALLOC_TRIM_THRESHOLD_: null\n"
 

@@ -93,9 +93,7 @@ def head_count_match(entries: list[list], names: list[str], key: list) -> list |
 def _install_head_count_fallback(config_dir: Path) -> None:
     """After fla's exact lookup finds nothing, try ``head_count_match`` over the kernel's shipped
     entries; the config found is what fla itself would apply for that entry's key."""
-    import json
-
-    from fla.ops.utils.cache import AutotuneKey, CachedAutotuner  # noqa: PLC0415
+    from fla.ops.utils.cache import AutotuneKey, CachedAutotuner, read_config_file  # noqa: PLC0415
 
     if getattr(CachedAutotuner, "_k3rl_head_count_fallback", False):
         return
@@ -104,8 +102,8 @@ def _install_head_count_fallback(config_dir: Path) -> None:
 
     def shipped(kernel: str) -> list[list]:
         if kernel not in entries:
-            path = config_dir / f"{kernel}.json"
-            data = json.loads(path.read_text()) if path.exists() else {}
+            path = config_dir / f"{kernel}.json"  # fla's reader: cached, None when missing or unreadable
+            data = (read_config_file(path) if path.exists() else None) or {}
             entries[kernel] = [e["autotune_key"] for e in (data.get("autotune_entries") or {}).values()]
         return entries[kernel]
 

@@ -16,7 +16,7 @@ import pytest
 
 from k3core.rl.envs import RewardError
 from k3core.rl.rewards import score_completions
-from k3core.rl.sandbox import RewardSandbox, SandboxLimits, enforcement, limit_reason
+from k3core.rl.sandbox import RewardSandbox, SandboxLimits, enforcement, kill_uid, limit_reason
 
 SPEC = "hostile_reward_env:make"
 TESTS = str(Path(__file__).resolve().parents[2])
@@ -218,7 +218,7 @@ def test_a_non_root_pipeline_gets_the_same_verdicts(tmp_path):
         proc = subprocess.run([sys.executable, "-c", script], preexec_fn=lambda: sandbox._drop_to(uid),
                               capture_output=True, text=True, cwd="/tmp", timeout=300)
     finally:
-        _kill_uid(uid)  # whatever the run left under that uid
+        kill_uid(uid)  # whatever the run left under that uid
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["enforced"]["network"].startswith("no network (own user and network namespaces)")
@@ -227,16 +227,3 @@ def test_a_non_root_pipeline_gets_the_same_verdicts(tmp_path):
         "ok": (0.5, ""), "loop": (0.0, "timeout"), "alloc-10g": (0.0, "memory"), "fork-bomb": (0.0, "processes"),
         "write-outside": (0.0, "filesystem"), "resolve": (0.0, "network"), "connect": (0.0, "network")}
     assert not outside.exists()
-
-
-def _kill_uid(uid: int) -> None:
-    import signal
-
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setresuid(uid, uid, uid)
-            os.kill(-1, signal.SIGKILL)
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
