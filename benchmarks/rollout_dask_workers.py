@@ -81,7 +81,7 @@ def dask_iterations(root: str, weights, settings: RolloutSettings, repeats: int,
 
 @flow(name="bench-dask")
 def dask_rollouts(root: str, weights, settings: RolloutSettings, repeats: int, workers: int) -> list[float]:
-    with iteration_runner(ScaleOutSettings(task_runner="dask", rollout_workers=workers)) as runner:
+    with iteration_runner(ScaleOutSettings(task_runner="dask", rollout_workers=workers), "bench") as runner:
         return dask_iterations.with_options(task_runner=runner())(root, weights, settings, repeats, workers)
 
 

@@ -68,11 +68,11 @@ def check_settings(s) -> None:
     """Bad input found before any work starts (``ValueError``, exit status 2): the sections validated
     themselves when built; here the environment is loaded (a module that does not import, a factory
     that returns no environment)."""
-    from flows.scale import check_dask
+    from flows.scale import check_runner
     from k3core.rl.envs import load_env
 
     load_env(s.pipeline.env)
-    check_dask(s.scale_out)
+    check_runner(s.scale_out)
 
 
 def cmd_run(a) -> int:

@@ -43,14 +43,14 @@ from tasks.quantize import quantize_mxfp4
 from tasks.reference import reference_logprobs
 from tasks.rollout import rollout, rollout_fanout, rollout_refill, serve_version
 from tasks.save import save_checkpoint
-from tasks.score import score_refill, score_rewards
+from tasks.score import fans_out, score_fanout, score_refill, score_rewards
 from tasks.train import data_position, train_step
 from tasks.transfer import transfer_weights
 from tasks.validate import validate_checkpoint
 from tasks.warmup import warmup
 
 __all__ = ["Iteration", "Prepared", "RLSettings", "check_environment", "prepare", "refill", "rl_iteration", "rl_run",
-           "rollout_of", "run_of"]
+           "rollout_of", "run_of", "score_of"]
 
 
 def run_of(s: RLSettings) -> Run:
@@ -126,8 +126,7 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                    if s.evaluation.due(iteration) else {})
         if rollouts is None:
             rollouts = rollout_of(s, run, iteration, behind or weights, cursor=cursor)
-        scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages,
-                               reward=s.reward)
+        scored = score_of(s, run, iteration, rollouts)
         refills = refill(s, run, iteration, weights, scored.info["groups_informative"], cursor)
         if ahead:  # the next batch, at this version, beside the stages up to the save; its prompts follow this one's
             serve_version(run.run_id, weights, s.rollout.url)
@@ -155,12 +154,26 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
 def rollout_of(s: RLSettings, run: Run, iteration: int, weights: Artifact, refill: int = 0,
                cursor: int = 0) -> Artifact:
     """The rollout (or refill round ``refill``) in this process, or fanned out as shards over the
-    task runner's engine workers (``--task-runner dask``): the same table either way."""
-    if s.scale_out.task_runner == "dask":
+    task runner's engine workers (``--task-runner dask|ray``): the same table either way."""
+    if s.scale_out.task_runner != "local":
         return rollout_fanout(run, iteration, weights, s.rollout, s.scale_out.rollout_workers, refill, cursor)
     if refill:
         return rollout_refill(run, iteration, weights, s.rollout, refill, cursor)
     return rollout(run, iteration, weights, s.rollout, cursor=cursor)
+
+
+def score_of(s: RLSettings, run: Run, iteration: int, rollouts: Artifact, refill: int = 0) -> Artifact:
+    """Rewards and advantages of a rollout (or of refill round ``refill``) in this process, or with a
+    sandboxed environment's reward calls fanned out over the task runner's workers
+    (``--task-runner dask|ray``): the same table either way."""
+    if s.scale_out.task_runner != "local" and fans_out(run):
+        return score_fanout(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, refill,
+                            s.reward, s.scale_out.rollout_workers)
+    if refill:
+        return score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, refill,
+                            s.reward)
+    return score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages,
+                         reward=s.reward)
 
 
 def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
@@ -173,8 +186,7 @@ def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
         if informative >= s.rollout.prompts_per_iteration:
             break
         rollouts = rollout_of(s, run, iteration, weights, r, cursor)
-        scored = score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, r,
-                              s.reward)
+        scored = score_of(s, run, iteration, rollouts, r)
         informative += scored.info["groups_informative"]
         out.append((rollouts, scored))
     return out
@@ -199,7 +211,7 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
         behind = _served(s, checkpoints[-2]) if len(checkpoints) > 1 else prep.weights
         log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
     reference = prep.policy if s.grpo.kl_coef else None
-    with iteration_runner(s.scale_out) as runner:  # a Dask cluster lives as long as the run's iterations
+    with iteration_runner(s.scale_out, run.run_id) as runner:  # a Dask or Ray cluster outlives each iteration
         for n in range(len(done), s.pipeline.iterations):
             iterate = rl_iteration if runner is None else rl_iteration.with_options(task_runner=runner())
             it = iterate(s, n, policy, weights, reference, pending,

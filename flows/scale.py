@@ -1,4 +1,5 @@
-"""The task runner of a run's iteration flows (``--task-runner``): where rollout shards run.
+"""The task runner of a run's iteration flows (``--task-runner``): where rollout shards and sandboxed
+reward calls run.
 
 - ``local``: Prefect's default runner; every stage runs in the flow's process.
 - ``dask``: prefect-dask's ``DaskTaskRunner`` on one Dask cluster for the whole run: a
@@ -6,10 +7,18 @@
   (loopback), or the scheduler at ``--dask-address``. The cluster outlives each iteration's flow,
   so every worker keeps its rollout engine resident across iterations (the worker plugin of
   ``tasks.engines``); each iteration flow joins it with a runner of its own.
+- ``ray``: prefect-ray's ``RayTaskRunner`` on one Ray instance for the whole run: a local one of
+  ``--rollout-workers`` CPUs (this process starts it: ``ray.init``), or the cluster at
+  ``--ray-address``; and ``--rollout-workers`` engine actors (``tasks.engines.EngineActor``) that
+  live as long as the run, which the shard tasks call. prefect-ray places tasks in pooled worker
+  processes of its choosing, so the engines that must stay resident live in actors, not in tasks.
+  Each iteration flow's runner finds Ray initialised in this process and uses it (it then neither
+  starts nor stops it).
 
 Workers import ``tasks`` and ``k3core`` from their own Python path: on a cluster started elsewhere,
 the same checkout or package must be installed on every worker, and the artifact root must be a
-location every worker and the flow can read and write (a shared filesystem or an fsspec URL).
+location every worker and the flow can read and write (a shared filesystem or an fsspec URL). A
+local Ray instance's workers get this process's ``sys.path`` from Ray itself.
 """
 
 from __future__ import annotations
@@ -19,7 +28,47 @@ from collections.abc import Callable, Iterator
 
 from k3core.settings import ScaleOutSettings
 
-__all__ = ["check_dask", "iteration_runner"]
+__all__ = ["check_dask", "check_ray", "check_runner", "iteration_runner"]
+
+# The object store of a local Ray instance: shard tables and task results are small (kilobytes to a
+# few MiB); Ray's default, 30% of memory, would reserve gigabytes of /dev/shm on a shared machine.
+RAY_OBJECT_STORE_BYTES = 256 * 2**20
+
+
+def check_runner(scale: ScaleOutSettings, timeout: float = 10.0) -> None:
+    """``check_dask`` and ``check_ray``: the runner's packages are installed and its address answers."""
+    check_dask(scale, timeout)
+    check_ray(scale, timeout)
+
+
+def _connect(flag: str, host: str | None, port: int | None, timeout: float, nobody: str, hint: str) -> None:
+    """``ValueError`` "``flag``: ``nobody`` (the reason); ``hint``" unless a TCP connection opens."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except (OSError, TypeError, ValueError) as e:
+        raise ValueError(f"{flag}: {nobody} ({e}); {hint}") from None
+
+
+def check_ray(scale: ScaleOutSettings, timeout: float = 10.0) -> None:
+    """Bad usage found before any work (``ValueError``: the CLI exits 2): ray or prefect-ray not
+    installed, or nothing answering at ``--ray-address`` (``auto`` is left to Ray)."""
+    if scale.task_runner != "ray":
+        return
+    try:
+        import prefect_ray  # noqa: F401
+        import ray  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"--task-runner ray needs ray and prefect-ray ({e}): pip install -e '.[scale]'") from None
+    if scale.ray_address and scale.ray_address != "auto":
+        from urllib.parse import urlsplit
+
+        u = urlsplit(scale.ray_address if "://" in scale.ray_address else f"ray-head://{scale.ray_address}")
+        _connect(f"--ray-address {scale.ray_address}", u.hostname, u.port, timeout, "no Ray head answers there",
+                 "start a Ray head there (`ray start --head --port PORT`) or leave --ray-address out for a local Ray "
+                 "instance")
 
 
 def check_dask(scale: ScaleOutSettings, timeout: float = 10.0) -> None:
@@ -34,17 +83,12 @@ def check_dask(scale: ScaleOutSettings, timeout: float = 10.0) -> None:
         raise ValueError(f"--task-runner dask needs prefect-dask and distributed ({e}): "
                          "pip install -e '.[scale]'") from None
     if scale.dask_address:
-        import socket
         from urllib.parse import urlsplit
 
         u = urlsplit(scale.dask_address)
-        try:
-            with socket.create_connection((u.hostname, u.port), timeout=timeout):
-                pass
-        except (OSError, TypeError, ValueError) as e:
-            raise ValueError(f"--dask-address {scale.dask_address}: no Dask scheduler answers there ({e}); start one "
-                             "(`dask scheduler`, then `dask worker ADDRESS --nthreads 1`) or leave --dask-address out "
-                             "for a LocalCluster on this machine") from None
+        _connect(f"--dask-address {scale.dask_address}", u.hostname, u.port, timeout,
+                 "no Dask scheduler answers there", "start one (`dask scheduler`, then `dask worker ADDRESS --nthreads "
+                 "1`) or leave --dask-address out for a LocalCluster on this machine")
 
 
 # Dask's nannies start workers with MALLOC_TRIM_THRESHOLD_=65536 by default. Setting it at all turns
@@ -71,9 +115,16 @@ def _worker_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def iteration_runner(scale: ScaleOutSettings) -> Iterator[Callable[[], object] | None]:
-    """For the length of a run: ``None`` (local), or a factory of ``DaskTaskRunner`` for each
-    iteration flow, joined to the run's cluster with the engine worker plugin registered."""
+def iteration_runner(scale: ScaleOutSettings, run_id: str) -> Iterator[Callable[[], object] | None]:
+    """For the length of a run: ``None`` (local), or a factory of the task runner of each iteration
+    flow: a ``DaskTaskRunner`` joined to the run's cluster with the engine worker plugin registered,
+    or a ``RayTaskRunner`` on the run's Ray instance with the run's engine actors started."""
+    if scale.task_runner == "ray":
+        with _ray_engines(scale, run_id):
+            from prefect_ray import RayTaskRunner
+
+            yield RayTaskRunner
+        return
     if scale.task_runner != "dask":
         yield None
         return
@@ -96,3 +147,33 @@ def iteration_runner(scale: ScaleOutSettings) -> Iterator[Callable[[], object] |
         client = stack.enter_context(Client(address))
         client.register_plugin(worker_plugin(), name="k3rl-engines")
         yield lambda: DaskTaskRunner(address=address)
+
+
+@contextlib.contextmanager
+def _ray_engines(scale: ScaleOutSettings, run_id: str) -> Iterator[list]:
+    """Ray for the length of a run: initialised in this process unless it already is (a local
+    instance of ``--rollout-workers`` CPUs, or a driver of the cluster at ``--ray-address``), and the
+    run's engine actors; at the end the actors are killed and Ray is shut down if this started it."""
+    check_ray(scale)
+    import ray
+
+    from tasks.engines import RAY_NAMESPACE, start_actors
+
+    owns = not ray.is_initialized()
+    if owns:
+        common = dict(namespace=RAY_NAMESPACE, runtime_env={"env_vars": _worker_env()})
+        if scale.ray_address:
+            ray.init(address=scale.ray_address, **common)
+        else:  # one CPU of Ray's accounting per shard task; the engine actors hold none (tasks.engines)
+            ray.init(num_cpus=scale.rollout_workers, include_dashboard=False,
+                     object_store_memory=RAY_OBJECT_STORE_BYTES, **common)
+    actors = []
+    try:
+        actors = start_actors(run_id, scale.rollout_workers)
+        ray.get([a.status.remote() for a in actors])  # every actor is up before the first shard
+        yield actors
+    finally:
+        for a in actors:
+            ray.kill(a)
+        if owns:
+            ray.shutdown()

@@ -16,6 +16,7 @@ sections, so ``RLSettings.from_flat`` maps flags (or their underscore forms) bac
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -251,8 +252,6 @@ class PipelineSettings(_Section):
     def problems(self) -> list[str]:
         out = super().problems()
         if isinstance(self.run_id, str):
-            import re
-
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", self.run_id):
                 out.append(f"--run-id {self.run_id!r}: use letters, digits, '.', '_' and '-' (no path separators, "
                            "not starting with '.' or '-', at most 128 characters)")
@@ -261,20 +260,24 @@ class PipelineSettings(_Section):
         return out
 
 
-TASK_RUNNERS = ("local", "dask")
+TASK_RUNNERS = ("local", "dask", "ray")
 
 
 @dataclass
 class ScaleOutSettings(_Section):
     """Beyond one process: the Prefect task runner that fans rollout shards out over resident engine
-    workers, and the number of torchrun processes of the train stage (FSDP2)."""
+    workers (and sandboxed reward calls over the same workers), and the number of torchrun processes
+    of the train stage (FSDP2)."""
 
-    task_runner: str = _str("local", "task-runner", "local (every stage in this process) or dask (rollout shards on "
-                            "--rollout-workers resident engine workers of a Dask cluster)")
+    task_runner: str = _str("local", "task-runner", "local (every stage in this process), dask (rollout shards on "
+                            "--rollout-workers resident engine workers of a Dask cluster) or ray (on as many engine "
+                            "actors of a Ray cluster); both also spread sandboxed reward calls over their workers")
     dask_address: str = _str("", "dask-address", "scheduler address of an existing Dask cluster (tcp://host:port); "
                              "empty: a LocalCluster of --rollout-workers single-threaded processes on this machine")
-    rollout_workers: int = _int(1, "rollout-workers", "rollout shards per iteration (with --task-runner dask: "
-                                "engine workers of the LocalCluster)", min=1)
+    ray_address: str = _str("", "ray-address", "address of an existing Ray cluster (host:port of its head, ray://host:"
+                            "port for Ray Client, or auto); empty: a local Ray instance of --rollout-workers CPUs")
+    rollout_workers: int = _int(1, "rollout-workers", "rollout shards per iteration (with --task-runner dask or ray: "
+                                "the resident engine workers)", min=1)
     train_procs: int = _int(1, "train-procs", "processes of the train stage: > 1 runs it as a torchrun job, the "
                             "model sharded with FSDP2 (gloo on CPU, NCCL on GPUs)", min=1)
 
@@ -287,9 +290,15 @@ class ScaleOutSettings(_Section):
                 out.append("--dask-address needs --task-runner dask")
             if not self.dask_address.startswith(("tcp://", "tls://", "inproc://", "ucx://")):
                 out.append(f"--dask-address {self.dask_address!r}: use a scheduler address such as tcp://127.0.0.1:8786")
-        if isinstance(self.rollout_workers, int) and self.rollout_workers > 1 and self.task_runner != "dask":
-            out.append(f"--rollout-workers {self.rollout_workers} needs --task-runner dask (the local runner has one "
-                       "engine, in the flow's process)")
+        if isinstance(self.ray_address, str) and self.ray_address:
+            if self.task_runner != "ray":
+                out.append("--ray-address needs --task-runner ray")
+            if self.ray_address != "auto" and not re.fullmatch(r"(ray://)?[A-Za-z0-9.\-\[\]:]+:\d+", self.ray_address):
+                out.append(f"--ray-address {self.ray_address!r}: use HOST:PORT of the head node (127.0.0.1:6379), "
+                           "ray://HOST:PORT (Ray Client) or auto")
+        if isinstance(self.rollout_workers, int) and self.rollout_workers > 1 and self.task_runner == "local":
+            out.append(f"--rollout-workers {self.rollout_workers} needs --task-runner dask or ray (the local runner has "
+                       "one engine, in the flow's process)")
         return out
 
 
@@ -321,12 +330,13 @@ class RLSettings:
         if problems:
             raise SettingsError("RLSettings", problems)
         cross = []
-        if self.scale_out.task_runner == "dask" and self.rollout.url not in ("", "local"):
-            cross.append(f"--task-runner dask runs rollouts on the Dask workers' own engines; "
+        runner = self.scale_out.task_runner
+        if runner in ("dask", "ray") and self.rollout.url not in ("", "local"):
+            cross.append(f"--task-runner {runner} runs rollouts on the {runner.capitalize()} workers' own engines; "
                          f"it cannot be combined with --rollout-url {self.rollout.url}")
-        if self.scale_out.task_runner == "dask" and self.grpo.max_staleness:
+        if runner in ("dask", "ray") and self.grpo.max_staleness:
             cross.append("--max-staleness 1 samples the next batch on this process's engine beside the train step; "
-                         "it is not combined with --task-runner dask yet (use one or the other)")
+                         f"it is not combined with --task-runner {runner} yet (use one or the other)")
         if self.scale_out.train_procs > 1 and self.grpo.kl_coef:
             cross.append("--kl-coef with --train-procs > 1: the FSDP2 train step does not read the reference's "
                          "logprobs yet (use --train-procs 1, or --kl-coef 0)")

@@ -4,13 +4,16 @@ A transfer pushes new weights into the live engine; a rollout uses it when its v
 asked for, and otherwise (a fresh process after a crash, a skipped cached transfer) rebuilds it from
 the durable artifact of that version. Correctness never depends on this registry: it only saves work.
 
-Rollout shards on Dask workers (``--task-runner dask``) use ``resident_engines()``: the worker
-plugin's ``k3core.rl.shards.ResidentEngines``, built once per worker process and pushed each newer
-weight version.
+Rollout shards (``--task-runner dask|ray``) run on resident engines, ``k3core.rl.shards.ResidentEngines``
+built once per worker and pushed each newer weight version: on Dask, the worker plugin's, in the
+process that runs the shard's task; on Ray, those of the run's engine actors (``EngineActor``), which
+the shard's task calls (``shard_rows``), because prefect-ray runs tasks in whichever pooled Ray
+worker process is free and only an actor pins state to one process.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 _lock = threading.Lock()
@@ -80,3 +83,115 @@ def resident_engines():
 
             _process_engines = ResidentEngines()
         return _process_engines, "local" if worker is None else str(worker.name)
+
+
+def shard_rows(req, shard: int, shards: int):
+    """(the rows of rollout shard ``req``, the worker that made them): on a Ray worker, by the run's
+    engine actors (``actor_rows``); elsewhere (a Dask worker, or this process) on this process's
+    resident engines."""
+    if in_ray_worker():
+        return actor_rows(req, shard, shards)
+    holder, worker = resident_engines()
+    return holder.rollout(req, worker), worker
+
+
+# ---- resident engines as Ray actors (rollout shards on --task-runner ray) ----------------------------------
+
+RAY_NAMESPACE = "k3rl"
+
+
+def in_ray_worker() -> bool:
+    """Whether this code runs in a Ray worker process (a task prefect-ray placed there)."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return False
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE
+
+
+def actor_name(run_id: str, k: int) -> str:
+    return f"k3rl-engines-{run_id}-{k}"
+
+
+class EngineActor:
+    """The body of one engine actor (``ray.remote`` makes it one in ``start_actors``): a
+    ``ResidentEngines`` in its own process with one torch thread. ``rollout`` calls run one at a
+    time (a lock: a shard that failed over can land on an actor already busy); ``status`` answers
+    beside them (the actor runs 2 threads) with the process id, the shards in flight and the engines'
+    builds, pushes and versions."""
+
+    def __init__(self, worker: str):
+        import torch
+
+        from k3core.rl.shards import ResidentEngines
+
+        torch.set_num_threads(1)
+        self.worker = worker
+        self.engines = ResidentEngines()
+        self._one = threading.Lock()
+        self.busy = 0
+
+    def rollout(self, req):
+        self.busy += 1
+        try:
+            with self._one:
+                return self.engines.rollout(req, self.worker)
+        finally:
+            self.busy -= 1
+
+    def status(self) -> dict:
+        return {"worker": self.worker, "pid": os.getpid(), "busy": self.busy, "builds": self.engines.builds,
+                "pushes": self.engines.pushes, "versions": self.engines.versions()}
+
+
+def start_actors(run_id: str, n: int) -> list:
+    """The run's ``n`` engine actors ``ray-0`` ... ``ray-{n-1}``, named so that the shard tasks find
+    them (``actor_name``). They hold no CPU of Ray's accounting (the shard task that calls one does:
+    one task per CPU), are spread over the cluster's nodes, and a dead one is restarted (a fresh
+    process that builds its engine again at the next shard)."""
+    import ray
+
+    cls = ray.remote(EngineActor)
+    return [cls.options(name=actor_name(run_id, k), namespace=RAY_NAMESPACE, num_cpus=0, max_concurrency=2,
+                        max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD").remote(f"ray-{k}")
+            for k in range(n)]
+
+
+def actor_rows(req, shard: int, shards: int):
+    """Shard ``req`` on actor ``shard`` of the run's ``shards``; when that actor dies under it (its
+    process killed, its node lost), on the next one, and so on: a dead worker costs only its shard.
+    An error the shard raises itself (a stale weight version, a bug) is raised here."""
+    import ray
+
+    errors = []
+    for j in range(shards):
+        name = actor_name(req.run_id, (shard + j) % shards)
+        try:
+            actor = ray.get_actor(name, namespace=RAY_NAMESPACE)
+        except ValueError as e:
+            errors.append(f"{name}: {e}")
+            continue
+        try:
+            table = ray.get(actor.rollout.remote(req))
+        except ray.exceptions.RayActorError as e:
+            _logger().warning(f"engine actor {name} died during rollout shard {shard} of {shards} "
+                                     f"({type(e).__name__}); running the shard on the next actor")
+            errors.append(f"{name}: {type(e).__name__}")
+            continue
+        return table, table.column("worker")[0].as_py() if table.num_rows else f"ray-{(shard + j) % shards}"
+    raise RuntimeError(f"no engine actor of run {req.run_id!r} could run rollout shard {shard} of {shards} "
+                       f"(started by flows.scale for --task-runner ray): {'; '.join(errors)}")
+
+
+def _logger():
+    """The task run's logger inside a Prefect task; this module's outside one."""
+    try:
+        from prefect import get_run_logger
+
+        return get_run_logger()
+    except Exception:  # no run context (a direct call)
+        import logging
+
+        return logging.getLogger(__name__)

@@ -4,12 +4,13 @@ serving K3); per-token logprobs, routed expert ids and the weight version, writt
 server that does not serve the version asked for is first pushed those weights from disk; a rollout
 whose rows carry another version is refused, never written.
 
-Fan-out (``--task-runner dask``, ``rollout_fanout``): the prompts are cut into ``--rollout-workers``
+Fan-out (``--task-runner dask|ray``, ``rollout_fanout``): the prompts are cut into ``--rollout-workers``
 contiguous shards (``k3core.rl.shards``), each shard is a ``rollout_shard`` task submitted to the
-flow's task runner (a Dask worker with its resident engine), and ``rollout_merge`` publishes their
-rows in the one-engine order: the same table whatever the number of shards, with the worker of
-each row recorded. A worker that dies mid-shard loses only that shard: Dask runs it again on
-another worker, and a finished shard is a published file that a rerun skips."""
+flow's task runner (a Dask worker with its resident engine, or a Ray task that runs the shard on an
+engine actor), and ``rollout_merge`` publishes their rows in the one-engine order: the same table
+whatever the number of shards, with the worker of each row recorded. A worker that dies mid-shard
+loses only that shard: Dask runs the task again on another worker, on Ray the task hands the shard
+to the next actor; a finished shard is a published file that a rerun skips."""
 
 from __future__ import annotations
 
@@ -169,32 +170,36 @@ def _sampling(run: Run, iteration: int, refill: int, settings: RolloutSettings, 
 def rollout_shard(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, prompts: tuple[str, ...],
                   shard: int, shards: int, refill: int = 0) -> Artifact:
     """Shard ``shard`` of ``shards`` of the rollout of ``prompts`` (all of the rollout's prompts; the
-    shard generates its contiguous run of them) on this worker's resident engine at
-    ``weights.version``."""
-    from k3core.rl.shards import shard_bounds, shard_table
-    from k3core.rollout.client import WeightVersionMismatch
+    shard generates its contiguous run of them) on a resident engine at ``weights.version``: this
+    Dask worker's, or on Ray the run's engine actor ``shard`` (another when that one dies)."""
+    from k3core.rl.shards import ShardRequest, shard_bounds
     from k3core.tokenizer import ByteTokenizer
 
     rel = _shards_rel(run, iteration, refill, shard, shards)
     bounds = shard_bounds(len(prompts), shards)[shard]
-    holder, worker = engines.resident_engines()
+    made_by = {}
 
     def build(tmp):
-        eng = holder.engine(run.run_id, weights.path, weights.kind, weights.version,
-                            weights.info.get("quantized", True))
-        tok = ByteTokenizer(eng.model.config)
-        table = shard_table(eng, tok, list(prompts), bounds, _sampling(run, iteration, refill, settings, tok.eos_id),
-                            iteration, refill * len(prompts), worker)
-        versions = set(table.column("weight_version").to_pylist())
-        if versions - {weights.version}:
-            raise WeightVersionMismatch(f"rollout {iteration} shard {shard} came back with weight versions "
-                                        f"{sorted(versions)}, expected {weights.version} only")
+        from k3core.config import K3Config
+
+        tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
+        req = ShardRequest(run.run_id, str(weights.path), weights.kind, weights.version,
+                           weights.info.get("quantized", True), tuple(prompts), bounds,
+                           _sampling(run, iteration, refill, settings, tok.eos_id), iteration, refill * len(prompts))
+        table, made_by["worker"] = engines.shard_rows(req, shard, shards)
         pq.write_table(table, tmp)
 
     path = run.store.publish_once(rel, build)
     rows = pq.read_metadata(path).num_rows
+    worker = made_by.get("worker") or _worker_of(path)
     return run.store.handle(rel, "rollout-shard", version=weights.version, rows=rows, worker=worker,
                             prompts=list(bounds))
+
+
+def _worker_of(path) -> str:
+    """The worker recorded in a published shard's rows (a shard a rerun found finished)."""
+    workers = set(pq.read_table(path, columns=["worker"]).column("worker").to_pylist())
+    return ",".join(sorted(workers)) or "none"
 
 
 def _merge(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, shards: tuple[Artifact, ...],

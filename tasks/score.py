@@ -2,7 +2,15 @@
 by the group's std unless ``scale_advantages`` is off), written as Parquet. User and dataset
 environments score in the reward sandbox (``k3core.rl.sandbox``): a call it stops (timeout, memory,
 processes, filesystem, network) scores 0 with the reason in the ``reward_reason`` column, and the
-stage completes. A reward that is NaN, out of [0, 1], raises or exits fails the stage (not retried)."""
+stage completes. A reward that is NaN, out of [0, 1], raises or exits fails the stage (not retried).
+
+Fan-out (``--task-runner dask|ray``, ``score_fanout``): a sandboxed environment's reward calls are cut
+into ``--rollout-workers`` contiguous shards of the rollout table's rows, each a ``score_shard`` task
+on the flow's task runner (a worker process with its own sandbox), published as
+``iter-N/score-shards/shard-K-of-N.parquet``; ``score_rewards`` then takes the outcomes from those
+files in row order (``k3core.rl.rewards.merge_outcomes``) instead of calling the sandbox: the same
+scored table as local scoring. Built-in environments score in process (microseconds a call) and are
+never fanned out."""
 
 from __future__ import annotations
 
@@ -20,17 +28,22 @@ def _rel(run: Run, iteration: int, refill: int = 0) -> str:
 
 @stage(run_name="score_rewards-iter{iteration}", key="score",
        outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
-       inputs=lambda rollouts, **_: [rollouts.uri])
+       inputs=lambda rollouts, reward_shards=(), **_: [rollouts.uri, *(a.uri for a in reward_shards)])
 def score_rewards(run: Run, iteration: int, rollouts: Artifact, group_size: int, scale_advantages: bool = True,
-                  refill: int = 0, reward: RewardSettings = RewardSettings()) -> Artifact:
+                  refill: int = 0, reward: RewardSettings = RewardSettings(),
+                  reward_shards: tuple[Artifact, ...] = ()) -> Artifact:
     """The handle's info has the reward statistics and ``groups`` / ``groups_informative`` (groups
     whose rewards differ: what dynamic sampling counts). ``refill`` > 0 (``score_refill``): the
-    rollouts of that refill round."""
+    rollouts of that refill round. ``reward_shards``: the ``score_shard`` outputs that hold every
+    row's reward (fan-out); empty: the rewards are computed here."""
     from k3core.rl.envs import load_env
+    from k3core.rl.rewards import merge_outcomes
     from k3core.rl.tables import score_table
 
-    table, stats = score_table(pq.read_table(rollouts.path), load_env(run.env), run.env, group_size,
-                               scale_advantages=scale_advantages, limits=SandboxLimits.of(reward))
+    rows = pq.read_table(rollouts.path)
+    outcomes = merge_outcomes([pq.read_table(a.path) for a in reward_shards], rows.num_rows) if reward_shards else None
+    table, stats = score_table(rows, load_env(run.env), run.env, group_size, scale_advantages=scale_advantages,
+                               limits=SandboxLimits.of(reward), outcomes=outcomes)
     run.store.publish_once(_rel(run, iteration, refill), lambda tmp: pq.write_table(table, tmp))
     return run.store.handle(_rel(run, iteration, refill), "scored", version=rollouts.version, **stats)
 
@@ -38,4 +51,61 @@ def score_rewards(run: Run, iteration: int, rollouts: Artifact, group_size: int,
 # The same stage body for a dynamic-sampling refill round, under a task run name that says which.
 score_refill = stage(run_name="score_rewards-iter{iteration}-refill{refill}", key="score",
                      outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
-                     inputs=lambda rollouts, **_: [rollouts.uri])(score_rewards.fn)
+                     inputs=lambda rollouts, reward_shards=(), **_: [rollouts.uri, *(a.uri for a in reward_shards)])(
+                         score_rewards.fn)
+
+
+# ---- fan-out of sandboxed reward calls over the task runner's workers --------------------------------------
+
+def _shard_rel(run: Run, iteration: int, refill: int, k: int, n: int) -> str:
+    folder = f"score-shards-refill{refill}" if refill else "score-shards"
+    return run.iter_rel(iteration, f"{folder}/shard-{k}-of-{n}.parquet")
+
+
+@stage(run_name="score_rewards-iter{iteration}-shard{shard}-of-{shards}",
+       outputs=lambda run, iteration, refill, shard, shards, **_: [run.uri(_shard_rel(run, iteration, refill, shard,
+                                                                                      shards))],
+       inputs=lambda rollouts, **_: [rollouts.uri])
+def score_shard(run: Run, iteration: int, rollouts: Artifact, reward: RewardSettings, shard: int, shards: int,
+                refill: int = 0) -> Artifact:
+    """The reward outcomes of shard ``shard`` of ``shards`` of the rollout table's rows (contiguous,
+    ``k3core.rl.shards.shard_bounds``), scored in a sandbox of this worker process."""
+    from k3core.rl.envs import load_env
+    from k3core.rl.rewards import outcome_table, score_completions
+    from k3core.rl.shards import shard_bounds
+
+    rel = _shard_rel(run, iteration, refill, shard, shards)
+
+    def build(tmp):
+        table = pq.read_table(rollouts.path, columns=["prompt", "completion"])
+        start, stop = shard_bounds(table.num_rows, shards)[shard]
+        part = table.slice(start, stop - start)
+        outcomes = score_completions(load_env(run.env), run.env, part.column("prompt").to_pylist(),
+                                     part.column("completion").to_pylist(), SandboxLimits.of(reward))
+        pq.write_table(outcome_table(outcomes, start), tmp)
+
+    path = run.store.publish_once(rel, build)
+    return run.store.handle(rel, "reward-shard", version=rollouts.version, rows=pq.read_metadata(path).num_rows)
+
+
+def fans_out(run: Run) -> bool:
+    """Whether this run's rewards are worth spreading over workers: sandboxed environments only."""
+    from k3core.rl.rewards import in_process
+
+    return not in_process(run.env, SandboxLimits())
+
+
+def score_fanout(run: Run, iteration: int, rollouts: Artifact, group_size: int, scale_advantages: bool,
+                 refill: int, reward: RewardSettings, shards: int) -> Artifact:
+    """``score_rewards`` (or ``score_refill``) with its reward calls as ``shards`` ``score_shard``
+    tasks on the flow's task runner. Call it from a flow body."""
+    import time
+
+    from tasks.common import record_seconds
+
+    t0 = time.perf_counter()
+    futures = [score_shard.submit(run, iteration, rollouts, reward, k, shards, refill) for k in range(shards)]
+    parts = tuple(f.result() for f in futures)
+    record_seconds("score", time.perf_counter() - t0)  # the merge adds its own time under the same key
+    stage_fn = score_refill if refill else score_rewards
+    return stage_fn(run, iteration, rollouts, group_size, scale_advantages, refill, reward, parts)

@@ -2,11 +2,12 @@
 row, whatever N is; and the resident engines of a worker process.
 
 Owns: where shards cut (``shard_bounds``: contiguous runs of prompt positions, a pure function of
-the prompt count and N), generating one shard (``shard_table``), putting shard tables back in the
-one-engine order (``merge_shards``), and ``ResidentEngines``: a worker's engines, one per run, built
-once and then pushed each newer weight version (``k3core.transfer.push_inprocess``, which refuses
-a version that is not newer). Does not own: placing shards on workers (Prefect's task runner, Dask),
-storage (the caller publishes tables), or the engine itself.
+the prompt count and N), generating one shard (``shard_table``; ``ShardRequest`` carries what a
+shard needs to a worker process), putting shard tables back in the one-engine order
+(``merge_shards``), and ``ResidentEngines``: a worker's engines, one per run, built once and then
+pushed each newer weight version (``k3core.transfer.push_inprocess``, which refuses a version that
+is not newer). Does not own: placing shards on workers (Prefect's task runner: Dask workers, Ray
+actors), storage (the caller publishes tables), or the engine itself.
 
 Why N does not change the table: prompt ``i`` of a rollout gets request seed
 ``derive_seed(seed, i)`` in whichever shard it lands (``RolloutEngine.generate(first_index=...)``),
@@ -21,11 +22,12 @@ rounding.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
 
-__all__ = ["ResidentEngines", "StaleWeightVersion", "merge_shards", "shard_bounds", "shard_table"]
+__all__ = ["ResidentEngines", "ShardRequest", "StaleWeightVersion", "merge_shards", "shard_bounds", "shard_table"]
 
 
 class StaleWeightVersion(RuntimeError):
@@ -53,6 +55,26 @@ def shard_table(engine, tok, prompts: list[str], bounds: tuple[int, int], params
         return ROLLOUT_SCHEMA.empty_table()
     return rollout_table(engine, tok, prompts[start:stop], params, iteration, first_prompt_index, shard_start=start,
                          worker=worker)
+
+
+@dataclass(frozen=True)
+class ShardRequest:
+    """One rollout shard as a worker process receives it (plain data, pickled to a Dask task or a Ray
+    actor): the weights to serve (``path`` of a public-layout checkpoint, or of a DCP trainer state:
+    ``kind`` "dcp"; ``version``; ``quantized``: MXFP4 routed experts on the W4A8 engine), all of the
+    rollout's ``prompts`` and this shard's ``bounds`` in them, and the rollout's sampling ``params``
+    (a ``SamplingParams``), ``iteration`` and ``first_prompt_index``."""
+
+    run_id: str
+    path: str
+    kind: str
+    version: int
+    quantized: bool
+    prompts: tuple[str, ...]
+    bounds: tuple[int, int]
+    params: object
+    iteration: int
+    first_prompt_index: int = 0
 
 
 def merge_shards(tables: list[pa.Table], prompts: int, samples: int, first_prompt_index: int = 0) -> pa.Table:
@@ -114,6 +136,23 @@ class ResidentEngines:
 
             return engine_from_model(load_trainer_model(path), version, quantized=quantized)
         return build_engine(path, version)
+
+    def rollout(self, req: ShardRequest, worker: str) -> pa.Table:
+        """The rows of shard ``req`` on this holder's engine for ``req.run_id`` at ``req.version``
+        (built or pushed as ``engine`` says), each marked with ``worker``. Rows that carry another
+        weight version are refused (``WeightVersionMismatch``): the engine changed under the shard."""
+        from k3core.rollout.client import WeightVersionMismatch
+        from k3core.tokenizer import ByteTokenizer
+
+        eng = self.engine(req.run_id, req.path, req.kind, req.version, req.quantized)
+        tok = ByteTokenizer(eng.model.config)
+        table = shard_table(eng, tok, list(req.prompts), req.bounds, req.params, req.iteration, req.first_prompt_index,
+                            worker)
+        versions = set(table.column("weight_version").to_pylist())
+        if versions - {req.version}:
+            raise WeightVersionMismatch(f"rollout {req.iteration} shard {req.bounds} came back with weight versions "
+                               f"{sorted(versions)}, expected {req.version} only")
+        return table
 
     def versions(self) -> dict[str, int]:
         with self._lock:

@@ -46,18 +46,23 @@ def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str],
 
 
 def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int,
-                scale_advantages: bool = True, limits: SandboxLimits | None = None) -> tuple[pa.Table, dict]:
+                scale_advantages: bool = True, limits: SandboxLimits | None = None,
+                outcomes: list | None = None) -> tuple[pa.Table, dict]:
     """Rewards (``k3core.rl.rewards``: checked finite and in [0, 1]; with ``limits``, user and dataset
     environments in the sandbox, a call it stopped scored 0 with its ``reward_reason``; None: in this
     process) and GRPO
     advantages: reward minus the group mean, divided by the group's std when ``scale_advantages``.
     Statistics: reward mean / std, solved fraction, mean completion length, ``groups`` and
     ``groups_informative`` (groups whose rewards differ), ``sandbox_stopped`` (calls the sandbox
-    stopped)."""
+    stopped). ``outcomes``: the rewards already computed (one ``RewardOutcome`` per row, in the
+    table's order: reward fan-out, ``k3core.rl.rewards.merge_outcomes``) instead of computing them."""
     if rollouts.num_rows == 0:
         raise ValueError("no rollouts to score: the rollout table is empty")
-    prompts, comps = rollouts.column("prompt").to_pylist(), rollouts.column("completion").to_pylist()
-    outcomes = score_completions(env, env_spec, prompts, comps, limits)
+    if outcomes is None:
+        prompts, comps = rollouts.column("prompt").to_pylist(), rollouts.column("completion").to_pylist()
+        outcomes = score_completions(env, env_spec, prompts, comps, limits)
+    elif len(outcomes) != rollouts.num_rows:
+        raise ValueError(f"{len(outcomes)} reward outcomes for {rollouts.num_rows} rollouts")
     rewards = torch.tensor([o.reward for o in outcomes])
     order = sorted(range(rollouts.num_rows), key=lambda i: (rollouts["prompt_index"][i].as_py(),
                                                             rollouts["sample_index"][i].as_py()))
