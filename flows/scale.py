@@ -17,8 +17,10 @@ reward calls run.
 
 Workers import ``tasks`` and ``k3core`` from their own Python path: on a cluster started elsewhere,
 the same checkout or package must be installed on every worker, and the artifact root must be a
-location every worker and the flow can read and write (a shared filesystem or an fsspec URL). A
-local Ray instance's workers get this process's ``sys.path`` from Ray itself.
+location every worker and the flow can read and write (a shared filesystem or an fsspec URL). The
+same holds for a user environment (``--env module.path:factory``): its reward calls run on the
+workers. A LocalCluster's workers get this process's ``sys.path`` from multiprocessing, a local Ray
+instance's through ``PYTHONPATH`` (``_import_path``).
 """
 
 from __future__ import annotations
@@ -149,6 +151,19 @@ def iteration_runner(scale: ScaleOutSettings, run_id: str) -> Iterator[Callable[
         yield lambda: DaskTaskRunner(address=address)
 
 
+def _import_path() -> str:
+    """This process's import path beyond the interpreter's own directories (the checkout, a user
+    environment's directory, ``PYTHONPATH``), for the workers of a local Ray instance: Ray gives them
+    only the driver's script directory and working directory."""
+    import os
+    import sys
+
+    own = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    keep = [p for p in sys.path if p and os.path.isdir(p)
+            and not any(os.path.realpath(p).startswith(prefix + os.sep) for prefix in own)]
+    return os.pathsep.join(dict.fromkeys(keep))
+
+
 @contextlib.contextmanager
 def _ray_engines(scale: ScaleOutSettings, run_id: str) -> Iterator[list]:
     """Ray for the length of a run: initialised in this process unless it already is (a local
@@ -165,6 +180,7 @@ def _ray_engines(scale: ScaleOutSettings, run_id: str) -> Iterator[list]:
         if scale.ray_address:
             ray.init(address=scale.ray_address, **common)
         else:  # one CPU of Ray's accounting per shard task; the engine actors hold none (tasks.engines)
+            common["runtime_env"]["env_vars"]["PYTHONPATH"] = _import_path()
             ray.init(num_cpus=scale.rollout_workers, include_dashboard=False,
                      object_store_memory=RAY_OBJECT_STORE_BYTES, **common)
     actors = []

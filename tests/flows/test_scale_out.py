@@ -1,10 +1,13 @@
-"""Scale-out end to end on the tiny preset, Prefect in embedded mode, real Dask and real torchrun:
+"""Scale-out end to end on the tiny preset, Prefect in embedded mode, real Dask and real Ray:
 
 - a LocalCluster run (2 resident engine workers): the same rollout rows, iteration by iteration, as
-  the one-process run (the reference), and the same final weights up to rounding;
+  the one-process run (the reference), the same scored rows (the environment is sandboxed, so its
+  reward calls fan out over the workers too), and the same final weights up to rounding;
 - a run that joins a Dask cluster started as separate processes (``dask scheduler``, 2 ``dask
   worker``), one of whose workers is killed with SIGKILL while it runs a rollout shard: the run
   completes and its rows equal the reference's;
+- a local Ray run (2 engine actors), one of whose actor processes is killed with SIGKILL while it
+  generates a shard: the run completes and its rows equal the reference's;
 - bad scale-out usage exits 2 with the fix named, before any work.
 """
 
@@ -69,7 +72,9 @@ def _same_rows(run: Path, ref: Path) -> list[set[str]]:
     bits of iteration 0's log-probabilities (k3core.rl.shards says why); those feed the update
     through the importance weights, and re-quantising the updated experts to MXFP4 can move a
     weight next to a code boundary into the neighbouring code, so later iterations' log-probabilities
-    agree to 1e-3 rather than 1e-5. -> the workers of each iteration."""
+    agree to 1e-3 rather than 1e-5. The scored tables' rewards, advantages and reasons are equal
+    exactly, and came from reward shards (the fan-out), which the reference has none of.
+    -> the workers of each iteration."""
     workers = []
     for it in range(ITERATIONS):
         atol = 1e-5 if it == 0 else 1e-3
@@ -83,6 +88,11 @@ def _same_rows(run: Path, ref: Path) -> list[set[str]]:
                 assert got.column(col).to_pylist() == want.column(col).to_pylist(), (it, col)
         assert set(want.column("worker").to_pylist()) == {"local"}
         workers.append(set(got.column("worker").to_pylist()))
+        got, want = (pq.read_table(p / f"iter-{it:04d}" / "scored.parquet") for p in (run, ref))
+        for col in ("prompt_index", "sample_index", "reward", "advantage", "reward_reason"):
+            assert got.column(col).to_pylist() == want.column(col).to_pylist(), (it, col)
+        assert len(list((run / f"iter-{it:04d}" / "score-shards").glob("shard-*-of-2.parquet"))) == 2
+        assert not (ref / f"iter-{it:04d}" / "score-shards").exists()
     return workers
 
 
@@ -119,7 +129,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow  # a Dask cluster of 3 processes and a tiny RL run: ~1 min on 2 cores
-def test_run_joins_a_separate_dask_cluster_and_survives_a_killed_worker(reference, tmp_path):
+def test_run_joins_a_separate_dask_cluster_and_survives_a_killed_worker(reference, env_module, tmp_path):
     from distributed import Client
     from prefect.settings import PREFECT_API_URL
 
@@ -127,7 +137,8 @@ def test_run_joins_a_separate_dask_cluster_and_survives_a_killed_worker(referenc
     address = f"tcp://127.0.0.1:{port}"
     (tmp_path / "dask-config").mkdir()  # the worker setting docs/scale-out.md gives (glibc's malloc left alone)
     (tmp_path / "dask-config" / "k3rl.yaml").write_text(DASK_CONFIG)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    # the workers import the checkout and the run's environment (its reward calls fan out to them)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(env_module), os.environ.get("PYTHONPATH", "")]),
                PREFECT_API_URL=PREFECT_API_URL.value(), OMP_NUM_THREADS="1", DASK_CONFIG=str(tmp_path / "dask-config"))
     logs = open(tmp_path / "cluster.log", "w")
     procs = [subprocess.Popen([sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
@@ -181,9 +192,60 @@ def test_run_joins_a_separate_dask_cluster_and_survives_a_killed_worker(referenc
     assert set().union(*workers) <= {"ext0", "ext1"}
 
 
+@pytest.mark.slow  # a local Ray instance and a tiny RL run: ~1 min on 2 cores
+def test_local_ray_run_survives_a_killed_engine_actor(reference, tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray", reason="the Ray run needs the test extra (ray, prefect-ray)")
+    from ray._private import auto_init_hook
+
+    from tasks.engines import RAY_NAMESPACE, actor_name
+
+    # this thread only looks at the Ray instance the run starts; a Ray call before that must not start one
+    monkeypatch.setattr(auto_init_hook, "enable_auto_connect", False)
+    engines.clear()
+    trainers.clear()
+    out: dict = {}
+
+    def run():
+        try:
+            out["summary"] = rl_run(_settings(tmp_path, "ray", task_runner="ray", rollout_workers=2))
+        except BaseException as e:  # reported below
+            out["error"] = e
+
+    flow = threading.Thread(target=run)
+    flow.start()
+    killed = None
+    deadline = time.monotonic() + 300
+    while killed is None and flow.is_alive() and time.monotonic() < deadline:
+        for k in range(2):
+            if not ray.is_initialized():
+                break
+            try:  # the actors exist once the run has initialised Ray in this process and started them
+                actor = ray.get_actor(actor_name("ray", k), namespace=RAY_NAMESPACE)
+                status = ray.get(actor.status.remote(), timeout=5)
+            except Exception:
+                continue
+            if status["busy"]:
+                os.kill(status["pid"], signal.SIGKILL)
+                killed = status["worker"]
+                break
+        time.sleep(0.02)
+    flow.join(timeout=600)
+    assert not flow.is_alive(), "the run did not finish after its engine actor was killed"
+    assert killed is not None, "no engine actor was seen generating a shard, so none was killed"
+    assert "error" not in out, out.get("error")
+    assert out["summary"]["iterations"] == ITERATIONS
+    assert not ray.is_initialized()  # the run shut down the Ray instance it started
+    workers = _same_rows(tmp_path / "runs" / "ray", reference)
+    assert set().union(*workers) <= {"ray-0", "ray-1"}
+
+
 @pytest.mark.parametrize("flags,message", [
-    (["--rollout-workers", "2"], "--rollout-workers 2 needs --task-runner dask"),
-    (["--task-runner", "ray"], "--task-runner: unknown runner 'ray'; choose one of local, dask"),
+    (["--rollout-workers", "2"], "--rollout-workers 2 needs --task-runner dask or ray"),
+    (["--task-runner", "spark"], "--task-runner: unknown runner 'spark'; choose one of local, dask, ray"),
+    (["--ray-address", "127.0.0.1:1"], "--ray-address needs --task-runner ray"),
+    (["--task-runner", "ray", "--ray-address", "tcp://127.0.0.1:1"], "use HOST:PORT of the head node"),
+    (["--task-runner", "ray", "--ray-address", "127.0.0.1:1"], "no Ray head answers there"),
+    (["--task-runner", "ray", "--max-staleness", "1"], "not combined with --task-runner ray"),
     (["--task-runner", "dask", "--dask-address", "127.0.0.1:1"], "use a scheduler address such as tcp://"),
     (["--task-runner", "dask", "--dask-address", "tcp://127.0.0.1:1"], "no Dask scheduler answers there"),
     (["--train-procs", "0"], "--train-procs must be >= 1"),
