@@ -12,12 +12,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from k3core.artifacts import Artifact
 from k3core.rl.data import ROLLOUT_SCHEMA, SCORED_SCHEMA
+from k3core.rl.rewards import RewardOutcome, merge_outcomes, outcome_table
 from k3core.settings import RewardSettings
 from tasks.common import RETRIES, Run
-from tasks.score import score_rewards
+from tasks.score import score_fanout, score_rewards
 
 SPEC = "hostile_reward_env:make"
 TESTS = str(Path(__file__).resolve().parents[1])
@@ -67,3 +69,36 @@ def test_a_raising_reward_fails_the_stage_once_naming_the_prompt(tmp_path, monke
     with pytest.raises(ValueError, match=r"hostile_reward_env:make.*raised KeyError.*for prompt 'rev:xyz=\|'"):
         _score(Run(str(tmp_path / "artifacts"), "broken", env=SPEC), rollouts, RewardSettings(workers=1))
     assert len(log.read_text().splitlines()) == 1  # one attempt: one worker started, no retry
+
+
+@flow(name="score-fanout-test", task_runner=ThreadPoolTaskRunner(max_workers=3))
+def _score_fanout(run: Run, rollouts: Artifact, reward: RewardSettings, shards: int):
+    return score_fanout(run, 0, rollouts, 2, True, 0, reward, shards)
+
+
+def test_fanned_out_scoring_equals_local_scoring(tmp_path, monkeypatch, prefect_harness):
+    """Reward calls in 3 shards of 8 rows (2, 3 and 3 rows), each in a sandbox of its own, give the
+    scored table of one local stage, row for row, a call the sandbox stopped included."""
+    monkeypatch.syspath_prepend(TESTS)
+    completions = ["ok", "write-here", "loop", "ok", "write-here", "ok", "ok", "write-here"]
+    rollouts = _rollouts(tmp_path / "rollouts.parquet", "rev:abc=|x", completions)
+    reward = RewardSettings(timeout=2.0, workers=1)
+    want = pq.read_table(_score(Run(str(tmp_path / "local"), "sbx", env=SPEC), rollouts, reward).path)
+    out = _score_fanout(Run(str(tmp_path / "fan"), "sbx", env=SPEC), rollouts, reward, 3)
+    got = pq.read_table(out.path)
+    assert got.equals(want)
+    assert out.info["sandbox_stopped"] == 1 and got["reward_reason"][2].as_py().startswith("timeout")
+    shards = sorted((tmp_path / "fan" / "runs" / "sbx" / "iter-0000" / "score-shards").glob("*.parquet"))
+    assert [p.name for p in shards] == [f"shard-{k}-of-3.parquet" for k in range(3)]
+    assert [pq.read_metadata(p).num_rows for p in shards] == [2, 3, 3]
+
+
+def test_merged_reward_shards_refuse_missing_or_doubled_rows():
+    a = outcome_table([RewardOutcome(0.5), RewardOutcome(0.0, "timeout: 2 s", True)], 0)
+    b = outcome_table([RewardOutcome(1.0)], 2)
+    assert merge_outcomes([b, a], 3) == [RewardOutcome(0.5), RewardOutcome(0.0, "timeout: 2 s", True),
+                                         RewardOutcome(1.0)]
+    with pytest.raises(ValueError, match=r"1 missing \(first \[2\]\), 0 doubled"):
+        merge_outcomes([a], 3)
+    with pytest.raises(ValueError, match="0 missing .*, 2 doubled"):
+        merge_outcomes([a, a, b], 3)
