@@ -130,16 +130,19 @@ class EngineActor:
         torch.set_num_threads(1)
         self.worker = worker
         self.engines = ResidentEngines()
-        self._one = threading.Lock()
+        self._one = threading.Lock()  # one shard generating at a time
+        self._count = threading.Lock()  # guards busy, which both threads change
         self.busy = 0
 
     def rollout(self, req):
-        self.busy += 1
+        with self._count:
+            self.busy += 1
         try:
             with self._one:
                 return self.engines.rollout(req, self.worker)
         finally:
-            self.busy -= 1
+            with self._count:
+                self.busy -= 1
 
     def status(self) -> dict:
         return {"worker": self.worker, "pid": os.getpid(), "busy": self.busy, "builds": self.engines.builds,
@@ -177,7 +180,7 @@ def actor_rows(req, shard: int, shards: int):
             table = ray.get(actor.rollout.remote(req))
         except ray.exceptions.RayActorError as e:
             _logger().warning(f"engine actor {name} died during rollout shard {shard} of {shards} "
-                                     f"({type(e).__name__}); running the shard on the next actor")
+                              f"({type(e).__name__}); running the shard on the next actor")
             errors.append(f"{name}: {type(e).__name__}")
             continue
         return table, table.column("worker")[0].as_py() if table.num_rows else f"ray-{(shard + j) % shards}"
