@@ -84,7 +84,7 @@ class BareEngine:
 def actors_only(path: str, workers: int, a) -> float:
     import ray
 
-    ray.init(num_cpus=workers, include_dashboard=False, object_store_memory=256 * 2**20,
+    ray.init(address="local", num_cpus=workers, include_dashboard=False, object_store_memory=256 * 2**20,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}})
     try:
         cls = ray.remote(BareEngine).options(num_cpus=1)

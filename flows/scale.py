@@ -178,10 +178,16 @@ def _ray_engines(scale: ScaleOutSettings, run_id: str) -> Iterator[list]:
     if owns:
         common = dict(namespace=RAY_NAMESPACE, runtime_env={"env_vars": _worker_env()})
         if scale.ray_address:
-            ray.init(address=scale.ray_address, **common)
+            try:
+                ray.init(address=scale.ray_address, **common)
+            except ConnectionError as e:  # Ray never turns token auth on by itself for an explicit address
+                raise ConnectionError(f"{e}; a head started by `ray start` authenticates drivers by token unless it "
+                                      "was started with RAY_AUTH_MODE=disabled: run with RAY_AUTH_MODE=token and the "
+                                      "cluster's token (~/.ray/auth_token, or RAY_AUTH_TOKEN)") from e
         else:  # one CPU of Ray's accounting per shard task; the engine actors hold none (tasks.engines)
             common["runtime_env"]["env_vars"]["PYTHONPATH"] = _import_path()
-            ray.init(num_cpus=scale.rollout_workers, include_dashboard=False,
+            # address "local": a new instance, never one a `ray start` left registered on this machine
+            ray.init(address="local", num_cpus=scale.rollout_workers, include_dashboard=False,
                      object_store_memory=RAY_OBJECT_STORE_BYTES, **common)
     actors = []
     try:

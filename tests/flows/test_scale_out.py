@@ -8,15 +8,19 @@
   completes and its rows equal the reference's;
 - a local Ray run (2 engine actors), one of whose actor processes is killed with SIGKILL while it
   generates a shard: the run completes and its rows equal the reference's;
+- a run that joins a Ray cluster started as separate processes (``ray start --head``): the
+  reference's rows, both actors serving every iteration;
 - bad scale-out usage exits 2 with the fix named, before any work.
 """
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -237,6 +241,50 @@ def test_local_ray_run_survives_a_killed_engine_actor(reference, tmp_path, monke
     assert not ray.is_initialized()  # the run shut down the Ray instance it started
     workers = _same_rows(tmp_path / "runs" / "ray", reference)
     assert set().union(*workers) <= {"ray-0", "ray-1"}
+
+
+@pytest.mark.slow  # a Ray head of its own processes and a tiny RL run (`k3rl run` in a process): ~1.5 min on 2 cores
+def test_k3rl_run_joins_a_separate_ray_cluster(reference, env_module, tmp_path):
+    """``k3rl run --task-runner ray --ray-address`` in a process of its own, as a user runs it. (In one
+    Python process, Ray 2.60 fails to create actors on a cluster joined after a local instance was
+    started and shut down, so this test does not call ``rl_run`` in the test's process, which has.)"""
+    pytest.importorskip("ray", reason="the Ray run needs the test extra (ray, prefect-ray)")
+    from prefect.settings import PREFECT_API_URL
+
+    port = _free_port()
+    # the head's workers import the checkout and the run's environment; token authentication (Ray's
+    # default for `ray start`) is off here so the run needs no token: docs/scale-out.md says how to join with one
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(env_module), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled", PREFECT_API_URL=PREFECT_API_URL.value())
+    logs = open(tmp_path / "head.log", "w")
+    # a temp dir of its own (short: Ray's socket paths must fit 107 bytes), so that the address file the
+    # killed head leaves behind is not /tmp/ray's, which a later `ray.init()` on this machine would read
+    ray_tmp = tempfile.mkdtemp(prefix="k3rl-ray-")
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", str(port),
+                             "--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir",
+                             ray_tmp, "--block"], env=env, stdout=logs, stderr=logs, start_new_session=True)
+    flags = dict(preset="tiny", source="init:tiny:3", env="scale_env_for_tests:make", iterations=ITERATIONS,
+                 artifacts=tmp_path, run_id="rayext", prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens=4,
+                 warmup_steps=1, warmup_batch=8, eval_prompts=4, eval_every=0, mismatch_sequences=0, lr=1e-3,
+                 task_runner="ray", ray_address=f"127.0.0.1:{port}", rollout_workers=2)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        cli = subprocess.run([sys.executable, "-m", "flows.cli", "run",
+                              *(x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v)))],
+                             env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)  # the head and every process it started (one session)
+        head.wait(timeout=30)
+        logs.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    assert _same_rows(tmp_path / "runs" / "rayext", reference) == [{"ray-0", "ray-1"}] * ITERATIONS
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -48,7 +48,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def actors():
     assert not ray.is_initialized()
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20, namespace=RAY_NAMESPACE,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20, namespace=RAY_NAMESPACE,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
         handles = start_actors("t", 2)
