@@ -67,12 +67,14 @@ def _bool(text: str) -> bool:
 def check_settings(s) -> None:
     """Bad input found before any work starts (``ValueError``, exit status 2): the sections validated
     themselves when built; here the environment is loaded (a module that does not import, a factory
-    that returns no environment)."""
+    that returns no environment) and the device resolved (``--device cuda`` where torch sees no GPU)."""
     from flows.scale import check_dask
+    from k3core.device import run_device
     from k3core.rl.envs import load_env
 
     load_env(s.pipeline.env)
     check_dask(s.scale_out)
+    run_device(s)
 
 
 def cmd_run(a) -> int:
@@ -93,8 +95,11 @@ def _run_locked(a, s) -> int:
     from flows.pipeline import rl_run
 
     run_id = s.pipeline.run_id
+    from k3core.device import run_device
+
     print(f"k3rl: RL run '{run_id}' on preset '{s.model.preset}', env '{s.pipeline.env}', "
-          f"{s.pipeline.iterations} iterations, artifacts at {s.pipeline.artifacts}", flush=True)
+          f"{s.pipeline.iterations} iterations, device {run_device(s).type}, artifacts at {s.pipeline.artifacts}",
+          flush=True)
     try:
         summary = rl_run(s)
     except KeyboardInterrupt:
@@ -116,6 +121,11 @@ def _format_summary(s: dict) -> str:
              f"{_f(s.get('heldout_greedy_reward_end'))}",
              f"  train reward (sampled): {_f(s['train_reward_first'])} -> {_f(s['train_reward_last'])}",
              "  seconds per stage: " + ", ".join(f"{k} {v}" for k, v in s["seconds_per_stage"].items())]
+    mem = s.get("memory_per_stage") or {}
+    if mem:
+        peak = "device_peak_bytes" if s.get("device") == "cuda" else "host_rss_peak_bytes"
+        lines.append(f"  peak {'device memory' if peak.startswith('device') else 'host RSS'} per stage (GiB): "
+                     + ", ".join(f"{k} {v.get(peak, 0) / 2**30:.2f}" for k, v in mem.items()))
     return "\n".join(lines)
 
 
@@ -165,6 +175,7 @@ EXAMPLES = {
   k3rl run --preset tiny --iterations 3 --run-id try --artifacts s3://bucket/k3rl      # any fsspec URL
   PYTHONPATH=~/envs k3rl run --env uppercase_env:make_env --run-id upper              # your environment
   k3rl run --run-id demo --iterations 40     # same run id: resumes, finished stages are skipped
+  k3rl run --device cuda --preset medium --iterations 3 --run-id gpu   # every stage on the GPU
   PREFECT_API_URL=http://127.0.0.1:4200/api k3rl run ...   # report to a Prefect server (UI)""",
     "prepare": """examples:
   k3rl prepare --preset tiny --run-id try                      # fetch, validate, warm up, quantize

@@ -1,5 +1,5 @@
 """Run settings, in sections: model and source, rollout, GRPO (the trainer), warm-up, evaluation,
-pipeline, reward (the sandbox), scale-out. ``RLSettings`` composes them. The defaults live here and only here: the CLI flags, the
+pipeline, reward (the sandbox), scale-out, device. ``RLSettings`` composes them. The defaults live here and only here: the CLI flags, the
 Prefect deployments' parameters and the stages all read these objects.
 
 Every section validates itself in ``__post_init__`` and raises one ``SettingsError`` listing every
@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EvalSettings", "GRPOSettings", "LOSS_AGGREGATIONS", "ModelSettings", "PipelineSettings", "RLSettings",
+__all__ = ["DEVICES", "DeviceSettings", "EvalSettings", "GRPOSettings", "LOSS_AGGREGATIONS", "ModelSettings", "PipelineSettings", "RLSettings",
            "RewardSettings", "RolloutSettings", "ScaleOutSettings", "SettingsError", "TASK_RUNNERS", "WarmupSettings"]
 
 # pydantic (through Prefect) reads this attribute of stdlib dataclasses: refuse unknown keys.
@@ -293,9 +293,31 @@ class ScaleOutSettings(_Section):
         return out
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class DeviceSettings(_Section):
+    """Where the stages compute: every stage of the run (warm-up, quantize, rollout engine, mismatch,
+    reference, train step, weight transfer, evaluation) puts its tensors on this one device; on a GPU
+    the trainer and the rollout engine share it. Which device ``auto`` means, and whether ``cuda`` is
+    there, is decided when the run starts (``k3core.device.resolve_device``), not here: settings
+    recorded on a GPU machine still load on a CPU one."""
+
+    type: str = _str("auto", "device", "cpu, cuda (refused where torch sees no GPU) or auto (cuda when "
+                     "torch.cuda.is_available(), else cpu)")
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if isinstance(self.type, str) and self.type not in DEVICES:
+            out.append(f"--device: unknown device {self.type!r}; choose one of {', '.join(DEVICES)}")
+        return out
+
+
 _SECTIONS: dict[str, type[_Section]] = {"model": ModelSettings, "rollout": RolloutSettings, "grpo": GRPOSettings,
                                         "warmup": WarmupSettings, "evaluation": EvalSettings,
-                                        "pipeline": PipelineSettings, "reward": RewardSettings, "scale_out": ScaleOutSettings}
+                                        "pipeline": PipelineSettings, "reward": RewardSettings, "scale_out": ScaleOutSettings,
+                                        "device": DeviceSettings}
 
 
 @dataclass
@@ -312,6 +334,7 @@ class RLSettings:
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
     reward: RewardSettings = field(default_factory=RewardSettings)
     scale_out: ScaleOutSettings = field(default_factory=ScaleOutSettings)
+    device: DeviceSettings = field(default_factory=DeviceSettings)
 
     def __post_init__(self) -> None:
         problems = []
@@ -330,6 +353,12 @@ class RLSettings:
         if self.scale_out.train_procs > 1 and self.grpo.kl_coef:
             cross.append("--kl-coef with --train-procs > 1: the FSDP2 train step does not read the reference's "
                          "logprobs yet (use --train-procs 1, or --kl-coef 0)")
+        if self.device.type == "cuda" and self.scale_out.task_runner == "dask":
+            cross.append("--device cuda with --task-runner dask: the Dask workers' resident engines run on the CPU; "
+                         "use --task-runner local to sample on the GPU")
+        if self.device.type == "cuda" and self.scale_out.train_procs > 1:
+            cross.append("--device cuda with --train-procs > 1: the FSDP2 train job runs on gloo (CPU) only; "
+                         "use --train-procs 1 on one GPU")
         if cross:
             raise SettingsError("RLSettings", cross)
         if not self.model.source:
