@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import traceback
 
@@ -50,6 +51,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     """One flag per setting, grouped by section (``k3rl run --help`` shows the sections)."""
     from k3core.settings import section_fields
 
+    # argparse takes "-1e-4" or "-inf" for an option (its negative-number pattern has no exponent),
+    # so `--lr -1e-4` would fail with "expected one argument" instead of the setting's own check.
+    if hasattr(p, "_negative_number_matcher"):
+        p._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.I)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for sec, f in section_fields():
         g = groups.get(sec) or groups.setdefault(sec, p.add_argument_group(f"{sec} settings"))

@@ -73,8 +73,11 @@ def _audit_config(root: Path, config: K3Config | None) -> tuple[K3Config, str]:
     try:
         with open(p) as f:
             raw = json.load(f)
+    except json.JSONDecodeError as e:
+        _fail("config", f"{p}: not valid JSON ({e})")
+    try:
         ckpt = K3Config.from_hf_dict(raw)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSONDecodeError is a ValueError
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         _fail("config", f"{p}: {e}")
     text = raw.get("text_config", raw) if isinstance(raw, dict) else {}
     qc = text.get("quantization_config")
