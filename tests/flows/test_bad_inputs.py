@@ -25,6 +25,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,12 +113,12 @@ CLI_CASES = [
     _run("source-other-preset", "--preset small --source {ck}", "not a usable 'small' checkpoint: [config]",
          "run --source"),
     # ---- checkpoints given as --source (structure read from the headers, nothing hashed)
-    _run("source-truncated-shard", "--source {ck_truncated}", "[shard_format]", "checkpoint"),
+    _run("source-truncated-shard", "--source {ck_truncated}", "[shard_format]", "checkpoint files"),
     _run("source-missing-shard", "--source {ck_missing_shard}", "[missing_shard] model-00002-of-00003.safetensors",
-         "checkpoint"),
-    _run("source-wrong-shape", "--source {ck_wrong_shape}", "[shape] 'language_model.model.embed_tokens.weight'", "checkpoint"),
-    _run("source-no-index", "--source {ck_no_index}", "[index]", "checkpoint"),
-    _run("source-index-traversal", "--source {ck_index_traversal}", "is not a plain file name", "checkpoint"),
+         "checkpoint files"),
+    _run("source-wrong-shape", "--source {ck_wrong_shape}", "[shape] 'language_model.model.embed_tokens.weight'", "checkpoint files"),
+    _run("source-no-index", "--source {ck_no_index}", "[index]", "checkpoint files"),
+    _run("source-index-traversal", "--source {ck_index_traversal}", "is not a plain file name", "checkpoint files"),
     # ---- config.json of a checkpoint
     _run("source-config-not-json", "--source {ck_config_not_json}", "not valid JSON", "config.json"),
     _run("source-config-missing-keys", "--source {ck_config_missing_keys}", "[config]", "config.json"),
@@ -171,49 +172,49 @@ CLI_CASES = [
     Case("status-run-id-traversal", "status", "status --run-id ../.. --artifacts {root}", "exit 2",
          "--run-id '../..'"),
     # ---- k3rl checkpoint validate / fetch / quantize / init
-    Case("validate-missing-dir", "checkpoint", "checkpoint validate {tmp}/no-such-ckpt", "exit 2",
+    Case("validate-missing-dir", "checkpoint commands", "checkpoint validate {tmp}/no-such-ckpt", "exit 2",
          "is not a directory: give the checkpoint's directory"),
-    Case("validate-a-file", "checkpoint", "checkpoint validate {ck}/config.json", "exit 2", "is not a directory"),
-    Case("validate-preset-unknown", "checkpoint", "checkpoint validate {ck} --preset huge", "exit 2",
+    Case("validate-a-file", "checkpoint commands", "checkpoint validate {ck}/config.json", "exit 2", "is not a directory"),
+    Case("validate-preset-unknown", "checkpoint commands", "checkpoint validate {ck} --preset huge", "exit 2",
          "unknown preset 'huge'"),
-    Case("validate-workers-0", "checkpoint", "checkpoint validate {ck} --workers 0", "exit 2",
+    Case("validate-workers-0", "checkpoint commands", "checkpoint validate {ck} --workers 0", "exit 2",
          "argument --workers: expected a positive integer, got 0"),
-    Case("fetch-missing-source", "checkpoint", "checkpoint fetch {tmp}/no-such-ckpt {tmp}/dest", "exit 2",
+    Case("fetch-missing-source", "checkpoint commands", "checkpoint fetch {tmp}/no-such-ckpt {tmp}/dest", "exit 2",
          "no-such-ckpt: no files found"),
-    Case("fetch-unknown-protocol", "checkpoint", "checkpoint fetch foo://bucket/ckpt {tmp}/dest", "exit 2",
+    Case("fetch-unknown-protocol", "checkpoint commands", "checkpoint fetch foo://bucket/ckpt {tmp}/dest", "exit 2",
          "no fsspec filesystem for protocol 'foo'"),
-    Case("fetch-not-a-checkpoint", "checkpoint", "checkpoint fetch {notckpt} {tmp}/dest", "exit 2",
+    Case("fetch-not-a-checkpoint", "checkpoint commands", "checkpoint fetch {notckpt} {tmp}/dest", "exit 2",
          "is not a checkpoint in the public layout"),
-    Case("fetch-workers-0", "checkpoint", "checkpoint fetch {ck} {tmp}/dest --workers 0", "exit 2",
+    Case("fetch-workers-0", "checkpoint commands", "checkpoint fetch {ck} {tmp}/dest --workers 0", "exit 2",
          "argument --workers: expected a positive integer"),
-    Case("quantize-missing-source", "checkpoint", "checkpoint quantize {tmp}/no-such-ckpt {tmp}/q", "exit 2",
+    Case("quantize-missing-source", "checkpoint commands", "checkpoint quantize {tmp}/no-such-ckpt {tmp}/q", "exit 2",
          "no-such-ckpt is not a checkpoint directory (no config.json)"),
-    Case("quantize-already-mxfp4", "checkpoint", "checkpoint quantize {ck_mxfp4} {tmp}/q", "exit 2",
+    Case("quantize-already-mxfp4", "checkpoint commands", "checkpoint quantize {ck_mxfp4} {tmp}/q", "exit 2",
          "is already quantised"),
-    Case("init-preset-unknown", "checkpoint", "checkpoint init --preset huge --out {tmp}/i", "exit 2",
+    Case("init-preset-unknown", "checkpoint commands", "checkpoint init --preset huge --out {tmp}/i", "exit 2",
          "unknown preset 'huge'"),
-    Case("init-seed-negative", "checkpoint", "checkpoint init --preset tiny --out {tmp}/i --seed -1", "exit 2",
+    Case("init-seed-negative", "checkpoint commands", "checkpoint init --preset tiny --out {tmp}/i --seed -1", "exit 2",
          "argument --seed: expected a non-negative integer, got '-1'"),
-    Case("init-format-unknown", "checkpoint", "checkpoint init --preset tiny --out {tmp}/i --format fp8", "exit 2",
+    Case("init-format-unknown", "checkpoint commands", "checkpoint init --preset tiny --out {tmp}/i --format fp8", "exit 2",
          "argument --format: invalid choice: 'fp8'"),
-    Case("init-max-shard-bytes-0", "checkpoint", "checkpoint init --preset tiny --out {tmp}/i --max-shard-bytes 0",
+    Case("init-max-shard-bytes-0", "checkpoint commands", "checkpoint init --preset tiny --out {tmp}/i --max-shard-bytes 0",
          "exit 2", "size must be positive"),
     # ---- k3rl rollout-server / serve
-    Case("rollout-server-missing-checkpoint", "rollout-server", "rollout-server --checkpoint {tmp}/no-such-ckpt",
+    Case("rollout-server-missing-checkpoint", "rollout-server flags", "rollout-server --checkpoint {tmp}/no-such-ckpt",
          "exit 2", "no config.json; point --checkpoint at a checkpoint directory"),
-    Case("rollout-server-truncated-shard", "rollout-server", "rollout-server --checkpoint {ck_truncated_manifest}",
+    Case("rollout-server-truncated-shard", "rollout-server flags", "rollout-server --checkpoint {ck_truncated_manifest}",
          "exit 2", "the manifest says"),
-    Case("rollout-server-config-not-json", "rollout-server", "rollout-server --checkpoint {ck_config_not_json}",
+    Case("rollout-server-config-not-json", "rollout-server flags", "rollout-server --checkpoint {ck_config_not_json}",
          "exit 2", "not valid JSON"),
-    Case("rollout-server-port-out-of-range", "rollout-server", "rollout-server --checkpoint {ck} --port 70000",
+    Case("rollout-server-port-out-of-range", "rollout-server flags", "rollout-server --checkpoint {ck} --port 70000",
          "exit 2", "a TCP port lies in 0..65535"),
-    Case("rollout-server-max-batch-0", "rollout-server", "rollout-server --checkpoint {ck} --max-batch 0", "exit 2",
+    Case("rollout-server-max-batch-0", "rollout-server flags", "rollout-server --checkpoint {ck} --max-batch 0", "exit 2",
          "argument --max-batch: must be >= 1, got 0"),
-    Case("rollout-server-max-body-0", "rollout-server", "rollout-server --checkpoint {ck} --max-body-bytes 0",
+    Case("rollout-server-max-body-0", "rollout-server flags", "rollout-server --checkpoint {ck} --max-body-bytes 0",
          "exit 2", "max_body_bytes must be >= 1, got 0"),
-    Case("rollout-server-log-level-unknown", "rollout-server", "rollout-server --checkpoint {ck} --log-level loud",
+    Case("rollout-server-log-level-unknown", "rollout-server flags", "rollout-server --checkpoint {ck} --log-level loud",
          "exit 2", "argument --log-level: invalid choice: 'loud'"),
-    Case("serve-with-checkpoint", "rollout-server", "serve --checkpoint {ck}", "exit 2",
+    Case("serve-with-checkpoint", "rollout-server flags", "serve --checkpoint {ck}", "exit 2",
          "use `k3rl rollout-server --checkpoint DIR`"),
     # ---- k3rl plan and its hardware description files (JSON/YAML)
     Case("plan-hardware-unknown", "plan", "plan --preset tiny --hardware zzz", "exit 2", "unknown hardware 'zzz'"),
@@ -260,45 +261,45 @@ SETTINGS_CASES = [
 
 # Requests to `k3rl rollout-server` (the app in process, a tiny checkpoint behind it).
 HTTP_CASES = [
-    Case("http-body-not-object", "rollout server", 'POST /generate [1, 2]', "HTTP 400", "the body must be a JSON object"),
-    Case("http-body-empty", "rollout server", 'POST /generate ', "HTTP 400", "the body is not JSON"),
-    Case("http-no-prompt", "rollout server", 'POST /generate {"sampling_params": {}}', "HTTP 400",
+    Case("http-body-not-object", "HTTP request", 'POST /generate [1, 2]', "HTTP 400", "the body must be a JSON object"),
+    Case("http-body-empty", "HTTP request", 'POST /generate ', "HTTP 400", "the body is not JSON"),
+    Case("http-no-prompt", "HTTP request", 'POST /generate {"sampling_params": {}}', "HTTP 400",
          "give exactly one of 'input_ids' (token ids) and 'text'"),
-    Case("http-text-and-ids", "rollout server", 'POST /generate {"text": "a", "input_ids": [1]}', "HTTP 400",
+    Case("http-text-and-ids", "HTTP request", 'POST /generate {"text": "a", "input_ids": [1]}', "HTTP 400",
          "give exactly one of"),
-    Case("http-input-ids-empty", "rollout server", 'POST /generate {"input_ids": []}', "HTTP 400",
+    Case("http-input-ids-empty", "HTTP request", 'POST /generate {"input_ids": []}', "HTTP 400",
          "'input_ids' must be a non-empty list of token ids"),
-    Case("http-input-ids-strings", "rollout server", 'POST /generate {"input_ids": ["a", "b"]}', "HTTP 400",
+    Case("http-input-ids-strings", "HTTP request", 'POST /generate {"input_ids": ["a", "b"]}', "HTTP 400",
          "'input_ids' must be a non-empty list of token ids"),
-    Case("http-input-ids-bools", "rollout server", 'POST /generate {"input_ids": [true]}', "HTTP 400",
+    Case("http-input-ids-bools", "HTTP request", 'POST /generate {"input_ids": [true]}', "HTTP 400",
          "'input_ids' must be a non-empty list of token ids"),
-    Case("http-token-id-out-of-vocab", "rollout server", 'POST /generate {"input_ids": [1000000000]}', "HTTP 400",
+    Case("http-token-id-out-of-vocab", "HTTP request", 'POST /generate {"input_ids": [1000000000]}', "HTTP 400",
          "token"),
-    Case("http-token-id-negative", "rollout server", 'POST /generate {"input_ids": [-1]}', "HTTP 400", "token"),
-    Case("http-text-not-string", "rollout server", 'POST /generate {"text": 5}', "HTTP 400",
+    Case("http-token-id-negative", "HTTP request", 'POST /generate {"input_ids": [-1]}', "HTTP 400", "token"),
+    Case("http-text-not-string", "HTTP request", 'POST /generate {"text": 5}', "HTTP 400",
          "'text' must be a string or a non-empty list of strings"),
-    Case("http-sampling-params-not-object", "rollout server", 'POST /generate {"input_ids": [1], "sampling_params": '
+    Case("http-sampling-params-not-object", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
          '"greedy"}', "HTTP 400", "'sampling_params' must be an object"),
-    Case("http-sampling-param-unknown", "rollout server", 'POST /generate {"input_ids": [1], "sampling_params": '
+    Case("http-sampling-param-unknown", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
          '{"beam_width": 4}}', "HTTP 400", "unsupported sampling_params ['beam_width']"),
-    Case("http-max-new-tokens-0", "rollout server", 'POST /generate {"input_ids": [1], "sampling_params": '
+    Case("http-max-new-tokens-0", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
          '{"max_new_tokens": 0}}', "HTTP 400", "sampling_params.max_new_tokens must be an integer in [1,"),
-    Case("http-temperature-string", "rollout server", 'POST /generate {"input_ids": [1], "sampling_params": '
+    Case("http-temperature-string", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
          '{"temperature": "hot"}}', "HTTP 400", "sampling_params.temperature must be a finite number"),
-    Case("http-stream", "rollout server", 'POST /generate {"input_ids": [1], "stream": true}', "HTTP 400",
+    Case("http-stream", "HTTP request", 'POST /generate {"input_ids": [1], "stream": true}', "HTTP 400",
          "streaming is not supported"),
-    Case("http-unknown-field", "rollout server", 'POST /generate {"input_ids": [1], "lora_path": "x"}', "HTTP 400",
+    Case("http-unknown-field", "HTTP request", 'POST /generate {"input_ids": [1], "lora_path": "x"}', "HTTP 400",
          "unsupported fields ['lora_path']"),
-    Case("http-update-no-path", "rollout server", 'POST /update_weights_from_disk {}', "HTTP 400",
+    Case("http-update-no-path", "HTTP request", 'POST /update_weights_from_disk {}', "HTTP 400",
          "'model_path' (a checkpoint directory in the public layout) is required"),
-    Case("http-update-path-not-string", "rollout server", 'POST /update_weights_from_disk {"model_path": 5}',
+    Case("http-update-path-not-string", "HTTP request", 'POST /update_weights_from_disk {"model_path": 5}',
          "HTTP 400", "model_path"),
-    Case("http-update-bad-version", "rollout server", 'POST /update_weights_from_disk {"model_path": "{ck}", '
+    Case("http-update-bad-version", "HTTP request", 'POST /update_weights_from_disk {"model_path": "{ck}", '
          '"weight_version": [1]}', "HTTP 400", "'weight_version' must be an integer or a string"),
-    Case("http-update-load-format", "rollout server", 'POST /update_weights_from_disk {"model_path": "{ck}", '
+    Case("http-update-load-format", "HTTP request", 'POST /update_weights_from_disk {"model_path": "{ck}", '
          '"load_format": "pt"}', "HTTP 400", "load_format 'pt' is not supported"),
-    Case("http-generate-get", "rollout server", 'GET /generate ', "HTTP 405", "Method Not Allowed"),
-    Case("http-unknown-endpoint", "rollout server", 'POST /v1/completions {}', "HTTP 404", "Not Found"),
+    Case("http-generate-get", "HTTP request", 'GET /generate ', "HTTP 405", "Method Not Allowed"),
+    Case("http-unknown-endpoint", "HTTP request", 'POST /v1/completions {}', "HTTP 404", "Not Found"),
 ]
 
 SUBPROCESS_IDS = ["run-lr-nan", "source-missing-dir", "env-syntax-error", "validate-missing-dir"]
@@ -606,30 +607,39 @@ def render_section() -> str:
         return text.replace("|", "\\|")
 
     def shown(case: Case) -> str:
-        if case.area in ("deployment settings", "rollout server"):
+        if case.area in ("deployment settings", "HTTP request"):
             return case.input
         text = "k3rl " + case.input
         return text.replace(f"k3rl {RUN}", "k3rl run …") if text.startswith(f"k3rl {RUN}") else text
 
-    lines = [SECTION, "",
-             f"{len(CLI_CASES) + len(SETTINGS_CASES) + len(HTTP_CASES)} inputs fed wrong on purpose: "
-             f"{len(CLI_CASES)} command lines, {len(SETTINGS_CASES)} deployment settings objects, "
-             f"{len(HTTP_CASES)} rollout-server requests. Generated from the case tables of "
-             "`tests/flows/test_bad_inputs.py` (`python tests/flows/test_bad_inputs.py` rewrites this section; "
-             "a test fails when it is stale). For every command line: exit status 2, one `error:` message naming "
-             "the problem and the fix, no traceback (`k3rl --debug` adds it), no pipeline flow reached, and "
-             "nothing under the test's files changed or created (a published run and the checkpoints). "
-             f"{len(SUBPROCESS_IDS)} of them, a read-only artifact root and `--debug` also run as a "
-             "subprocess, where no Prefect database is created. Server requests: the 4xx shown, the served "
-             "weights unchanged, the next valid request answered. Data lost: none.", "",
-             "`k3rl run …` is `k3rl run --preset tiny --run-id pub --artifacts {root}`, `{root}` holding a "
-             "published run. `{ck}` is a valid tiny checkpoint; `{ck_*}` its broken copies (a shard truncated, "
-             "deleted, re-saved with the embedding one row short; the index deleted or naming `../` paths; "
-             "config.json not JSON, without the model's keys, or with a string for `hidden_size`). Server limits, "
-             "NaN/inf sampling values, the API key and weight roots are held by "
-             "`tests/k3core/rollout/test_server_hardening.py`.", "",
+    cases = CLI_CASES + SETTINGS_CASES + HTTP_CASES
+    areas: dict[str, int] = {}
+    for case in cases:
+        areas[case.area] = areas.get(case.area, 0) + 1
+    paragraphs = [
+        f"{len(cases)} inputs fed wrong on purpose, by area: " + ", ".join(f"{k} {v}" for k, v in areas.items())
+        + ". Generated from the case tables of `tests/flows/test_bad_inputs.py` (`python "
+        "tests/flows/test_bad_inputs.py` rewrites this section; a test fails when it is stale).",
+        "For every command line: exit status 2, one `error:` message naming the problem and the fix, no "
+        "traceback (`k3rl --debug` adds it), no pipeline flow reached, and nothing under the test's files "
+        f"changed or created (a published run and the checkpoints). {len(SUBPROCESS_IDS)} of them, a "
+        "read-only artifact root (a read-only mount) and `--debug` also run as a subprocess, where no "
+        "Prefect database is created. A deployment's settings object: `SettingsError`, which fails the flow "
+        "run before any stage. A server request: the 4xx shown, the served weights unchanged, the next valid "
+        "request answered. Data lost: none.",
+        "`k3rl run …` is `k3rl run --preset tiny --run-id pub --artifacts {root}`, `{root}` holding a "
+        "published run. `{ck}` is a valid tiny checkpoint; `{ck_*}` its broken copies (a shard truncated, "
+        "deleted, re-saved with the embedding one row short; the index deleted or naming `../` paths; "
+        "config.json not JSON, without the model's keys, or with a string for `hidden_size`). Server limits, "
+        "NaN/inf sampling values, the API key and weight roots are held by "
+        "`tests/k3core/rollout/test_server_hardening.py`.",
+    ]
+    lines = [SECTION, ""]
+    for text in paragraphs:
+        lines += textwrap.wrap(text, 100, break_on_hyphens=False, break_long_words=False) + [""]
+    lines += [
              "| id | area | input | outcome | message (fragment) |", "|---|---|---|---|---|"]
-    for case in CLI_CASES + SETTINGS_CASES + HTTP_CASES:
+    for case in cases:
         lines.append(f"| `{case.id}` | {case.area} | `{cell(shown(case))}` | {case.outcome} | {cell(case.says)} |")
     return "\n".join(lines) + "\n"
 
