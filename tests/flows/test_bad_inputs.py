@@ -274,8 +274,23 @@ HTTP_CASES = [
     Case("http-input-ids-bools", "HTTP request", 'POST /generate {"input_ids": [true]}', "HTTP 400",
          "'input_ids' must be a non-empty list of token ids"),
     Case("http-token-id-out-of-vocab", "HTTP request", 'POST /generate {"input_ids": [1000000000]}', "HTTP 400",
-         "token"),
-    Case("http-token-id-negative", "HTTP request", 'POST /generate {"input_ids": [-1]}', "HTTP 400", "token"),
+         "token id 1000000000 is outside the vocabulary [0, 260)"),
+    Case("http-token-id-negative", "HTTP request", 'POST /generate {"input_ids": [-1]}', "HTTP 400",
+         "token id -1 is outside the vocabulary"),
+    Case("http-input-ids-empty-prompt", "HTTP request", 'POST /generate {"input_ids": [[1], []]}', "HTTP 400",
+         "'input_ids' must be a non-empty list of token ids or a list of such lists"),
+    Case("http-sampling-params-count", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
+         '[{}, {}]}', "HTTP 400", "2 sampling_params for 1 prompts"),
+    Case("http-return-logprob-string", "HTTP request", 'POST /generate {"input_ids": [1], "return_logprob": "yes"}',
+         "HTTP 400", "'return_logprob' must be true or false, got 'yes'"),
+    Case("http-rid-not-string", "HTTP request", 'POST /generate {"input_ids": [1], "rid": 5}', "HTTP 400",
+         "'rid' must be a string, got 5"),
+    Case("http-stop-not-string", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
+         '{"stop": 5}}', "HTTP 400", "'stop' must be a non-empty string or a list of them"),
+    Case("http-n-0", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": {"n": 0}}', "HTTP 400",
+         "sampling_params.n must be an integer in [1,"),
+    Case("http-min-p-unsupported", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
+         '{"min_p": 0.5}}', "HTTP 400", "sampling_params.min_p=0.5 is not supported"),
     Case("http-text-not-string", "HTTP request", 'POST /generate {"text": 5}', "HTTP 400",
          "'text' must be a string or a non-empty list of strings"),
     Case("http-sampling-params-not-object", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
@@ -293,7 +308,7 @@ HTTP_CASES = [
     Case("http-update-no-path", "HTTP request", 'POST /update_weights_from_disk {}', "HTTP 400",
          "'model_path' (a checkpoint directory in the public layout) is required"),
     Case("http-update-path-not-string", "HTTP request", 'POST /update_weights_from_disk {"model_path": 5}',
-         "HTTP 400", "model_path"),
+         "HTTP 400", "'model_path' must be a string"),
     Case("http-update-bad-version", "HTTP request", 'POST /update_weights_from_disk {"model_path": "{ck}", '
          '"weight_version": [1]}', "HTTP 400", "'weight_version' must be an integer or a string"),
     Case("http-update-load-format", "HTTP request", 'POST /update_weights_from_disk {"model_path": "{ck}", '
