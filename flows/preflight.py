@@ -6,8 +6,9 @@ sections' own validation): the environment loads, the scale-out setting is usabl
 checkpoint, the artifact root can be written. Each failure is a ``ValueError`` whose message names
 the flag, the problem and the fix; the CLI prints it as one error with exit status 2.
 Does not own: the settings' own checks (``k3core.settings``, which deployments run too), or the
-fail-closed audit of a fetched checkpoint (the ``validate_checkpoint`` stage hashes every file; a
-source on a remote filesystem is only checked there, so that no check here waits on the network).
+fail-closed audit of a fetched checkpoint (the ``validate_checkpoint`` stage hashes every file). A
+source on a remote filesystem is read first by the fetch stage, whose retries absorb a transient
+error that a check here would turn into a refusal; here only its filesystem must be known.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def check_settings(s) -> None:
 
 def _source_fetched(artifacts: str, run_id: str) -> bool:
     """Whether the run has already published its fetched source (a resume never reads the source
-    again, so a source moved away since must not refuse it). Local roots only: no check here waits
-    on a remote filesystem."""
+    again, so a source moved away since must not refuse it). Local roots only: a remote root's
+    marker is left to the fetch stage, which finds it and skips."""
     from k3core.artifacts import COMPLETE
 
     path = _local_path(artifacts)
