@@ -645,9 +645,13 @@ def render_section() -> str:
         "`k3rl run …` is `k3rl run --preset tiny --run-id pub --artifacts {root}`, `{root}` holding a "
         "published run. `{ck}` is a valid tiny checkpoint; `{ck_*}` its broken copies (a shard truncated, "
         "deleted, re-saved with the embedding one row short; the index deleted or naming `../` paths; "
-        "config.json not JSON, without the model's keys, or with a string for `hidden_size`). Server limits, "
-        "NaN/inf sampling values, the API key and weight roots are held by "
-        "`tests/k3core/rollout/test_server_hardening.py`.",
+        "config.json not JSON, without the model's keys, or with a string for `hidden_size`).",
+        "Held elsewhere, not repeated here: server limits, NaN/inf sampling values, the API key and weight "
+        "roots (`tests/k3core/rollout/test_server_hardening.py`); dataset environments and reward-sandbox "
+        "settings (`tests/flows/test_cli_dataset.py`); Dask addresses (`tests/flows/test_scale_out.py`); "
+        "fetch and quantize destinations (`tests/k3core/checkpoint/test_fetch.py`, `test_destinations.py`). "
+        "`k3rl checkpoint validate` of a broken checkpoint exits 1, as its help says: there the checkpoint "
+        "is what is judged, not the usage (`tests/k3core/checkpoint/test_validate.py`, `test_integrity.py`).",
     ]
     lines = [SECTION, ""]
     for text in paragraphs:
