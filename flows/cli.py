@@ -17,6 +17,9 @@ Prefect runs in its embedded mode unless PREFECT_API_URL points at a server; tel
 Exit status (every subcommand): 0 success; 1 the work failed (a run or stage raised, a checkpoint
 failed validation); 2 bad usage or input (unknown option, preset or environment, a run or file that
 does not exist); 130 interrupted (Ctrl-C; ``k3rl run`` resumes with the same command).
+
+Errors are one message naming the problem and the fix, without a traceback; ``k3rl --debug ...``
+(the flag may also follow the subcommand) prints the traceback as well.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
+import traceback
+
+from flows.preflight import check_settings
 
 
 def _settings_from_args(a: argparse.Namespace):
@@ -44,6 +51,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     """One flag per setting, grouped by section (``k3rl run --help`` shows the sections)."""
     from k3core.settings import section_fields
 
+    # argparse takes "-1e-4" or "-inf" for an option (its negative-number pattern has no exponent),
+    # so `--lr -1e-4` would fail with "expected one argument" instead of the setting's own check.
+    if hasattr(p, "_negative_number_matcher"):
+        p._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.I)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for sec, f in section_fields():
         g = groups.get(sec) or groups.setdefault(sec, p.add_argument_group(f"{sec} settings"))
@@ -62,19 +73,6 @@ def _bool(text: str) -> bool:
     if v not in ("1", "true", "yes", "0", "false", "no"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return v in ("1", "true", "yes")
-
-
-def check_settings(s) -> None:
-    """Bad input found before any work starts (``ValueError``, exit status 2): the sections validated
-    themselves when built; here the environment is loaded (a module that does not import, a factory
-    that returns no environment) and the device resolved (``--device cuda`` where torch sees no GPU)."""
-    from flows.scale import check_dask
-    from k3core.device import run_device
-    from k3core.rl.envs import load_env
-
-    load_env(s.pipeline.env)
-    check_dask(s.scale_out)
-    run_device(s)
 
 
 def cmd_run(a) -> int:
@@ -153,7 +151,16 @@ def cmd_model_info(a) -> int:
     from k3core.config import K3Config
     from k3core.model.info import format_model_info, model_info
 
-    cfg = K3Config.from_json_file(a.config) if a.config else K3Config.preset(a.preset)
+    if a.config:
+        try:
+            cfg = K3Config.from_json_file(a.config)
+        except FileNotFoundError:
+            raise ValueError(f"--config {a.config}: no such file; give a checkpoint's config.json, or --preset") from None
+        except (TypeError, KeyError, AttributeError) as e:  # a config.json of the wrong shape
+            raise ValueError(f"--config {a.config} is not a K3 config.json ({type(e).__name__}: {e}); give a "
+                             "checkpoint's config.json, or --preset") from None
+    else:
+        cfg = K3Config.preset(a.preset)
     info = model_info(cfg)
     print(json.dumps(info, indent=2) if a.json else format_model_info(a.config or a.preset, info))
     return 0
@@ -231,6 +238,8 @@ def _add_examples(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3rl", description="RL post-training for Kimi-K3-architecture models",
                                 epilog=MAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="print the traceback with an error (errors are one message "
+                   "without one by default)")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="a full RL run (prepare + iterations), Prefect embedded mode by default")
     _add_run_args(r)
@@ -269,16 +278,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv[1:]:  # also accepted after the subcommand, where people type it
+        argv.remove("--debug")
+        argv.insert(0, "--debug")
     args = build_parser().parse_args(argv)
     handler = getattr(args, "fn", None) or args.func
     try:
         return handler(args) or 0
     except (ValueError, FileNotFoundError, NotImplementedError) as e:  # bad input, found before the work
+        if args.debug:
+            traceback.print_exc()
         print(f"k3rl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("k3rl: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # not bad input: the work failed; the traceback is for whoever debugs it
+        if args.debug:
+            traceback.print_exc()
+        print(f"k3rl: error: {type(e).__name__}: {e}\nk3rl: the command failed; `k3rl --debug {args.cmd} ...` "
+              "prints the traceback", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

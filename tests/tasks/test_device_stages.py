@@ -9,7 +9,6 @@ MXFP4 codes come from the same quantiser) and the logprobs along the engine's de
 equal, bit for bit on the CPU. On CUDA the MoE combine accumulates with atomics, so two engines with
 equal bytes differ by rounding: there the tolerance is rounding's."""
 
-import copy
 import gc
 
 import pytest
