@@ -16,7 +16,7 @@ Prefect runs in its embedded mode unless PREFECT_API_URL points at a server; tel
 
 Exit status (every subcommand): 0 success; 1 the work failed (a run or stage raised, a checkpoint
 failed validation); 2 bad usage or input (unknown option, preset or environment, a run or file that
-does not exist); 130 interrupted (Ctrl-C; ``k3rl run`` resumes with the same command).
+does not exist, storage access denied or a bucket that does not exist); 130 interrupted (Ctrl-C; ``k3rl run`` resumes with the same command).
 """
 
 from __future__ import annotations
@@ -67,12 +67,15 @@ def _bool(text: str) -> bool:
 def check_settings(s) -> None:
     """Bad input found before any work starts (``ValueError``, exit status 2): the sections validated
     themselves when built; here the environment is loaded (a module that does not import, a factory
-    that returns no environment)."""
+    that returns no environment) and the artifact root is written to and read back (a bucket that
+    does not exist, access denied, a read-only directory: ``ArtifactRootError``)."""
     from flows.scale import check_dask
+    from k3core.artifacts import ArtifactStore
     from k3core.rl.envs import load_env
 
     load_env(s.pipeline.env)
     check_dask(s.scale_out)
+    ArtifactStore(s.pipeline.artifacts).check_access()
 
 
 def cmd_run(a) -> int:
@@ -101,6 +104,12 @@ def _run_locked(a, s) -> int:
         print(f"k3rl: interrupted; run the same command again to resume run '{run_id}'", file=sys.stderr)
         return 130
     except Exception as e:  # the failing stage has logged its traceback through Prefect
+        from k3core.storage import StorageError
+
+        if isinstance(e, StorageError) and e.permanent:  # access, credentials, bucket: the user's to fix
+            print(f"k3rl: error: run '{run_id}' stopped: {e}; nothing half-published is left and finished stages "
+                  f"are kept: fix this and run the same command to resume", file=sys.stderr)
+            return 2
         print(f"k3rl: run '{run_id}' failed: {type(e).__name__}: {e}\n"
               f"k3rl: finished stages are kept; fix the cause and run the same command to resume", file=sys.stderr)
         return 1
