@@ -91,8 +91,8 @@ def storage_error(action: str, uri: str, exc: BaseException) -> StorageError:
                                        f"{action}, or change its permissions", uri=uri, action=action)
         return StorageAccessDenied(
             f"{where}: access denied ({cause}); the credentials in use may not {action} there: check them "
-            + (_s3_hint(uri, "(AWS_ACCESS_KEY_ID, AWS_PROFILE) ") or "") + "and the bucket's policy, or choose "
-            "another location", uri=uri, action=action)
+            + (_s3_hint(uri, "(AWS_ACCESS_KEY_ID, AWS_PROFILE) ") or "") + "and the bucket's policy"
+            + (", or choose another location" if action == "write" else ""), uri=uri, action=action)
     if isinstance(exc, FileNotFoundError):
         bucket = "bucket" in cause.lower() and ("not exist" in cause.lower() or "nosuchbucket" in cause.lower())
         if bucket:
