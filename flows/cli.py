@@ -107,7 +107,7 @@ def _run_locked(a, s) -> int:
         from k3core.storage import StorageError
 
         if isinstance(e, StorageError) and e.permanent:  # access, credentials, bucket: the user's to fix
-            print(f"k3rl: error: run '{run_id}' stopped: {e}; nothing half-published is left and finished stages "
+            print(f"k3rl: error: run '{run_id}' stopped: {e}; no partial artifact was published and finished stages "
                   f"are kept: fix this and run the same command to resume", file=sys.stderr)
             return 2
         print(f"k3rl: run '{run_id}' failed: {type(e).__name__}: {e}\n"
@@ -267,10 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from k3core.storage import StorageError
+
     args = build_parser().parse_args(argv)
     handler = getattr(args, "fn", None) or args.func
     try:
         return handler(args) or 0
+    except StorageError as e:  # reading or writing an artifact root (``status``, ...): named, with the fix
+        print(f"k3rl: error: {e}", file=sys.stderr)
+        return 2 if e.permanent else 1
     except (ValueError, FileNotFoundError, NotImplementedError) as e:  # bad input, found before the work
         print(f"k3rl: error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,98 @@
+"""``k3rl run`` with its artifact root on s3://, against a real S3 server (moto's, on 127.0.0.1,
+through s3fs), as a user runs it: separate processes, the endpoint and credentials from the
+standard environment variables.
+
+One run meets server errors while it publishes: transient ones (503 SlowDown) are retried through;
+a permanent one (access denied on one file of the checkpoint) stops it with exit 2 and one message
+naming the object, nothing of that checkpoint left in the bucket and no ``latest.json``. The same
+command on another machine (an empty local cache and Prefect database) after the fix resumes it:
+iteration 0's published rollouts, scores and trainer state are read back, not redone. A root whose
+bucket does not exist is refused before Prefect starts. Faults are the server's answers
+(``tests/s3_local.py``), not patches of k3rl's code."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = ["--preset", "tiny", "--source", "init:tiny:3", "--env", "reverse", "--run-id", "s3run",
+       "--prompts-per-iteration", "4", "--samples-per-prompt", "4", "--max-new-tokens", "4", "--warmup-steps", "0",
+       "--eval-prompts", "4", "--eval-every", "0", "--mismatch-sequences", "0"]
+
+
+def k3rl(server, machine: Path, *args: str) -> subprocess.CompletedProcess:
+    """``k3rl ARGS`` in a fresh process on "machine" (its own k3rl cache and Prefect home)."""
+    env = {**os.environ, **server.env(machine), "K3RL_CACHE_DIR": str(machine / "k3rl-cache"),
+           "PREFECT_HOME": str(machine / "prefect"), "PYTHONPATH": str(REPO)}
+    env.pop("AWS_PROFILE", None)
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True,
+                          cwd=REPO, timeout=600)
+
+
+def keys(server, prefix: str) -> list[str]:
+    fs = server.filesystem()
+    fs.invalidate_cache()
+    return sorted(p[len(prefix) + 1:] for p in fs.find(prefix))
+
+
+@pytest.mark.slow
+def test_run_on_s3_survives_faults_and_resumes_on_another_machine(local_s3, tmp_path, monkeypatch):
+    server = local_s3
+    bucket = f"k3rl-{uuid.uuid4().hex[:12]}"
+    server.filesystem().mkdir(bucket)
+    root = f"s3://{bucket}/k3rl"
+    run_prefix = f"{bucket}/k3rl/runs/s3run"
+
+    # a bucket that does not exist: refused before any work, Prefect never started
+    p = k3rl(server, tmp_path / "a", "run", *RUN, "--iterations", "1", "--artifacts", "s3://no-such-bucket-k3rl/k3rl")
+    assert p.returncode == 2, p.stderr
+    assert "artifact root s3://no-such-bucket-k3rl/k3rl is not usable" in p.stderr and "bucket does not exist" in p.stderr
+    assert "Starting temporary server" not in p.stderr + p.stdout
+
+    # machine a: transient errors while publishing the scores, then access denied on one checkpoint file
+    slow = server.fail("PUT", f"/{run_prefix}/iter-0000/.tmp-scored.parquet-*", status=503, code="SlowDown", times=2)
+    denied = server.fail("PUT", f"/{run_prefix}/checkpoints/iter-0001/state/extra.json", status=403,
+                         code="AccessDenied")
+    p = k3rl(server, tmp_path / "a", "run", *RUN, "--iterations", "1", "--artifacts", root)
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert slow.hits == 2 and denied.hits >= 1
+    message = [line for line in p.stderr.splitlines() if line.startswith("k3rl: error:")]
+    assert len(message) == 1, p.stderr[-3000:]
+    assert (f"run 's3run' stopped: cannot write {root}/runs/s3run/checkpoints/iter-0001/state/extra.json: access "
+            f"denied") in message[0] and "run the same command to resume" in message[0]
+    published = keys(server, run_prefix)
+    assert "iter-0000/scored.parquet" in published and "iter-0000/trainer/_COMPLETE" in published
+    assert not [k for k in published if k.startswith("checkpoints/")]  # nothing half-published
+    assert "latest.json" not in published and not [k for k in published if "/.tmp-" in k or k.startswith(".tmp-")]
+
+    # the bucket policy is fixed; the same command (two iterations now) on machine b, which has no cache
+    server.clear_faults()
+    shutil.rmtree(tmp_path / "a")
+    n0 = len(server.requests)
+    p = k3rl(server, tmp_path / "b", "run", *RUN, "--iterations", "2", "--artifacts", root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    requests = server.requests[n0:]
+    written = {path for m, path in requests if m == "PUT"}
+    assert not [w for w in written if "/iter-0000/" in w]  # iteration 0's rollouts, scores, trainer: not redone
+    assert any(m == "GET" and path.startswith(f"/{run_prefix}/iter-0000/trainer/state/") for m, path in requests)
+    assert f"/{run_prefix}/checkpoints/iter-0001/state/extra.json" in written
+    fs = server.filesystem()
+    assert json.loads(fs.cat_file(f"{run_prefix}/latest.json"))["iteration"] == 2
+    assert len(json.loads(fs.cat_file(f"{run_prefix}/metrics.json"))) == 2
+
+    # status reads the run from the bucket; the final checkpoint validates against its manifest
+    server.configure(monkeypatch, tmp_path)
+    monkeypatch.setenv("K3RL_CACHE_DIR", str(tmp_path / "b" / "k3rl-cache"))
+    assert main(["status", "--run-id", "s3run", "--artifacts", root, "--json"]) == 0
+    from k3core.artifacts import ArtifactStore
+
+    local = ArtifactStore(root).open_local("runs/s3run/checkpoints/iter-0002")
+    assert main(["checkpoint", "validate", str(local / "state")]) == 0
