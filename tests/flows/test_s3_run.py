@@ -3,10 +3,12 @@ through s3fs), as a user runs it: separate processes, the endpoint and credentia
 standard environment variables.
 
 One run meets server errors while it publishes: transient ones (503 SlowDown) are retried through;
-a permanent one (access denied on one file of the checkpoint) stops it with exit 2 and one message
-naming the object, nothing of that checkpoint left in the bucket and no ``latest.json``. The same
-command on another machine (an empty local cache and Prefect database) after the fix resumes it:
-iteration 0's published rollouts, scores and trainer state are read back, not redone. A root whose
+a permanent one (access denied on one file of the second checkpoint) stops it with exit 2 and one
+message naming the object, nothing of that checkpoint left in the bucket and ``latest.json`` still
+at the first. The same command on another machine (an empty local cache and Prefect database) after
+the fix resumes it: the finished iteration is not replayed, its checkpoint is downloaded to continue
+from, and the unfinished iteration's published rollouts, scores and trainer state are read back, not
+redone. A root whose
 bucket does not exist is refused before Prefect starts. Faults are the server's answers
 (``tests/s3_local.py``), not patches of k3rl's code."""
 
@@ -57,23 +59,26 @@ def test_run_on_s3_survives_faults_and_resumes_on_another_machine(local_s3, tmp_
     assert "artifact root s3://no-such-bucket-k3rl/k3rl is not usable" in p.stderr and "bucket does not exist" in p.stderr
     assert "Starting temporary server" not in p.stderr + p.stdout
 
-    # machine a: transient errors while publishing the scores, then access denied on one checkpoint file
+    # machine a, two iterations: transient errors while publishing iteration 0's scores, then access
+    # denied on one file of the checkpoint after iteration 1
     slow = server.fail("PUT", f"/{run_prefix}/iter-0000/.tmp-scored.parquet-*", status=503, code="SlowDown", times=2)
-    denied = server.fail("PUT", f"/{run_prefix}/checkpoints/iter-0001/state/extra.json", status=403,
+    denied = server.fail("PUT", f"/{run_prefix}/checkpoints/iter-0002/state/extra.json", status=403,
                          code="AccessDenied")
-    p = k3rl(server, tmp_path / "a", "run", *RUN, "--iterations", "1", "--artifacts", root)
+    p = k3rl(server, tmp_path / "a", "run", *RUN, "--iterations", "2", "--artifacts", root)
     assert p.returncode == 2, p.stderr[-3000:]
     assert slow.hits == 2 and denied.hits >= 1
     message = [line for line in p.stderr.splitlines() if line.startswith("k3rl: error:")]
     assert len(message) == 1, p.stderr[-3000:]
-    assert (f"run 's3run' stopped: cannot write {root}/runs/s3run/checkpoints/iter-0001/state/extra.json: access "
+    assert (f"run 's3run' stopped: cannot write {root}/runs/s3run/checkpoints/iter-0002/state/extra.json: access "
             f"denied") in message[0] and "run the same command to resume" in message[0]
     published = keys(server, run_prefix)
-    assert "iter-0000/scored.parquet" in published and "iter-0000/trainer/_COMPLETE" in published
-    assert not [k for k in published if k.startswith("checkpoints/")]  # nothing half-published
-    assert "latest.json" not in published and not [k for k in published if "/.tmp-" in k or k.startswith(".tmp-")]
+    assert {"iter-0000/scored.parquet", "checkpoints/iter-0001/_COMPLETE", "iter-0001/scored.parquet",
+            "iter-0001/trainer/_COMPLETE"} <= set(published)
+    assert not [k for k in published if k.startswith("checkpoints/iter-0002")]  # nothing half-published
+    assert not [k for k in published if "/.tmp-" in k or k.startswith(".tmp-")]
+    assert json.loads(server.filesystem().cat_file(f"{run_prefix}/latest.json"))["iteration"] == 1
 
-    # the bucket policy is fixed; the same command (two iterations now) on machine b, which has no cache
+    # the bucket policy is fixed; the same command on machine b, which has no cache and no Prefect database
     server.clear_faults()
     shutil.rmtree(tmp_path / "a")
     n0 = len(server.requests)
@@ -81,9 +86,12 @@ def test_run_on_s3_survives_faults_and_resumes_on_another_machine(local_s3, tmp_
     assert p.returncode == 0, p.stderr[-3000:]
     requests = server.requests[n0:]
     written = {path for m, path in requests if m == "PUT"}
-    assert not [w for w in written if "/iter-0000/" in w]  # iteration 0's rollouts, scores, trainer: not redone
-    assert any(m == "GET" and path.startswith(f"/{run_prefix}/iter-0000/trainer/state/") for m, path in requests)
-    assert f"/{run_prefix}/checkpoints/iter-0001/state/extra.json" in written
+    read = {path for m, path in requests if m == "GET"}
+    redone = [w for w in written if "/iter-0000/" in w or "/iter-0001/" in w]
+    assert not redone  # published rollouts, scores, trainer states and checkpoint 1: read back, not redone
+    assert f"/{run_prefix}/checkpoints/iter-0001/state/extra.json" in read  # iteration 1 continues from it
+    assert f"/{run_prefix}/iter-0001/trainer/state/extra.json" in read  # the trainer state published on machine a
+    assert f"/{run_prefix}/checkpoints/iter-0002/state/extra.json" in written
     fs = server.filesystem()
     assert json.loads(fs.cat_file(f"{run_prefix}/latest.json"))["iteration"] == 2
     assert len(json.loads(fs.cat_file(f"{run_prefix}/metrics.json"))) == 2
