@@ -163,7 +163,8 @@ class ArtifactStore:
             self._put_via_temp(tmp, rel)
             return
         with storage_call("write", self.uri(rel)):
-            if self.fs.exists(r):  # objects of an earlier publish that never got its marker
+            # objects of an earlier publish that never got its marker (one writer per artifact: the run lock)
+            if self.fs.exists(r) and not self.fs.exists(f"{r}/{COMPLETE}"):
                 self.fs.rm(r, recursive=True)
         try:
             for p in sorted(tmp.rglob("*")):
@@ -195,8 +196,9 @@ class ArtifactStore:
             self.fs.invalidate_cache(r)
 
     def _remove_quietly(self, path: str, recursive: bool = False) -> None:
-        """Best-effort cleanup after a failed publish: the storage may refuse it too (the same denied
-        credentials); what stays is then unmarked or hidden, and the next publish removes it."""
+        """Best-effort cleanup after a failed publish. The storage may refuse it too (the same denied
+        credentials); what stays is then a directory without its marker, which no reader takes and
+        the next publish clears, or a hidden temporary key, which no reader looks at."""
         with contextlib.suppress(Exception):
             self.fs.rm(path, recursive=recursive)
         with contextlib.suppress(Exception):

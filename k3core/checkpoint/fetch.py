@@ -323,8 +323,9 @@ def fetch(url: str, dest: str | os.PathLike, pin: str | os.PathLike | dict | Pin
     manifest and every shard the index names are always fetched.
     ``progress``: draw the stderr bar (default: when stderr is a terminal).
     Raises ``FetchError`` for a destination it must not replace or a source that is not a
-    checkpoint, and ``PinMismatchError`` before any shard transfer if config or index differ from
-    the pin. ``dest`` is untouched unless the whole fetch succeeds.
+    checkpoint, ``PinMismatchError`` before any shard transfer if config or index differ from
+    the pin, and ``k3core.storage.StorageError`` (``.permanent``: access denied, no credentials)
+    when the source cannot be listed or read. ``dest`` is untouched unless the whole fetch succeeds.
     """
     t0 = time.monotonic()
     url = str(url)
