@@ -1,6 +1,6 @@
 """``k3rl run`` with its artifact root on s3://, against a real S3 server (moto's, on 127.0.0.1,
 through s3fs), as a user runs it: separate processes, the endpoint and credentials from the
-standard environment variables.
+standard environment variables, the source checkpoint fetched from the same bucket.
 
 One run meets server errors while it publishes: transient ones (503 SlowDown) are retried through;
 a permanent one (access denied on one file of the second checkpoint) stops it with exit 2 and one
@@ -23,11 +23,12 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main
+from k3core.checkpoint.hf import init_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
-RUN = ["--preset", "tiny", "--source", "init:tiny:3", "--env", "reverse", "--run-id", "s3run",
-       "--prompts-per-iteration", "4", "--samples-per-prompt", "4", "--max-new-tokens", "4", "--warmup-steps", "0",
-       "--eval-prompts", "4", "--eval-every", "0", "--mismatch-sequences", "0"]
+SMALL = ["--preset", "tiny", "--env", "reverse", "--run-id", "s3run", "--prompts-per-iteration", "4",
+         "--samples-per-prompt", "4", "--max-new-tokens", "4", "--warmup-steps", "0", "--eval-prompts", "4",
+         "--eval-every", "0", "--mismatch-sequences", "0"]
 
 
 def k3rl(server, machine: Path, *args: str) -> subprocess.CompletedProcess:
@@ -46,15 +47,20 @@ def keys(server, prefix: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_run_on_s3_survives_faults_and_resumes_on_another_machine(local_s3, tmp_path, monkeypatch):
+def test_run_on_s3_survives_faults_and_resumes_on_another_machine(local_s3, tmp_path, monkeypatch, capsys):
     server = local_s3
     bucket = f"k3rl-{uuid.uuid4().hex[:12]}"
     server.filesystem().mkdir(bucket)
     root = f"s3://{bucket}/k3rl"
     run_prefix = f"{bucket}/k3rl/runs/s3run"
+    # the source checkpoint is in the bucket too: the run's fetch stage reads it through s3fs
+    init_checkpoint("tiny", tmp_path / "src", seed=3)
+    for f in (tmp_path / "src").iterdir():
+        server.filesystem().put_file(str(f), f"{bucket}/ckpts/tiny/{f.name}")
+    run_args = [*SMALL, "--source", f"s3://{bucket}/ckpts/tiny"]
 
     # a bucket that does not exist: refused before any work, Prefect never started
-    p = k3rl(server, tmp_path / "a", "run", *RUN, "--iterations", "1", "--artifacts", "s3://no-such-bucket-k3rl/k3rl")
+    p = k3rl(server, tmp_path / "a", "run", *SMALL, "--iterations", "1", "--artifacts", "s3://no-such-bucket-k3rl/k3rl")
     assert p.returncode == 2, p.stderr
     assert "artifact root s3://no-such-bucket-k3rl/k3rl is not usable" in p.stderr and "bucket does not exist" in p.stderr
     assert "Starting temporary server" not in p.stderr + p.stdout
@@ -64,7 +70,7 @@ def test_run_on_s3_survives_faults_and_resumes_on_another_machine(local_s3, tmp_
     slow = server.fail("PUT", f"/{run_prefix}/iter-0000/.tmp-scored.parquet-*", status=503, code="SlowDown", times=2)
     denied = server.fail("PUT", f"/{run_prefix}/checkpoints/iter-0002/state/extra.json", status=403,
                          code="AccessDenied")
-    p = k3rl(server, tmp_path / "a", "run", *RUN, "--iterations", "2", "--artifacts", root)
+    p = k3rl(server, tmp_path / "a", "run", *run_args, "--iterations", "2", "--artifacts", root)
     assert p.returncode == 2, p.stderr[-3000:]
     assert slow.hits == 2 and denied.hits >= 1
     message = [line for line in p.stderr.splitlines() if line.startswith("k3rl: error:")]
@@ -72,8 +78,8 @@ def test_run_on_s3_survives_faults_and_resumes_on_another_machine(local_s3, tmp_
     assert (f"run 's3run' stopped: cannot write {root}/runs/s3run/checkpoints/iter-0002/state/extra.json: access "
             f"denied") in message[0] and "run the same command to resume" in message[0]
     published = keys(server, run_prefix)
-    assert {"iter-0000/scored.parquet", "checkpoints/iter-0001/_COMPLETE", "iter-0001/scored.parquet",
-            "iter-0001/trainer/_COMPLETE"} <= set(published)
+    assert {"source/ckpt/config.json", "iter-0000/scored.parquet", "checkpoints/iter-0001/_COMPLETE",
+            "iter-0001/scored.parquet", "iter-0001/trainer/_COMPLETE"} <= set(published)
     assert not [k for k in published if k.startswith("checkpoints/iter-0002")]  # nothing half-published
     assert not [k for k in published if "/.tmp-" in k or k.startswith(".tmp-")]
     assert json.loads(server.filesystem().cat_file(f"{run_prefix}/latest.json"))["iteration"] == 1
@@ -82,7 +88,7 @@ def test_run_on_s3_survives_faults_and_resumes_on_another_machine(local_s3, tmp_
     server.clear_faults()
     shutil.rmtree(tmp_path / "a")
     n0 = len(server.requests)
-    p = k3rl(server, tmp_path / "b", "run", *RUN, "--iterations", "2", "--artifacts", root)
+    p = k3rl(server, tmp_path / "b", "run", *run_args, "--iterations", "2", "--artifacts", root)
     assert p.returncode == 0, p.stderr[-3000:]
     requests = server.requests[n0:]
     written = {path for m, path in requests if m == "PUT"}
@@ -99,7 +105,10 @@ def test_run_on_s3_survives_faults_and_resumes_on_another_machine(local_s3, tmp_
     # status reads the run from the bucket; the final checkpoint validates against its manifest
     server.configure(monkeypatch, tmp_path)
     monkeypatch.setenv("K3RL_CACHE_DIR", str(tmp_path / "b" / "k3rl-cache"))
+    capsys.readouterr()
     assert main(["status", "--run-id", "s3run", "--artifacts", root, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["iterations_done"] == 2 and status["latest_checkpoint"] == f"{root}/runs/s3run/checkpoints/iter-0002"
     from k3core.artifacts import ArtifactStore
 
     local = ArtifactStore(root).open_local("runs/s3run/checkpoints/iter-0002")
