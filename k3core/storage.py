@@ -102,8 +102,8 @@ def storage_error(action: str, uri: str, exc: BaseException) -> StorageError:
     if names & _CONNECTION_ERRORS or isinstance(exc, (ConnectionError, TimeoutError)):
         return StorageError(
             f"{where}: the storage endpoint did not answer after the client's retries ({cause}); check "
-            + (_s3_hint(uri, "AWS_ENDPOINT_URL_S3 (or FSSPEC_S3_ENDPOINT_URL) and ") or "") + "the network, then "
-            "run the same command again", uri=uri, action=action)
+            + (_s3_hint(uri, "AWS_ENDPOINT_URL_S3 (or FSSPEC_S3_ENDPOINT_URL) and ") or "") + "the network",
+            uri=uri, action=action)
     return StorageError(f"{where}: {type(exc).__name__}: {cause}", uri=uri, action=action)
 
 

@@ -102,3 +102,22 @@ def test_missing_bucket_and_missing_credentials_exit_2_with_one_message(s3_sourc
     err = error_lines(capsys)
     assert len(err) == 1 and f"cannot list {url}: no usable credentials" in err[0], err
     assert "AWS_ACCESS_KEY_ID" in err[0] and not (tmp_path / "b").exists()
+
+
+def test_an_endpoint_that_does_not_answer_exits_1_and_says_where_to_look(s3_source, tmp_path, monkeypatch, capsys):
+    """Not permanent (the network may come back): exit 1, naming the endpoint settings to check."""
+    import socket
+
+    import fsspec.config
+
+    _, url = s3_source
+    with socket.socket() as s:  # a port on 127.0.0.1 that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # botocore's retries of the refused connection, kept short
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": dead, "skip_instance_cache": True})
+    assert main(["checkpoint", "fetch", url, str(tmp_path / "d"), "--no-progress"]) == 1
+    err = error_lines(capsys)
+    assert len(err) == 1 and f"cannot list {url}: the storage endpoint did not answer" in err[0], err
+    assert "AWS_ENDPOINT_URL_S3" in err[0] and "run the same command" in err[0]
+    assert not (tmp_path / "d").exists()
