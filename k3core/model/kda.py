@@ -51,21 +51,20 @@ class ShortConv(nn.Module):
         y = F.conv1d(xp, self.weight.to(xp.dtype), groups=C)
         return F.silu(y).transpose(1, 2).to(x.dtype), xp[..., xp.shape[-1] - (self.kernel - 1):]
 
-    def forward_packed(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """x ``[1, T, C]`` of packed sequences, position_ids ``[1, T]`` (0 at each sequence's first
-        token) -> y ``[1, T, C]``. The convolution as a sum over lags, ``y_t = sum_s w[kernel-1-s]
-        x_{t-s}``, where a lag s reaching back past the sequence's start (position < s) contributes
-        zero: exactly what each sequence run alone sees (zeros before it), and no token of one
-        sequence reaches the next. (On CUDA, fla's varlen ``causal_conv1d`` would do this in one
-        kernel; these are ``kernel`` elementwise passes.)"""
-        xf = at_least_fp32(x)
-        w = self.weight[:, 0, :].to(xf.dtype)  # [C, kernel]
-        T = x.shape[1]
-        y = xf * w[:, -1]
-        for s in range(1, min(self.kernel, T + 1)):
-            lagged = F.pad(xf, (0, 0, s, 0))[:, :T]
-            y = y + lagged.masked_fill((position_ids < s).unsqueeze(-1), 0.0) * w[:, self.kernel - 1 - s]
-        return F.silu(y).to(x.dtype)
+    def forward_packed(self, x: torch.Tensor, varlen: VarlenLayout) -> torch.Tensor:
+        """x ``[1, T, C]`` of packed sequences -> y ``[1, T, C]``, each sequence convolved as if alone.
+        The row is re-laid with ``kernel - 1`` zeros in front of every sequence (what each sees alone:
+        no tail), one unpadded conv1d runs over it, and the outputs at the real tokens are read back,
+        so no token of one sequence reaches the next. Same conv1d as ``forward`` (same numerics),
+        one copy of the input saved for backward."""
+        T, C = x.shape[1], x.shape[2]
+        gap = self.kernel - 1
+        # position of every packed token in the re-laid row: shifted by the gaps up to its sequence's
+        at = torch.arange(T, device=x.device) + (varlen.seq_ids + 1) * gap
+        xt = at_least_fp32(x[0]).t()  # [C, T]
+        xp = xt.new_zeros(C, T + varlen.num_sequences * gap).index_copy(1, at, xt)
+        y = F.conv1d(xp.unsqueeze(0), self.weight.to(xp.dtype), groups=C)[0]  # [C, len - gap]
+        return F.silu(y.index_select(1, at - gap)).t().unsqueeze(0).to(x.dtype)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -139,8 +138,7 @@ class KimiDeltaAttention(nn.Module):
         if run alone (conv without a tail, recurrence from a zero state)."""
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
-        pos = varlen.position_ids
-        q, k, v = (conv.forward_packed(proj(x), pos).view(B, T, H, K) for conv, proj in
+        q, k, v = (conv.forward_packed(proj(x), varlen).view(B, T, H, K) for conv, proj in
                    ((self.q_conv1d, self.q_proj), (self.k_conv1d, self.k_proj), (self.v_conv1d, self.v_proj)))
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(at_least_fp32(self.b_proj(x)))

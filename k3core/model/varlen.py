@@ -12,8 +12,8 @@ Which parts of K3 depend on a token's neighbours, and so on the layout: the KDA 
 (the previous ``kernel - 1`` tokens), the KDA recurrence (the state) and MLA (every earlier token).
 Everything else is per token: RMSNorm, the AttnRes mix (over depth, at one position), the MoE router
 (no capacity limit, no auxiliary loss, a frozen bias) and its replay (``forced_routing`` names the
-experts per position). K3's MLA is NoPE: no rotary embedding, so position ids feed the convolution's
-boundary mask only.
+experts per position). K3's MLA is NoPE: no rotary embedding reads the position ids; they place each
+token in the padded batch (``to_padded``) that the CPU attention paths compute on.
 """
 
 from __future__ import annotations

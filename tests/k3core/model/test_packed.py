@@ -107,7 +107,7 @@ def test_short_conv_does_not_leak_across_boundaries():
     lengths = [6, 2, 5]
     xs = [torch.randn(n, 8) * (100.0 if i == 0 else 1.0) for i, n in enumerate(lengths)]
     layout = VarlenLayout.from_cu_seqlens(_cu(lengths), sum(lengths))
-    got = conv.forward_packed(torch.cat(xs).unsqueeze(0), layout.position_ids)
+    got = conv.forward_packed(torch.cat(xs).unsqueeze(0), layout)
     want = torch.cat([conv(x.unsqueeze(0), None)[0] for x in xs], 1)
     _close(got, want, rel=1e-6)
     leaky = conv(torch.cat(xs).unsqueeze(0), None)[0]
