@@ -122,5 +122,11 @@ def test_killed_actor_costs_only_its_shard(tiny, actors):
     table, worker = out["rows"]
     assert worker == "ray-1"  # the shard moved to the next actor
     _same(table, want, "ray-1")
-    restarted = ray.get(actors[0].status.remote(), timeout=120)  # Ray restarted the dead actor: a fresh process
+    restarted, deadline = None, time.monotonic() + 120
+    while restarted is None and time.monotonic() < deadline:  # Ray restarts the dead actor: a fresh process
+        try:
+            restarted = ray.get(actors[0].status.remote(), timeout=30)
+        except ray.exceptions.RayActorError:  # still restarting
+            time.sleep(0.5)
+    assert restarted is not None, "Ray did not restart the killed actor"
     assert restarted["pid"] != victim and restarted["builds"] == 0
