@@ -24,6 +24,7 @@ and ``summary.json`` at the end (``summary``)."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import re
 import json
@@ -223,6 +224,22 @@ def finished_iterations(s: RLSettings) -> tuple[list[dict], list[list[Artifact]]
     if n == 0 or not store.exists(f"{pre}/checkpoints/iter-{n:04d}"):
         return [], []
     return history[:n], lineage[:n]
+
+
+def finished_summary(s: RLSettings) -> dict | None:
+    """The recorded ``summary.json`` of a run that has finished at least ``iterations`` iterations
+    (its final evaluation done, its records and latest checkpoint in place), else None. Replaying
+    such a run returns this instead of evaluating again and rewriting its stage timings."""
+    store = ArtifactStore(s.pipeline.artifacts)
+    pre = f"runs/{s.pipeline.run_id}"
+    if not store.exists(f"{pre}/summary.json"):
+        return None
+    recorded = json.loads(store.read_text(f"{pre}/summary.json"))
+    n = recorded.get("iterations")
+    if not isinstance(n, int) or n < s.pipeline.iterations:
+        return None
+    history, done = finished_iterations(dataclasses.replace(s, pipeline=dataclasses.replace(s.pipeline, iterations=n)))
+    return recorded if len(history) == len(done) == n else None
 
 
 def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact], final: dict | None = None) -> None:
