@@ -56,6 +56,7 @@ def run_progress(enabled: bool) -> Iterator[None]:
         return
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.theme import Theme
 
     from tasks.common import add_progress_listener, remove_progress_listener
 
@@ -63,6 +64,9 @@ def run_progress(enabled: bool) -> Iterator[None]:
     on_stderr = [h for h in handlers if getattr(h.console, "file", None) is sys.stderr]
     console = on_stderr[0].console if on_stderr else Console(file=sys.stderr)
     saved = {h: h.console for h in on_stderr}
+    # Prefect's console carries only its own log styles (``inherit=False``); the bar needs rich's
+    # defaults (``bar.back``, ...): pushed on top for the bar's lifetime (no name is shared)
+    console.push_theme(Theme())
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, refresh_per_second=4)
     iterations = progress.add_task("iterations", total=None)
@@ -88,5 +92,6 @@ def run_progress(enabled: bool) -> Iterator[None]:
         remove_progress_listener(on_event)
         progress.update(stage, visible=False)
         progress.stop()
+        console.pop_theme()
         for h, c in saved.items():
             h.console = c
