@@ -1054,9 +1054,10 @@ def fit_advice(config: K3Config, hardware: str | Hardware, tokens_per_gpu: float
     if t1:
         hint(f"smaller micro-batch: at most {t1:,} tokens per GPU on the same {layout.world} GPU(s)", t1, layout)
     else:
-        no_hint.append("a smaller micro-batch on the same GPUs: "
-                       + ("the host RAM does not hold the optimizer state" if host else
-                          "the weights and gradients alone exceed HBM"))
+        params_alone = max(st["weights_bf16"] + st["grads_bf16"] + st["fsdp_gather"] for st in rep["stages"])
+        reasons = (["the host RAM does not hold the optimizer state"] * bool(host)
+                   + ["the weights and gradients alone exceed HBM"] * (params_alone > usable))
+        no_hint.append("a smaller micro-batch on the same GPUs: " + " and ".join(reasons))
     # 2. more expert parallelism, or FSDP, same GPUs
     same = [dataclasses.replace(layout, ep=e) for e in range(layout.ep + 1, layout.gpus_per_stage + 1)
             if layout.gpus_per_stage % e == 0 and config.num_experts % e == 0]
