@@ -182,8 +182,10 @@ def checkpoints_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
                "| after iteration | checkpoint | manifest sha256 | produced by |", "|---|---|---|---|"]
         for a in cks:
             rel = _rel(a.uri, run_uri)
-            md.append(f"| {a.version} | {_link_or_code(a.uri, rel) if a.uri.startswith('http') else f'`{rel}`'} | "
-                      f"`{a.sha256[:12]}` | {a.produced_by} |")
+            cell = _link_or_code(a.uri, rel) if a.uri.startswith('http') else f'`{rel}`'
+            if not store.exists(f"runs/{run_id}/{rel}"):
+                cell += " (deleted: --keep-checkpoints)"
+            md.append(f"| {a.version} | {cell} | `{a.sha256[:12]}` | {a.produced_by} |")
     return "\n".join(md)
 
 
