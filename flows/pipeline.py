@@ -201,6 +201,7 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     progress_event("iterations", done=0, total=s.pipeline.iterations)
     prep = prepare(s)
     history, done = reports.finished_iterations(s)  # a continued run starts after its last recorded iteration
+    done_before = len(done)
     progress_event("iterations", done=len(done), total=s.pipeline.iterations)
     policy, weights = prep.policy, prep.weights
     behind = pending = None  # one-step-off-policy: the previous version's weights; a batch sampled ahead
@@ -228,7 +229,9 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
                          f"states of versions {', '.join(map(str, pruned))}")
             progress_event("iterations", done=n + 1, total=s.pipeline.iterations)
     final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward)
-    summary = reports.summary(s, prep.seconds, history, final, time.perf_counter() - t_start)
+    # a continued run's prepare found its work done; the seconds it really cost are the recorded ones
+    prep_seconds = (reports.recorded_prepare_seconds(s) if done_before else None) or prep.seconds
+    summary = reports.summary(s, prep_seconds, history, final, time.perf_counter() - t_start)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary
 

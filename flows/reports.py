@@ -244,6 +244,17 @@ def finished_summary(s: RLSettings) -> dict | None:
     return recorded if len(history) == len(done) == n else None
 
 
+def recorded_prepare_seconds(s: RLSettings) -> dict[str, float] | None:
+    """The prepare stages' seconds of the run's last summary (``prepare_<stage>`` entries), or None."""
+    store = ArtifactStore(s.pipeline.artifacts)
+    rel = f"runs/{s.pipeline.run_id}/summary.json"
+    if not store.exists(rel):
+        return None
+    per_stage = json.loads(store.read_text(rel)).get("seconds_per_stage") or {}
+    out = {k[len("prepare_"):]: v for k, v in per_stage.items() if k.startswith("prepare_")}
+    return out or None
+
+
 def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact], final: dict | None = None) -> None:
     """Write ``metrics.json`` and the curves PNG beside the run's artifacts; inside a flow run, also
     publish the UI artifacts listed in the module docstring. ``history``: one metrics dict per

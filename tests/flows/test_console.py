@@ -136,14 +136,16 @@ def _files(run_dir: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.slow
-def test_tiny_run_console_retention_replay_and_resume(tmp_path):
+def test_tiny_run_console_retention_replay_and_resume(tmp_path, prefect_harness):
     """One tiny run as a user runs it, three ways:
     1. no --run-id, stderr not a terminal: a new id and its resume command are printed, no progress
        bar characters and no Python warning lines; --keep-checkpoints 1 leaves exactly the latest
        checkpoint and its trainer state, every rollout and score table;
     2. the printed resume command again: the recorded summary, nothing published or rewritten;
     3. the same command with --iterations 4 on a terminal: the bar is drawn, and the run continues
-       from the one checkpoint retention kept."""
+       from the one checkpoint retention kept, its summary keeping the prepare stages' recorded seconds;
+    and the flow itself (what a deployment runs) on the finished run: its recorded summary, nothing
+    rewritten."""
     env, root = _env(tmp_path), tmp_path / "artifacts"
     cli = [sys.executable, "-m", "flows.cli"]
     first = subprocess.run([*cli, "run", *RUN_FLAGS, "--iterations", "3", "--artifacts", str(root)], env=env,
@@ -188,3 +190,18 @@ def test_tiny_run_console_retention_replay_and_resume(tmp_path):
     history = json.loads((run_dir / "metrics.json").read_text())
     assert [h["iteration"] for h in history] == [0, 1, 2, 3]
     assert history[:3] == json.loads(records["metrics.json"])
+    continued = json.loads((run_dir / "summary.json").read_text())
+    assert continued["iterations"] == 4
+
+    def prepare_seconds(summary):
+        return {k: v for k, v in summary["seconds_per_stage"].items() if k.startswith("prepare_")}
+
+    assert prepare_seconds(continued) == prepare_seconds(summary) != {}
+
+    # 4. the rl_run flow on the finished run (a deployment run does not go through the CLI)
+    from flows.pipeline import rl_run
+
+    before = _files(run_dir)
+    settings = _settings_from_args(build_parser().parse_args([*argv, "--iterations", "4"]))
+    assert rl_run(settings) == continued
+    assert _files(run_dir) == before
