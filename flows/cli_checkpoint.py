@@ -40,6 +40,24 @@ def _size(text: str) -> int:
     return v
 
 
+def _seed(text: str) -> int:
+    """A seed as ``init:PRESET:SEED`` takes it (a non-negative integer), so both spellings name the same
+    checkpoints."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _workers(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
 def cmd_init(a) -> int:
     from k3core.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, init_checkpoint
 
@@ -132,7 +150,8 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="checkpoint directory (replaced as a whole)")
     p.add_argument("--format", choices=["bf16", "mxfp4"], default="bf16",
                    help="bf16 weights, or routed experts as MXFP4 weight_packed/weight_scale pairs (default bf16)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed: same preset and seed, same bytes (default 0)")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help="weight seed, a non-negative integer: same preset and seed, same bytes (default 0)")
     p.add_argument("--max-shard-bytes", type=_size, default=None, help="shard bound (default 5GB)")
     handler(p, cmd_init)
 
@@ -143,7 +162,7 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("url", help="source checkpoint: file://, memory://, s3://, hf://org/name@revision")
     p.add_argument("dir", help="local destination directory (new, empty, or an earlier fetch of URL)")
     p.add_argument("--pin", default=None, help="JSON pin: config_sha256, index_sha256 [, files]")
-    p.add_argument("--workers", type=int, default=8, help="parallel file transfers")
+    p.add_argument("--workers", type=_workers, default=8, help="parallel file transfers")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no stderr progress bar")
     handler(p, cmd_fetch)
 
@@ -157,7 +176,7 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--roundtrip", action="store_true", help="also check public -> native -> public bit for bit")
     p.add_argument("--preset", default=None, help="the model it must be (default: its own config.json)")
     p.add_argument("--write-pin", default=None, help="after passing, write a pin of this checkpoint here")
-    p.add_argument("--workers", type=int, default=4, help="files hashed at once")
+    p.add_argument("--workers", type=_workers, default=4, help="files hashed at once")
     p.add_argument("--json", action="store_true", help="print the report (without per-file hashes)")
     handler(p, cmd_validate)
 

@@ -12,7 +12,10 @@
 - Declaration: ``@stage(...)`` on the stage body, in its own module, says all of the above once (task
   run name, published and read URIs as functions of the arguments, extra Prefect options); the flow
   then calls the stage like a function, or ``.submit(...)``s it to run beside what the flow does next
-  (the flow's task runner; ``.result()`` joins it). ``stage_timings()`` collects each call's wall time.
+  (the flow's task runner; ``.result()`` joins it). ``stage_timings()`` collects each call's wall time,
+  ``stage_memory()`` its peak device memory and host RSS (``k3core.device.MemoryProbe``, on the
+  device the call's ``device`` argument names; a submitted stage is not probed, its memory shows in
+  the peaks of the stages it runs beside).
 """
 
 from __future__ import annotations
@@ -116,6 +119,7 @@ class Run:
 
 
 _timings: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("k3rl_stage_timings", default=None)
+_memory: contextvars.ContextVar[dict | None] = contextvars.ContextVar("k3rl_stage_memory", default=None)
 
 
 @contextlib.contextmanager
@@ -128,6 +132,30 @@ def stage_timings():
         yield seconds
     finally:
         _timings.reset(token)
+
+
+@contextlib.contextmanager
+def stage_memory():
+    """Collect ``{stage key: StagePeak}`` of every stage called inside the block (two calls of one
+    stage, such as refill rounds, keep the larger peaks). ``memory_metrics`` flattens it."""
+    peaks: dict = {}
+    token = _memory.set(peaks)
+    try:
+        yield peaks
+    finally:
+        _memory.reset(token)
+
+
+def memory_metrics(peaks: dict, prefix: str = "") -> dict[str, int | str]:
+    """``{stage: StagePeak}`` as flat metrics: ``memory_<prefix><stage>_device_peak_bytes``,
+    ``..._device_bytes_after``, ``..._host_rss_peak_bytes``, and ``memory_host_rss_method``."""
+    out: dict[str, int | str] = {}
+    for key, p in peaks.items():
+        out[f"memory_{prefix}{key}_device_peak_bytes"] = p.device_peak_bytes
+        out[f"memory_{prefix}{key}_device_bytes_after"] = p.device_bytes_after
+        out[f"memory_{prefix}{key}_host_rss_peak_bytes"] = p.host_rss_peak_bytes
+        out["memory_host_rss_method"] = p.host_rss_method
+    return out
 
 
 def record_seconds(key: str, seconds: float) -> None:
@@ -178,9 +206,7 @@ class Stage:
 
     def task(self, *args: Any, **kwargs: Any) -> tuple[Task, str, list[str]]:
         """The Prefect task for one call: (task, task run name, input URIs)."""
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a = self._arguments(*args, **kwargs)
         run: Run = a["run"]
         outputs = list(self.outputs(**a)) if self.outputs else []
         inputs = [u for u in (self.inputs(**a) if self.inputs else []) if u]
@@ -191,18 +217,32 @@ class Stage:
                                  asset_deps=inputs or None, **opts)
         return task, name, inputs
 
+    def _arguments(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         task, name, inputs = self.task(*args, **kwargs)
+        peaks = _memory.get()
+        probe = None
+        if peaks is not None:
+            from k3core.device import MemoryProbe
+
+            probe = MemoryProbe(self._arguments(*args, **kwargs).get("device", "cpu"))
         t0 = time.perf_counter()
         progress_event("stage_start", name=name)
         try:
-            state = task(*args, return_state=True, **kwargs)
+            with probe if probe is not None else contextlib.nullcontext():
+                state = task(*args, return_state=True, **kwargs)
         finally:
             progress_event("stage_end", name=name)
         out = state.result()  # raises the stage's own exception when it failed
         seconds = _timings.get()
         if seconds is not None:
             seconds[self.key] = seconds.get(self.key, 0.0) + time.perf_counter() - t0
+        if probe is not None:
+            peaks[self.key] = peaks[self.key].merged(probe.peak) if self.key in peaks else probe.peak
         if isinstance(out, Artifact):
             run_id = state.state_details.task_run_id
             out = dataclasses.replace(out, produced_by=name, inputs=tuple(inputs),
