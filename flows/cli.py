@@ -78,10 +78,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         text = f"{f.metadata['help']} (default {str(default).lower() if kind == 'bool' else default})"
         if dest == "pipeline__run_id":  # the CLI names a new run itself (``new_run_id``) instead of the default
             text = f"{f.metadata['help']} (default: a new id, run-YYYYmmdd-HHMMSS-xxxx, printed at the start)"
+        metavar = f.metadata["flag"].upper().replace("-", "_")  # RUN_ID, not the section-qualified dest
         if kind == "bool":  # --qat alone means true; --qat false|true|0|1|no|yes also parse
-            g.add_argument(flag, dest=dest, type=_bool, nargs="?", const=True, default=None, help=text)
+            g.add_argument(flag, dest=dest, type=_bool, nargs="?", const=True, default=None, help=text, metavar=metavar)
         else:
-            g.add_argument(flag, dest=dest, type={"int": int, "float": float}.get(kind, str), default=None, help=text)
+            g.add_argument(flag, dest=dest, type={"int": int, "float": float}.get(kind, str), default=None, help=text,
+                           metavar=metavar)
 
 
 def _bool(text: str) -> bool:
@@ -221,6 +223,7 @@ EXAMPLES = {
   k3rl run --preset tiny --iterations 3 --run-id try --artifacts s3://bucket/k3rl      # any fsspec URL
   PYTHONPATH=~/envs k3rl run --env uppercase_env:make_env --run-id upper              # your environment
   k3rl run --run-id demo --iterations 40     # same run id: resumes, finished stages are skipped
+  k3rl run --run-id demo --keep-checkpoints 2   # disk: only the newest 2 trainer states stay
   k3rl run --device cuda --preset medium --iterations 3 --run-id gpu   # every stage on the GPU
   PREFECT_API_URL=http://127.0.0.1:4200/api k3rl run ...   # report to a Prefect server (UI)""",
     "prepare": """examples:
