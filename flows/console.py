@@ -70,17 +70,18 @@ def run_progress(enabled: bool) -> Iterator[None]:
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=console, refresh_per_second=4)
     iterations = progress.add_task("iterations", total=None)
-    stage = progress.add_task("", total=None, visible=False)
+    stage = [progress.add_task("", total=None, visible=False)]
 
     def on_event(kind: str, info: dict) -> None:
         if kind == "iterations":
             progress.update(iterations, completed=info["done"], total=info["total"])
-        elif kind == "stage_start":
-            progress.reset(stage, total=None, description=f"  {info['name']}", visible=True)
+        elif kind == "stage_start":  # a new row: a stage has no step count until it reports one
+            progress.remove_task(stage[0])
+            stage[0] = progress.add_task(f"  {info['name']}", total=None)
         elif kind == "stage_step":
-            progress.update(stage, completed=info["done"], total=info["total"])
+            progress.update(stage[0], completed=info["done"], total=info["total"])
         elif kind == "stage_end":
-            progress.update(stage, visible=False)
+            progress.update(stage[0], visible=False)
 
     for h in on_stderr:
         h.console = console  # one console for log lines and bar (already the same object for the first)
@@ -90,7 +91,7 @@ def run_progress(enabled: bool) -> Iterator[None]:
         yield
     finally:
         remove_progress_listener(on_event)
-        progress.update(stage, visible=False)
+        progress.update(stage[0], visible=False)
         progress.stop()
         console.pop_theme()
         for h, c in saved.items():
