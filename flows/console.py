@@ -82,6 +82,7 @@ def run_progress(enabled: bool) -> Iterator[None]:
             progress.update(stage[0], completed=info["done"], total=info["total"])
         elif kind == "stage_end":
             progress.update(stage[0], visible=False)
+        progress.refresh()  # drawn now, not at the next tick: events are few, and a stage may be short
 
     for h in on_stderr:
         h.console = console  # one console for log lines and bar (already the same object for the first)

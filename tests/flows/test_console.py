@@ -70,6 +70,33 @@ def test_progress_only_on_a_terminal(tmp_path):
         os.close(slave)
 
 
+BAR_SCRIPT = """
+from flows.console import run_progress
+from tasks.common import progress_event
+with run_progress(True):
+    progress_event("iterations", done=0, total=2)
+    progress_event("stage_start", name="warmup")
+    for i in range(3):
+        progress_event("stage_step", name="warmup", done=i + 1, total=3)
+    progress_event("stage_end", name="warmup")
+    progress_event("stage_start", name="evaluate-final")
+    progress_event("stage_end", name="evaluate-final")
+    progress_event("iterations", done=2, total=2)
+"""
+
+
+def test_bar_rows_on_a_terminal(tmp_path):
+    """The bar as a terminal receives it: the iterations row ends at 2/2, a stage that reports steps
+    counts them, and a stage that reports none after it has no count (not the previous stage's)."""
+    rc, out = _run_in_pty([sys.executable, "-c", BAR_SCRIPT], _env(tmp_path))
+    assert rc == 0, out
+    rows = [r.strip() for r in re.split(r"[\r\n]", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out)) if r.strip()]
+    assert any(r.startswith("iterations") and r.split()[-2] == "2/2" for r in rows), rows
+    assert any("warmup" in r and " 3/3 " in r for r in rows), rows
+    final = [r for r in rows if "evaluate-final" in r]
+    assert final and all(" 0/? " in r for r in final), final
+
+
 @pytest.mark.parametrize("latest,keep,staleness,kept", [
     (5, 0, 0, {1, 2, 3, 4, 5}),   # 0: keep everything
     (5, 1, 0, {5}),               # the latest is what resume reads
