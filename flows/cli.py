@@ -16,7 +16,8 @@ Prefect runs in its embedded mode unless PREFECT_API_URL points at a server; tel
 
 Exit status (every subcommand): 0 success; 1 the work failed (a run or stage raised, a checkpoint
 failed validation); 2 bad usage or input (unknown option, preset or environment, a run or file that
-does not exist); 130 interrupted (Ctrl-C; ``k3rl run`` resumes with the same command).
+does not exist, storage access denied or a bucket that does not exist); 130 interrupted (Ctrl-C;
+``k3rl run`` resumes with the same command).
 
 Errors are one message naming the problem and the fix, without a traceback; ``k3rl --debug ...``
 (the flag may also follow the subcommand) prints the traceback as well.
@@ -141,6 +142,12 @@ def _run_locked(a, s) -> int:
         print(f"k3rl: interrupted; run the same command again to resume run '{run_id}'", file=sys.stderr)
         return 130
     except Exception as e:  # the failing stage has logged its traceback through Prefect
+        from k3core.storage import StorageError
+
+        if isinstance(e, StorageError) and e.permanent:  # access, credentials, bucket: the user's to fix
+            print(f"k3rl: error: run '{run_id}' stopped: {e}; no partial artifact was published and finished stages "
+                  f"are kept: fix this and run the same command to resume", file=sys.stderr)
+            return 2
         print(f"k3rl: run '{run_id}' failed: {type(e).__name__}: {e}\n"
               f"k3rl: finished stages are kept; fix the cause and run the same command to resume", file=sys.stderr)
         return 1
@@ -327,11 +334,16 @@ def main(argv: list[str] | None = None) -> int:
     if "--debug" in argv[1:]:  # also accepted after the subcommand, where people type it
         argv.remove("--debug")
         argv.insert(0, "--debug")
+    from k3core.storage import StorageError
+
     args = build_parser().parse_args(argv)
     args.argv = given  # as typed: the resume command repeats it
     handler = getattr(args, "fn", None) or args.func
     try:
         return handler(args) or 0
+    except StorageError as e:  # reading or writing an artifact root (``status``, ...): named, with the fix
+        print(f"k3rl: error: {e}", file=sys.stderr)
+        return 2 if e.permanent else 1
     except (ValueError, FileNotFoundError, NotImplementedError) as e:  # bad input, found before the work
         if args.debug:
             traceback.print_exc()

@@ -7,8 +7,9 @@
 
 ``add_checkpoint_subcommands(subparsers)`` adds a ``checkpoint`` command with these four
 subcommands to an argparse subparsers object; each sets ``fn`` (and ``func``) to a handler
-``handler(args) -> int`` exit status: 0 success, 1 a checkpoint that failed validation or a pin,
-2 bad input (unknown preset, missing directory, a config that cannot be quantised, ...).
+``handler(args) -> int`` exit status: 0 success, 1 a checkpoint that failed validation or a pin, or
+a transfer that failed after the storage client's retries, 2 bad input (unknown preset, missing
+directory, a config that cannot be quantised, storage access denied or a bucket that does not exist).
 Heavy imports happen inside the handlers, so building the parser stays cheap.
 """
 
@@ -74,11 +75,16 @@ def cmd_init(a) -> int:
 def cmd_fetch(a) -> int:
     from k3core.checkpoint.fetch import FetchError, fetch
     from k3core.checkpoint.pin import PinMismatchError
+    from k3core.storage import StorageError
 
     try:
         r = fetch(a.url, a.dir, pin=a.pin, workers=a.workers, progress=None if a.progress else False)
     except PinMismatchError as e:
         return _err(str(e), 1)
+    except StorageError as e:  # permanent (access, credentials, bucket): 2; else the transfer failed: 1
+        if e.permanent:
+            return _err(f"{e}; {a.dir} is untouched", 2)
+        return _err(f"{e}; {a.dir} is untouched, and what arrived is kept: run the same command to resume", 1)
     except (FetchError, ImportError, FileNotFoundError, ValueError) as e:
         return _err(str(e), 2)
     print(f"{r.dest}: {len(r.downloaded)} files fetched ({r.bytes_downloaded / 2**20:.1f} MiB), "

@@ -223,9 +223,13 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     policy, weights = prep.policy, prep.weights
     behind = pending = None  # one-step-off-policy: the previous version's weights; a batch sampled ahead
     if done:
+        # the recorded handles name the local paths of the machine that made them; on another machine,
+        # or after its cache was emptied, the checkpoints read here are downloaded from the root again
         checkpoints = [next(a for a in it if a.kind == "dcp" and "manifest" in a.info) for it in done]
-        policy, weights = checkpoints[-1], _served(s, checkpoints[-1])
-        behind = _served(s, checkpoints[-2]) if len(checkpoints) > 1 else prep.weights
+        policy = run.store.localize(checkpoints[-1])
+        weights = _served(s, policy)
+        behind = (_served(s, run.store.localize(checkpoints[-2])) if len(checkpoints) > 1 and s.grpo.max_staleness
+                  else prep.weights)
         log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
     reference = prep.policy if s.grpo.kl_coef else None
     with iteration_runner(s.scale_out) as runner:  # a Dask cluster lives as long as the run's iterations

@@ -90,7 +90,8 @@ def _nearest_existing(path: Path) -> Path:
 def check_artifact_root(artifacts: str, run_id: str) -> None:
     """``--artifacts``: another filesystem's protocol must be known (its package installed); a local
     root must be a directory, or creatable, and writable where the run will write (its run directory,
-    or the nearest directory above it that exists). Nothing is created here."""
+    or the nearest directory above it that exists). Nothing is created in a local root; a remote one
+    gets a small object written, read back and removed."""
     path = _local_path(artifacts)
     if path is None:
         import fsspec
@@ -101,6 +102,9 @@ def check_artifact_root(artifacts: str, run_id: str) -> None:
         except (ImportError, ValueError) as e:
             raise ValueError(f"--artifacts {artifacts}: no filesystem for {protocol}:// ({e}); use a directory or a "
                              "URL of an installed fsspec filesystem (s3:// needs s3fs)") from None
+        from k3core.artifacts import ArtifactStore
+
+        ArtifactStore(artifacts).check_access()  # a missing bucket, denied access: StorageError, exit 2
         return
     if path.exists() and not path.is_dir():
         raise ValueError(f"--artifacts {artifacts} is a file, not a directory; point --artifacts at a directory "

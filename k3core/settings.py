@@ -167,9 +167,14 @@ class GRPOSettings(_Section):
                            "first update, so later updates are off-policy and the PPO clip engages)", min=1)
     minibatches: int = _int(1, "minibatches", "optimizer steps per pass: the rollout batch is shuffled and split into "
                             "this many minibatches (updates per iteration = ppo-epochs x minibatches)", min=1)
-    micro_batch_tokens: int = _int(0, "micro-batch-tokens", "token budget of one forward/backward (sequences x "
-                                   "padded length); gradients accumulate over a minibatch's micro-batches, so the "
-                                   "update does not depend on it (0: a whole minibatch at once)")
+    micro_batch_tokens: int = _int(0, "micro-batch-tokens", "token budget of one forward/backward (real tokens when "
+                                   "packing, sequences x padded length otherwise); gradients accumulate over a "
+                                   "minibatch's micro-batches, so the update does not depend on it (0: a whole "
+                                   "minibatch at once)")
+    packing: bool = _bool(True, "packing", "pack each micro-batch's sequences back to back into one row (varlen: "
+                          "cu_seqlens for KDA, block-diagonal causal attention for MLA), filled first-fit-decreasing "
+                          "under --micro-batch-tokens, so no position is padding; false: right-padded [B, L] "
+                          "micro-batches with an attention mask. Same update either way, up to rounding")
     loss_aggregation: str = _str("token-mean", "loss-aggregation", "token-mean (every token counts the same, DAPO), "
                                  "seq-mean-token-mean (every sequence counts the same) or seq-sum (token sum over "
                                  "sequences x --max-new-tokens, Dr. GRPO)")

@@ -41,13 +41,15 @@ from k3core.artifacts import Artifact, ArtifactStore
 from k3core.checkpoint.validate import CheckpointValidationError
 from k3core.settings import SettingsError
 
-NON_RETRYABLE = (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, CheckpointValidationError,
-                 SettingsError)
+NON_RETRYABLE = (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, PermissionError,
+                 CheckpointValidationError, SettingsError)
 RETRIES = int(os.environ.get("K3RL_TASK_RETRIES", "2"))
 
 
 def retry_unless_bad_input(task, task_run, state) -> bool:
-    """Prefect ``retry_condition_fn``: retry transient failures only."""
+    """Prefect ``retry_condition_fn``: retry transient failures only. Storage errors (``StorageError``,
+    after botocore's and s3fs's own retries) are retried unless they are access denied or missing
+    credentials (a ``PermissionError``) or a missing object or bucket (a ``FileNotFoundError``)."""
     try:
         state.result()
     except NON_RETRYABLE:
@@ -222,8 +224,13 @@ class Stage:
         bound.apply_defaults()
         return bound.arguments
 
+    def run_of(self, *args: Any, **kwargs: Any) -> Run:
+        """The ``Run`` a call names (its first parameter)."""
+        return self.signature.bind(*args, **kwargs).arguments["run"]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         task, name, inputs = self.task(*args, **kwargs)
+        run = self.run_of(*args, **kwargs)
         peaks = _memory.get()
         probe = None
         if peaks is not None:
@@ -245,7 +252,7 @@ class Stage:
             peaks[self.key] = peaks[self.key].merged(probe.peak) if self.key in peaks else probe.peak
         if isinstance(out, Artifact):
             run_id = state.state_details.task_run_id
-            out = dataclasses.replace(out, produced_by=name, inputs=tuple(inputs),
+            out = dataclasses.replace(run.store.localize(out), produced_by=name, inputs=tuple(inputs),
                                       produced_by_id=str(run_id) if run_id else "")
         return out
 
@@ -254,7 +261,8 @@ class Stage:
         ``DaskTaskRunner``), concurrently with the flow's next calls (same retries, cache and lineage
         as a call). Join it with ``.result()``."""
         task, name, inputs = self.task(*args, **kwargs)
-        return StageFuture(task.submit(*args, **kwargs), name, tuple(inputs), self.key, time.perf_counter())
+        return StageFuture(task.submit(*args, **kwargs), name, tuple(inputs), self.key, time.perf_counter(),
+                           self.run_of(*args, **kwargs))
 
 
 class StageFuture:
@@ -263,8 +271,8 @@ class StageFuture:
     submission to completion, spent beside other stages) and ``<key>_wait`` (how long the flow then
     still waited for it: the part the overlap did not hide)."""
 
-    def __init__(self, future: Any, name: str, inputs: tuple[str, ...], key: str, submitted: float):
-        self.future, self.name, self.inputs, self.key = future, name, inputs, key
+    def __init__(self, future: Any, name: str, inputs: tuple[str, ...], key: str, submitted: float, run: Run):
+        self.future, self.name, self.inputs, self.key, self.run = future, name, inputs, key, run
         self._done_at: float | None = None
         self._submitted = submitted
         future.add_done_callback(self._mark_done)
@@ -282,7 +290,7 @@ class StageFuture:
             seconds[f"{self.key}_ahead"] = seconds.get(f"{self.key}_ahead", 0.0) + (self._done_at or t1) - self._submitted
         if isinstance(out, Artifact):
             run_id = getattr(self.future, "task_run_id", None)
-            out = dataclasses.replace(out, produced_by=self.name, inputs=self.inputs,
+            out = dataclasses.replace(self.run.store.localize(out), produced_by=self.name, inputs=self.inputs,
                                       produced_by_id=str(run_id) if run_id else "")
         return out
 
