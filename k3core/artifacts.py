@@ -322,12 +322,14 @@ class ArtifactStore:
         found = self.exists(rel) or local.exists()
         if not self.is_local:
             r = self._remote(rel)
-            if self.fs.isfile(r):
-                self.fs.rm_file(r)
-            elif self.fs.exists(r):
-                if self.fs.exists(f"{r}/{COMPLETE}"):
-                    self.fs.rm_file(f"{r}/{COMPLETE}")
-                self.fs.rm(r, recursive=True)
+            with storage_call("delete", self.uri(rel)):
+                if self.fs.isfile(r):
+                    self.fs.rm_file(r)
+                elif self.fs.exists(r):
+                    if self.fs.exists(f"{r}/{COMPLETE}"):
+                        self.fs.rm_file(f"{r}/{COMPLETE}")
+                    self.fs.rm(r, recursive=True)
+            self.fs.invalidate_cache(r)
         if local.is_dir():
             (local / COMPLETE).unlink(missing_ok=True)
             fsync_dir(local)
