@@ -22,7 +22,7 @@ setup: $(BIN)/python
 	$(BIN)/python -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
 
 run: setup
-	PYTHONUNBUFFERED=1 $(BIN)/k3rl run --preset small $(ARGS)
+	PYTHONUNBUFFERED=1 $(BIN)/k3rl run --preset small --run-id demo $(ARGS)
 
 test: setup
 	$(BIN)/python -m pytest tests $(ARGS)

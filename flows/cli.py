@@ -35,11 +35,25 @@ import traceback
 from flows.preflight import check_settings
 
 
+def new_run_id() -> str:
+    """A fresh run id when ``--run-id`` is not given: readable, sortable by start time, unique enough
+    for runs started within the same second (four random hex digits), and inside the run-id
+    alphabet (``PipelineSettings``)."""
+    import secrets
+    import time
+
+    return f"run-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
 def _settings_from_args(a: argparse.Namespace):
-    """``RLSettings`` from the run flags given (the rest keep their defaults); every problem of every
-    section in one ``SettingsError`` (a ``ValueError``: exit status 2)."""
+    """``RLSettings`` from the run flags given (the rest keep their defaults; a run without
+    ``--run-id`` gets ``new_run_id()``, never a shared default that would silently resume another
+    run); every problem of every section in one ``SettingsError`` (a ``ValueError``: exit status 2)."""
     from k3core.settings import RLSettings, section_fields
 
+    if getattr(a, "pipeline__run_id", None) is None:
+        a.pipeline__run_id = new_run_id()
+        a.run_id_generated = True
     nested: dict[str, dict] = {}
     for sec, f in section_fields():
         value = getattr(a, f"{sec}__{f.name}", None)
@@ -63,10 +77,14 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
         dest = f"{sec}__{f.name}"
         default = f.default if f.default != "" else "init:PRESET:SEED"
         text = f"{f.metadata['help']} (default {str(default).lower() if kind == 'bool' else default})"
+        if dest == "pipeline__run_id":  # the CLI names a new run itself (``new_run_id``) instead of the default
+            text = f"{f.metadata['help']} (default: a new id, run-YYYYmmdd-HHMMSS-xxxx, printed at the start)"
+        metavar = f.metadata["flag"].upper().replace("-", "_")  # RUN_ID, not the section-qualified dest
         if kind == "bool":  # --qat alone means true; --qat false|true|0|1|no|yes also parse
-            g.add_argument(flag, dest=dest, type=_bool, nargs="?", const=True, default=None, help=text)
+            g.add_argument(flag, dest=dest, type=_bool, nargs="?", const=True, default=None, help=text, metavar=metavar)
         else:
-            g.add_argument(flag, dest=dest, type={"int": int, "float": float}.get(kind, str), default=None, help=text)
+            g.add_argument(flag, dest=dest, type={"int": int, "float": float}.get(kind, str), default=None, help=text,
+                           metavar=metavar)
 
 
 def _bool(text: str) -> bool:
@@ -90,17 +108,36 @@ def cmd_run(a) -> int:
         return _run_locked(a, s)
 
 
+def resume_command(argv: list[str], run_id: str) -> str:
+    """The command that resumes this run: the same arguments, with ``--run-id`` named."""
+    import shlex
+
+    has_id = any(x == "--run-id" or x.startswith("--run-id=") for x in argv)
+    return shlex.join(["k3rl", *argv, *([] if has_id else ["--run-id", run_id])])
+
+
 def _run_locked(a, s) -> int:
+    from flows.console import progress_wanted, run_progress
     from flows.pipeline import rl_run
 
     run_id = s.pipeline.run_id
     from k3core.device import run_device
 
-    print(f"k3rl: RL run '{run_id}' on preset '{s.model.preset}', env '{s.pipeline.env}', "
-          f"{s.pipeline.iterations} iterations, device {run_device(s).type}, artifacts at {s.pipeline.artifacts}",
-          flush=True)
+    print(f"k3rl: RL run '{run_id}'{' (a new run id)' if getattr(a, 'run_id_generated', False) else ''} on preset "
+          f"'{s.model.preset}', env '{s.pipeline.env}', {s.pipeline.iterations} iterations, device "
+          f"{run_device(s).type}, artifacts at {s.pipeline.artifacts}\n"
+          f"k3rl: to resume or continue it: {resume_command(a.argv, run_id)}", file=sys.stderr, flush=True)
+    from flows.reports import finished_summary
+
+    summary = finished_summary(s)
+    if summary is not None:  # a replay of a finished run: no Prefect server, no stage, no record rewritten
+        print(f"k3rl: run '{run_id}' finished its {summary['iterations']} iterations already; its recorded summary "
+              f"follows (a larger --iterations continues it)", file=sys.stderr, flush=True)
+        print(json.dumps(summary, indent=2) if a.json else _format_summary(summary))
+        return 0
     try:
-        summary = rl_run(s)
+        with run_progress(not a.no_progress and progress_wanted()):
+            summary = rl_run(s)
     except KeyboardInterrupt:
         print(f"k3rl: interrupted; run the same command again to resume run '{run_id}'", file=sys.stderr)
         return 130
@@ -142,6 +179,10 @@ def cmd_prepare(a) -> int:
     s = _settings_from_args(a)
     check_settings(s)
     from flows.pipeline import prepare
+
+    if getattr(a, "run_id_generated", False):
+        print(f"k3rl: preparing a new run '{s.pipeline.run_id}'; `k3rl run --run-id {s.pipeline.run_id} ...` runs it",
+              file=sys.stderr, flush=True)
 
     try:
         out = prepare(s)
@@ -189,6 +230,7 @@ EXAMPLES = {
   k3rl run --preset tiny --iterations 3 --run-id try --artifacts s3://bucket/k3rl      # any fsspec URL
   PYTHONPATH=~/envs k3rl run --env uppercase_env:make_env --run-id upper              # your environment
   k3rl run --run-id demo --iterations 40     # same run id: resumes, finished stages are skipped
+  k3rl run --run-id demo --keep-checkpoints 2   # disk: only the newest 2 trainer states stay
   k3rl run --device cuda --preset medium --iterations 3 --run-id gpu   # every stage on the GPU
   PREFECT_API_URL=http://127.0.0.1:4200/api k3rl run ...   # report to a Prefect server (UI)""",
     "prepare": """examples:
@@ -251,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="a full RL run (prepare + iterations), Prefect embedded mode by default")
     _add_run_args(r)
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
+    r.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (it is drawn on stderr only when stderr is a terminal)")
     r.set_defaults(fn=cmd_run)
     pr = sub.add_parser("prepare", help="fetch, validate, warm up and quantize (no RL iterations)")
     _add_run_args(pr)
@@ -285,13 +329,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    argv = list(given)
     if "--debug" in argv[1:]:  # also accepted after the subcommand, where people type it
         argv.remove("--debug")
         argv.insert(0, "--debug")
     from k3core.storage import StorageError
 
     args = build_parser().parse_args(argv)
+    args.argv = given  # as typed: the resume command repeats it
     handler = getattr(args, "fn", None) or args.func
     try:
         return handler(args) or 0

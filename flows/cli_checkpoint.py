@@ -154,8 +154,10 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
                        epilog="example: k3rl checkpoint init --preset tiny --out ckpt/tiny --seed 0")
     p.add_argument("--preset", required=True, help="tiny, small, medium or full")
     p.add_argument("--out", required=True, help="checkpoint directory (replaced as a whole)")
-    p.add_argument("--format", choices=["bf16", "mxfp4"], default="bf16")
-    p.add_argument("--seed", type=_seed, default=0, help="non-negative integer (default 0)")
+    p.add_argument("--format", choices=["bf16", "mxfp4"], default="bf16",
+                   help="bf16 weights, or routed experts as MXFP4 weight_packed/weight_scale pairs (default bf16)")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help="weight seed, a non-negative integer: same preset and seed, same bytes (default 0)")
     p.add_argument("--max-shard-bytes", type=_size, default=None, help="shard bound (default 5GB)")
     handler(p, cmd_init)
 
@@ -163,8 +165,8 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
                        "parallel, resumable, pinned; DIR must be new, empty or an earlier fetch of URL, and is "
                        "replaced only by a complete fetch",
                        epilog="example: k3rl checkpoint fetch hf://moonshotai/Kimi-K3@<rev> /data/k3 --pin k3.pin.json")
-    p.add_argument("url")
-    p.add_argument("dir")
+    p.add_argument("url", help="source checkpoint: file://, memory://, s3://, hf://org/name@revision")
+    p.add_argument("dir", help="local destination directory (new, empty, or an earlier fetch of URL)")
     p.add_argument("--pin", default=None, help="JSON pin: config_sha256, index_sha256 [, files]")
     p.add_argument("--workers", type=_workers, default=8, help="parallel file transfers")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no stderr progress bar")
@@ -174,7 +176,7 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
                        "pin and k3rl's manifest, optional round trip; a trainer state (DCP): its manifest and "
                        "metadata, nothing loaded",
                        epilog="exit status 0 valid, 1 invalid (the first failed check is printed), 2 bad arguments")
-    p.add_argument("dir")
+    p.add_argument("dir", help="a checkpoint directory, a trainer state, or a run checkpoint (runs/ID/checkpoints/iter-N)")
     p.add_argument("--pin", default=None, help="JSON pin the checkpoint must match")
     p.add_argument("--report", default=None, help="write the JSON report here (only when valid)")
     p.add_argument("--roundtrip", action="store_true", help="also check public -> native -> public bit for bit")
@@ -186,8 +188,8 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
 
     p = sub.add_parser("quantize", help="bf16 checkpoint -> MXFP4 routed experts (the release format), streamed; "
                        "DST must be a new or empty directory apart from SRC")
-    p.add_argument("src")
-    p.add_argument("dst")
+    p.add_argument("src", help="bf16 checkpoint directory to read")
+    p.add_argument("dst", help="new or empty directory for the MXFP4 checkpoint (not SRC, not inside it)")
     p.add_argument("--max-shard-bytes", type=_size, default=None, help="shard bound (default 5GB)")
     handler(p, cmd_quantize)
     return cp

@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", default="auto", choices=EXPERTS,
                    help="auto: an MXFP4 checkpoint runs W4A8 experts; float: dequantise them")
     p.add_argument("--weight-version", dest="weight_version", type=_at_least(0), default=0, help="version of the loaded weights")
-    p.add_argument("--log-level", dest="log_level", default="warning", choices=LOG_LEVELS)
+    p.add_argument("--log-level", dest="log_level", default="warning", choices=LOG_LEVELS,
+                   help="uvicorn's log level (default warning; info logs every request)")
     p.add_argument("--api-key", dest="api_key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
                         "K3RL_ROLLOUT_API_KEY environment variable, which keeps it out of the process list); "
@@ -112,7 +113,8 @@ def refuse_checkpoint_on_serve(sub) -> None:
     """Make ``k3rl serve --checkpoint ...`` a usage error that names ``k3rl rollout-server`` (the
     command that serves a checkpoint) rather than an unrecognised option. Needs ``serve`` registered."""
     serve = sub.choices["serve"]
-    serve.add_argument("--checkpoint", action=_CheckpointMovedToRolloutServer, nargs="?", help=argparse.SUPPRESS)
+    serve.add_argument("--checkpoint", action=_CheckpointMovedToRolloutServer, nargs="?", help="not an option of serve (the Prefect deployments): "
+                       "a checkpoint is served by `k3rl rollout-server --checkpoint DIR`")
 
 
 def cmd_rollout_server(args: argparse.Namespace) -> int:

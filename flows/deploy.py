@@ -228,6 +228,6 @@ def add_deploy_subcommands(sub) -> None:
     d.set_defaults(fn=cmd_deploy)
     w = sub.add_parser("worker", help="a process worker that runs the deployments registered by `k3rl deploy`",
                        epilog="example: PREFECT_API_URL=http://127.0.0.1:4200/api k3rl worker --pool k3rl-local")
-    w.add_argument("--pool", default=DEFAULT_POOL)
+    w.add_argument("--pool", default=DEFAULT_POOL, help=f"work pool to take flow runs from (default {DEFAULT_POOL})")
     w.add_argument("--limit", type=int, default=None, help="at most this many flow runs at once")
     w.set_defaults(fn=cmd_worker)

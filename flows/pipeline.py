@@ -32,10 +32,11 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows import reports
+from flows.retention import prune_checkpoints
 from flows.scale import iteration_runner
 from k3core.artifacts import Artifact
 from k3core.settings import RLSettings
-from tasks.common import Run, memory_metrics, stage_memory, stage_timings
+from tasks.common import Run, memory_metrics, progress_event, stage_memory, stage_timings
 from tasks.evaluate import evaluate
 from tasks.fetch import fetch_checkpoint
 from tasks.mismatch import rollout_mismatch
@@ -212,14 +213,25 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     """prepare, then ``iterations`` RL iterations, then a final held-out evaluation and the run's
     reports (metrics table, lineage, curves, links). Re-running a run id continues it: iterations
     recorded as finished (``metrics.json``, ``lineage.json``, their checkpoint) are not replayed, and
-    within an unfinished iteration the cached stages skip their finished work."""
+    within an unfinished iteration the cached stages skip their finished work. A run whose summary
+    already covers ``iterations`` returns that summary and runs nothing (its records stay as they
+    were). With ``keep_checkpoints`` N, older checkpoints are deleted after each iteration
+    (``flows/retention.py``)."""
     log = get_run_logger()
     s, run = settings, run_of(settings)
+    recorded = reports.finished_summary(s)
+    if recorded is not None:  # nothing to do: no stage, transfer or evaluation runs, no record is rewritten
+        log.info(f"run '{run.run_id}' finished its {recorded['iterations']} iterations already: nothing to do "
+                 f"(its records are under runs/{run.run_id}/; a larger --iterations continues it)")
+        return recorded
     t_start = time.perf_counter()
     device = device_of(s)  # --device cuda without a GPU fails here, before any stage
     log.info(f"run '{run.run_id}': stages compute on {device} (--device {s.device.type})")
+    progress_event("iterations", done=0, total=s.pipeline.iterations)
     prep = prepare(s)
     history, done = reports.finished_iterations(s)  # a continued run starts after its last recorded iteration
+    done_before = len(done)
+    progress_event("iterations", done=len(done), total=s.pipeline.iterations)
     policy, weights = prep.policy, prep.weights
     behind = pending = None  # one-step-off-policy: the previous version's weights; a batch sampled ahead
     if done:
@@ -244,8 +256,15 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
             log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics))
             reports.record_lineage(s, prep.lineage(), done)
             reports.publish_iteration(s, history, _flat(prep, done))
+            pruned = prune_checkpoints(s, latest=it.policy.version)  # after the records: resume never needs them
+            if pruned:
+                log.info(f"--keep-checkpoints {s.pipeline.keep_checkpoints}: deleted the checkpoints and trainer "
+                         f"states of versions {', '.join(map(str, pruned))}")
+            progress_event("iterations", done=n + 1, total=s.pipeline.iterations)
     final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward, device=device)
-    summary = reports.summary(s, prep.seconds, history, final, time.perf_counter() - t_start, prep.memory, device)
+    # a continued run's prepare found its work done; the seconds it really cost are the recorded ones
+    prep_seconds = (reports.recorded_prepare_seconds(s) if done_before else None) or prep.seconds
+    summary = reports.summary(s, prep_seconds, history, final, time.perf_counter() - t_start, prep.memory, device)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary
 

@@ -24,6 +24,7 @@ and ``summary.json`` at the end (``summary``)."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import re
 import json
@@ -181,8 +182,10 @@ def checkpoints_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
                "| after iteration | checkpoint | manifest sha256 | produced by |", "|---|---|---|---|"]
         for a in cks:
             rel = _rel(a.uri, run_uri)
-            md.append(f"| {a.version} | {_link_or_code(a.uri, rel) if a.uri.startswith('http') else f'`{rel}`'} | "
-                      f"`{a.sha256[:12]}` | {a.produced_by} |")
+            cell = _link_or_code(a.uri, rel) if a.uri.startswith('http') else f'`{rel}`'
+            if not store.exists(f"runs/{run_id}/{rel}"):
+                cell += " (deleted: --keep-checkpoints)"
+            md.append(f"| {a.version} | {cell} | `{a.sha256[:12]}` | {a.produced_by} |")
     return "\n".join(md)
 
 
@@ -223,6 +226,33 @@ def finished_iterations(s: RLSettings) -> tuple[list[dict], list[list[Artifact]]
     if n == 0 or not store.exists(f"{pre}/checkpoints/iter-{n:04d}"):
         return [], []
     return history[:n], lineage[:n]
+
+
+def finished_summary(s: RLSettings) -> dict | None:
+    """The recorded ``summary.json`` of a run that has finished at least ``iterations`` iterations
+    (its final evaluation done, its records and latest checkpoint in place), else None. Replaying
+    such a run returns this instead of evaluating again and rewriting its stage timings."""
+    store = ArtifactStore(s.pipeline.artifacts)
+    pre = f"runs/{s.pipeline.run_id}"
+    if not store.exists(f"{pre}/summary.json"):
+        return None
+    recorded = json.loads(store.read_text(f"{pre}/summary.json"))
+    n = recorded.get("iterations")
+    if not isinstance(n, int) or n < s.pipeline.iterations:
+        return None
+    history, done = finished_iterations(dataclasses.replace(s, pipeline=dataclasses.replace(s.pipeline, iterations=n)))
+    return recorded if len(history) == len(done) == n else None
+
+
+def recorded_prepare_seconds(s: RLSettings) -> dict[str, float] | None:
+    """The prepare stages' seconds of the run's last summary (``prepare_<stage>`` entries), or None."""
+    store = ArtifactStore(s.pipeline.artifacts)
+    rel = f"runs/{s.pipeline.run_id}/summary.json"
+    if not store.exists(rel):
+        return None
+    per_stage = json.loads(store.read_text(rel)).get("seconds_per_stage") or {}
+    out = {k[len("prepare_"):]: v for k, v in per_stage.items() if k.startswith("prepare_")}
+    return out or None
 
 
 def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact], final: dict | None = None) -> None:

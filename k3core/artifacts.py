@@ -313,6 +313,31 @@ class ArtifactStore:
         fsync_dir(final.parent)
         return self.uri(rel)
 
+    def remove(self, rel: str) -> bool:
+        """Delete published artifact ``rel`` (retention). A directory loses its ``_COMPLETE`` marker
+        first, so a crash midway leaves an unpublished leftover that no reader trusts and a later
+        publish of the same name replaces, never a directory that looks whole and is not. The local
+        cache copy of a remote artifact goes with it. False when there was nothing to delete."""
+        local = Path(self.base if self.is_local else self.cache, rel)
+        found = self.exists(rel) or local.exists()
+        if not self.is_local:
+            r = self._remote(rel)
+            with storage_call("delete", self.uri(rel)):
+                if self.fs.isfile(r):
+                    self.fs.rm_file(r)
+                elif self.fs.exists(r):
+                    if self.fs.exists(f"{r}/{COMPLETE}"):
+                        self.fs.rm_file(f"{r}/{COMPLETE}")
+                    self.fs.rm(r, recursive=True)
+            self.fs.invalidate_cache(r)
+        if local.is_dir():
+            (local / COMPLETE).unlink(missing_ok=True)
+            fsync_dir(local)
+            shutil.rmtree(local)
+        elif local.exists():
+            local.unlink()
+        return found
+
     def read_text(self, rel: str) -> str:
         if self.is_local:
             return Path(self.base, rel).read_text()

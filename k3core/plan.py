@@ -49,7 +49,7 @@ __all__ = [
     "host_adam_bytes_per_param", "gpu_bytes_per_param", "situ_glu_saved_bytes", "layer_activation_terms",
     "layer_backward_workspace", "snapshots_before", "boundary_bytes", "aligned_stage_layout",
     "check_stage_layout", "StageLayout", "stage_layout", "context_table", "stage_memory", "replica_size",
-    "replica_sweep", "max_tokens_per_gpu", "engine_footprint", "checkpoint_report", "plan", "format_plan",
+    "replica_sweep", "max_tokens_per_gpu", "engine_footprint", "checkpoint_report", "fit_advice", "plan", "format_plan",
     "static_decode_state_bytes", "device_ledger",
 ]
 
@@ -990,11 +990,178 @@ def _layout_report(config: K3Config, hw: Hardware, tokens: float, layout: Layout
     }
 
 
+# =====================================================================================  why it does not fit
+# The layout search of ``fit_advice``: aligned pipeline layouts, TP within a node, data parallelism in
+# powers of two, up to this many GPUs; EP is always the largest one the stage's GPUs allow (more EP
+# only ever lowers a GPU's share of the experts).
+MAX_ADVICE_GPUS = 16384
+TOKEN_STEP = 1000  # token counts suggested are multiples of this
+
+
+def _layout_fits(config: K3Config, hw: Hardware, tokens: float, layout: Layout, kernels: Kernels, ac: bool) -> bool:
+    return _layout_report(config, hw, tokens, layout, kernels, ac, streamed_adam=True, situ_streaming=True)["fits"]
+
+
+def _largest_ep(config: K3Config, gpus_per_stage: int) -> int:
+    return max(e for e in range(1, gpus_per_stage + 1) if gpus_per_stage % e == 0 and config.num_experts % e == 0)
+
+
+def _layout_flags(layout: Layout) -> list[str]:
+    out = [f"--{n} {getattr(layout, n)}" for n in ("tp", "ep", "pp", "cp", "dp")]
+    return out + (["--fsdp"] if layout.fsdp else []) + (
+        [f"--pp-layout {','.join(map(str, layout.pp_layout))}"] if layout.pp_layout else [])
+
+
+def _smallest_layout(config: K3Config, hw: Hardware, tokens: float, start: Layout, kernels: Kernels,
+                     ac: bool) -> Layout | None:
+    """The layout with the fewest GPUs that fits at ``tokens`` (ties: the fewest settings changed from
+    ``start``, then fewer pipeline stages), or None within ``MAX_ADVICE_GPUS``. CP stays ``start``'s:
+    it is part of how tokens per GPU are counted."""
+    blocks = math.ceil(config.num_hidden_layers / config.attn_res_block_size)
+    tps = [t for t in range(1, hw.gpus_per_node + 1) if hw.gpus_per_node % t == 0
+           and config.kda_num_heads % t == 0 and config.num_attention_heads % t == 0]
+    dps = [2**i for i in range(int(math.log2(MAX_ADVICE_GPUS)) + 1)]
+    candidates = []
+    for tp in tps:
+        for pp in range(1, blocks + 1):
+            for dp in dps:
+                world = tp * start.cp * dp * pp
+                if world > MAX_ADVICE_GPUS:
+                    break
+                for fsdp in (False, True):
+                    lay = Layout(tp=tp, ep=_largest_ep(config, tp * start.cp * dp), pp=pp, cp=start.cp, dp=dp, fsdp=fsdp)
+                    changed = sum(getattr(lay, n) != getattr(start, n) for n in ("tp", "ep", "pp", "dp", "fsdp"))
+                    candidates.append((world, changed, pp, tp, lay))
+    candidates.sort(key=lambda c: c[:4])
+    return next((c[-1] for c in candidates if _layout_fits(config, hw, tokens, c[-1], kernels, ac)), None)
+
+
+def _largest_tokens(fits, upper: float) -> int:
+    """The largest multiple of ``TOKEN_STEP`` (or, below one step, of 1) at most ``upper`` for which
+    ``fits(tokens)`` holds, assuming it holds for every smaller count; 0 when even 1 does not."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, int(upper)
+    if fits(hi):
+        return hi
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo - lo % TOKEN_STEP if lo >= TOKEN_STEP else lo
+
+
+def _best_split_context(config: K3Config, tokens: float, start: Layout, kernels: Kernels, ac: bool) -> float:
+    """Activation bytes of the worst stage on the aligned pipeline split that minimises them."""
+    blocks = math.ceil(config.num_hidden_layers / config.attn_res_block_size)
+    return min(_context_peak_per_gpu(config, tokens, Layout(pp=pp, cp=start.cp), kernels, True, ac)
+               for pp in range(1, blocks + 1))
+
+
+def fit_advice(config: K3Config, hardware: str | Hardware, tokens_per_gpu: float, layout: Layout = Layout(), *,
+               kernels: Kernels = Kernels(), ac: bool = True) -> dict[str, Any] | None:
+    """Why ``layout`` does not fit at ``tokens_per_gpu`` and the smallest changes that make it fit, each
+    checked by planning it again; None when it fits. Returns ``{"why": [str], "hints": [{"change",
+    "tokens_per_gpu", "layout", "kernels", "gpus", "flags"}], "no_hint": [str]}`` where ``flags`` are
+    the ``k3rl plan`` flags that re-plan the hint. The changes tried, in order:
+
+    1. a smaller micro-batch on the same GPUs (the largest tokens per GPU that fits);
+    2. more expert parallelism or FSDP on the same GPUs;
+    3. more GPUs at the same tokens per GPU (the fewest that fit);
+    4. when no GPU count fits those tokens (the activations alone exceed a GPU's HBM): the fewest
+       GPUs that fit a micro-batch whose activations take at most half the usable HBM on the best
+       pipeline split, then the most tokens per GPU those GPUs hold (shown when more than 1. allows);
+    5. fused elementwise kernels and a chunked loss on the same GPUs (kernels k3core does not have).
+    """
+    hw = load_hardware(hardware)
+    T = tokens_per_gpu
+    rep = _layout_report(config, hw, T, layout, kernels, ac, streamed_adam=True, situ_streaming=True)
+    if rep["fits"]:
+        return None
+    why, hints, no_hint = [], [], []
+    usable = hw.hbm_usable
+    worst = max(rep["stages"], key=lambda st: st["gpu_total"])
+    if not worst["fits_hbm"]:
+        params = worst["weights_bf16"] + worst["grads_bf16"] + worst["fsdp_gather"]
+        ctx = worst["context_detail"]
+        parts = {"the layer-input stash and received AttnRes snapshots": ctx["kept"],
+                 "the recomputed layer's peak with the AttnRes snapshot gradients": ctx["layer_peak"] + ctx["block_grads"],
+                 "the output head's logits": ctx["logits_peak"], "the routing record": ctx["routing_record"]}
+        big = max(parts, key=parts.get)
+        why.append(f"HBM: stage {worst['stage']} needs {_gb(worst['gpu_total'])} GB per GPU, "
+                   f"{_gb(worst['gpu_total'] - usable)} GB over the {_gb(usable)} GB usable "
+                   f"({_gb(hw.hbm_bytes)} GB minus {_gb(hw.hbm_reserve_bytes)} GB reserved): bf16 weights and "
+                   f"gradients {_gb(params)} GB ({_count(worst['params_per_gpu'])} parameters per GPU), activations "
+                   f"{_gb(worst['context'])} GB at {T:,.0f} tokens per GPU (largest: {big}, {_gb(parts[big])} GB)")
+    host = [st for st in rep["stages"] if not st["fits_host"]]
+    if host:
+        st = max(host, key=lambda x: x["host_per_node"])
+        why.append(f"host RAM: stage {st['stage']}'s optimizer state needs {_gb(st['host_per_node'])} GB per node, "
+                   f"{_gb(st['host_per_node'] - hw.host_usable)} GB over the {_gb(hw.host_usable)} GB usable")
+
+    def hint(change: str, tokens: float, lay: Layout, kern: Kernels = kernels) -> None:
+        flags = [f"--tokens-per-gpu {int(tokens)}", *_layout_flags(lay)]
+        flags += [f"--elementwise {kern.elementwise}"] if kern.elementwise != "eager" else []
+        flags += [f"--logits-chunk {kern.logits_chunk}"] if kern.logits_chunk else []
+        hints.append({"change": change, "tokens_per_gpu": tokens, "layout": dataclasses.asdict(lay),
+                      "kernels": dataclasses.asdict(kern), "gpus": lay.world, "flags": flags})
+
+    # 1. a smaller micro-batch, same GPUs
+    t1 = _largest_tokens(lambda t: _layout_fits(config, hw, t, layout, kernels, ac), T) if not host else 0
+    if t1:
+        hint(f"smaller micro-batch: at most {t1:,} tokens per GPU on the same {layout.world} GPU(s)", t1, layout)
+    else:
+        params_alone = max(st["weights_bf16"] + st["grads_bf16"] + st["fsdp_gather"] for st in rep["stages"])
+        reasons = (["the host RAM does not hold the optimizer state"] * bool(host)
+                   + ["the weights and gradients alone exceed HBM"] * (params_alone > usable))
+        no_hint.append("a smaller micro-batch on the same GPUs: " + " and ".join(reasons))
+    # 2. more expert parallelism, or FSDP, same GPUs
+    same = [dataclasses.replace(layout, ep=e) for e in range(layout.ep + 1, layout.gpus_per_stage + 1)
+            if layout.gpus_per_stage % e == 0 and config.num_experts % e == 0]
+    same += [dataclasses.replace(lay, fsdp=True) for lay in [layout, *same] if not layout.fsdp]
+    found = next((lay for lay in same if _layout_fits(config, hw, T, lay, kernels, ac)), None)
+    if found is not None:
+        what = [f"EP {layout.ep} -> {found.ep}"] * (found.ep != layout.ep) + ["FSDP on"] * (found.fsdp != layout.fsdp)
+        hint(f"same {layout.world} GPU(s), {' and '.join(what)}", T, found)
+    elif layout.world > 1:
+        no_hint.append(f"more expert parallelism or FSDP on the same {layout.world} GPUs: no larger EP (dividing "
+                       f"{layout.gpus_per_stage} GPUs per stage and {config.num_experts} experts) nor FSDP fits at "
+                       f"{T:,.0f} tokens per GPU")
+    # 3. more GPUs, same tokens; 4. fewer tokens and more GPUs when the activations alone do not fit
+    ctx_best = _best_split_context(config, T, layout, kernels, ac)
+    bigger = _smallest_layout(config, hw, T, layout, kernels, ac) if ctx_best < usable else None
+    if bigger is not None:
+        hint(f"more GPUs: {bigger.world} at {T:,.0f} tokens per GPU", T, bigger)
+    else:
+        if ctx_best >= usable:
+            no_hint.append(f"more GPUs at {T:,.0f} tokens per GPU: the activations alone need {_gb(ctx_best)} GB on "
+                           f"the best pipeline split, over the {_gb(usable)} GB usable; no GPU count changes that "
+                           f"(tokens per GPU are counted after the TP and CP splits: --cp N serves N times longer "
+                           f"sequences at the same tokens per GPU)")
+        else:
+            no_hint.append(f"more GPUs at {T:,.0f} tokens per GPU: no layout of at most {MAX_ADVICE_GPUS:,} GPUs fits")
+        t4 = _largest_tokens(lambda t: _best_split_context(config, t, layout, kernels, ac) <= usable / 2, T)
+        for _ in range(4):  # halve the micro-batch while no layout within the bound holds the weights
+            lay4 = _smallest_layout(config, hw, t4, layout, kernels, ac) if t4 else None
+            if lay4 is not None:  # then as many tokens as those GPUs hold
+                t4 = _largest_tokens(lambda t: _layout_fits(config, hw, t, lay4, kernels, ac), T)
+                if t4 > t1:  # else the smaller micro-batch on the same GPUs is the smaller change
+                    hint(f"fewer tokens per GPU on other GPUs: {t4:,} tokens per GPU on {lay4.world} GPUs", t4, lay4)
+                break
+            t4 = t4 // 2 - (t4 // 2) % TOKEN_STEP if t4 >= 2 * TOKEN_STEP else t4 // 2
+    # 5. kernels k3core does not have yet, same GPUs and tokens
+    fused = Kernels(elementwise="fused", logits_chunk=kernels.logits_chunk or 4096, kda_chunk=kernels.kda_chunk)
+    if fused != kernels and _layout_fits(config, hw, T, layout, fused, ac):
+        hint(f"fused elementwise kernels and a chunked loss (not in k3core yet) on the same {layout.world} GPU(s)",
+             T, layout, fused)
+    return {"why": why, "hints": hints, "no_hint": no_hint}
+
+
 def plan(config: K3Config, hardware: str | Hardware, tokens_per_gpu: float, layout: Layout = Layout(), *,
          kernels: Kernels = Kernels(), ac: bool = True, fs_gbps: float | None = None,
          engine_sequences: int = 128, engine_context: int = 32768,
-         sweep_tokens: Iterable[float] = ()) -> dict[str, Any]:
-    """Everything the planner computes, as a JSON-ready dict (bytes, seconds, counts)."""
+         sweep_tokens: Iterable[float] = (), advise: bool = True) -> dict[str, Any]:
+    """Everything the planner computes, as a JSON-ready dict (bytes, seconds, counts). ``advice``:
+    when the layout does not fit, why and what would (``fit_advice``; ``advise=False`` skips it)."""
     hw = load_hardware(hardware)
     _raise(layout.problems(config), "parallel layout")
     _raise(kernels.problems(), "kernel choice")
@@ -1050,6 +1217,7 @@ def plan(config: K3Config, hardware: str | Hardware, tokens_per_gpu: float, layo
         "engine": engine_footprint(config, hw, sequences=engine_sequences, context=engine_context),
         "checkpoint": checkpoint_report(config, hw.filesystem_gbps if fs_gbps is None else fs_gbps),
         "layout": _layout_report(config, hw, T, layout, kernels, ac, streamed_adam=True, situ_streaming=True),
+        "advice": fit_advice(config, hw, T, layout, kernels=kernels, ac=ac) if advise else None,
         "sweep": [{"tokens_per_gpu": r["tokens_per_gpu"], "saving": r["saving"],
                    **{k2: dataclasses.asdict(r[k2]) for k2 in ("neither", "situ_only", "adam_only", "both")}}
                   for r in replica_sweep(config, hw, sweep_tokens, layout=layout, kernels=kernels, ac=ac)],
@@ -1207,4 +1375,16 @@ def format_plan(p: dict[str, Any], config_name: str = "config") -> str:
              f"{_gb(lay['ep_all_to_all_bytes_per_moe_layer'])} GB, "
              f"{1e3 * lay['ep_all_to_all_seconds_per_moe_layer']:.1f} ms lower bound")
     L.append(f"  fits: {'yes' if lay['fits'] else 'NO'}")
+    adv = p.get("advice")
+    if adv:
+        L.append("")
+        L.append("Why it does not fit")
+        L += [f"  - {w}" for w in adv["why"]]
+        L.append("What would fit (each planned again and found to fit; plan it with these flags)")
+        for h in adv["hints"]:
+            L.append(f"  - {h['change']}: {' '.join(h['flags'])}")
+        if not adv["hints"]:
+            L.append("  - nothing the planner tried")
+        for n in adv["no_hint"]:
+            L.append(f"  - not: {n}")
     return "\n".join(L)

@@ -258,6 +258,9 @@ class PipelineSettings(_Section):
     env: str = _str("reverse", "env", "built-in environment (add, reverse), a dataset with its verifier "
                     "(dataset:math:URL, dataset:code:URL; math and code: the bundled ones) or module.path:factory")
     seed: int = _int(0, "seed", "seed of prompts, sampling and a fresh checkpoint")
+    keep_checkpoints: int = _int(0, "keep-checkpoints", "keep the newest N checkpoints (trainer states) of the "
+                                 "run and delete older ones after each iteration; resume's own always stay "
+                                 "(0: keep all)")
 
     def problems(self) -> list[str]:
         out = super().problems()

@@ -25,6 +25,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -167,6 +168,33 @@ def record_seconds(key: str, seconds: float) -> None:
         timings[key] = timings.get(key, 0.0) + seconds
 
 
+# Listeners of progress events, e.g. the progress bar of ``k3rl run`` (``flows/console.py``); one list per
+# process, not a context variable: Prefect runs flows and tasks in threads of its own.
+_progress_listeners: list[Callable[[str, dict], None]] = []
+
+
+def add_progress_listener(fn: Callable[[str, dict], None]) -> None:
+    _progress_listeners.append(fn)
+
+
+def remove_progress_listener(fn: Callable[[str, dict], None]) -> None:
+    if fn in _progress_listeners:
+        _progress_listeners.remove(fn)
+
+
+def progress_event(kind: str, **info: Any) -> None:
+    """Tell the listeners what the run is doing: ``stage_start``/``stage_end`` (``name``: the task run
+    name), ``stage_step`` (``name``, ``done``, ``total``: steps inside a long stage), ``iterations``
+    (``done``, ``total``). A display is never a reason for a stage to fail: a listener that raises is
+    dropped and logged."""
+    for fn in list(_progress_listeners):
+        try:
+            fn(kind, info)
+        except Exception as e:
+            remove_progress_listener(fn)
+            logging.getLogger("k3rl").warning(f"progress display stopped: {type(e).__name__}: {e}")
+
+
 class Stage:
     """A stage body with its Prefect declaration; calling it runs the body as a task in the current
     flow (or standalone). ``.fn`` is the bare body (tests call it without Prefect)."""
@@ -210,8 +238,12 @@ class Stage:
 
             probe = MemoryProbe(self._arguments(*args, **kwargs).get("device", "cpu"))
         t0 = time.perf_counter()
-        with probe if probe is not None else contextlib.nullcontext():
-            state = task(*args, return_state=True, **kwargs)
+        progress_event("stage_start", name=name)
+        try:
+            with probe if probe is not None else contextlib.nullcontext():
+                state = task(*args, return_state=True, **kwargs)
+        finally:
+            progress_event("stage_end", name=name)
         out = state.result()  # raises the stage's own exception when it failed
         seconds = _timings.get()
         if seconds is not None:

@@ -7,7 +7,7 @@ from prefect import get_run_logger
 
 from k3core.artifacts import Artifact
 from k3core.settings import WarmupSettings
-from tasks.common import Run, stage
+from tasks.common import Run, progress_event, stage
 
 
 def _rel(run: Run) -> str:
@@ -30,7 +30,9 @@ def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings, device: str
     def build(tmp):
         model = load_policy(checkpoint.path, device=device)
         metrics.update(supervised_warmup(model, load_env(run.env), run.env, ByteTokenizer(model.config),
-                                         settings.steps, settings.batch, settings.lr, run.seed, log=log.info))
+                                         settings.steps, settings.batch, settings.lr, run.seed, log=log.info,
+                                         progress=lambda done, total: progress_event(
+                                             "stage_step", name="warmup", done=done, total=total)))
         save_hf(model, tmp / "ckpt", model.config, target="bf16")
 
     run.store.publish_once(_rel(run), build, is_dir=True)

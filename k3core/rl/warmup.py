@@ -13,8 +13,9 @@ from k3core.tokenizer import ByteTokenizer
 
 
 def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, tok: ByteTokenizer, steps: int, batch_size: int,
-                      lr: float, seed: int, log=None) -> dict:
-    """Teach the answer format from ``env.reference`` on training prompts (never held-out ones)."""
+                      lr: float, seed: int, log=None, progress=None) -> dict:
+    """Teach the answer format from ``env.reference`` on training prompts (never held-out ones).
+    ``log(text)``: every tenth step's loss; ``progress(done, steps)``: after every step (a display)."""
     from k3core.rl.data import training_prompts
 
     if not hasattr(env, "reference"):
@@ -28,5 +29,7 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, tok: ByteTokeniz
         losses.append(sft_step(model, opt, seqs, tok.pad_id)["loss"])
         if log and (step % 10 == 0 or step == steps - 1):
             log(f"warm-up step {step + 1}/{steps}: loss {losses[-1]:.3f}")
+        if progress:
+            progress(step + 1, steps)
     return {"warmup_steps": steps, "warmup_loss_first": losses[0] if losses else None,
             "warmup_loss_last": losses[-1] if losses else None, "warmup_seconds": time.perf_counter() - t0}

@@ -194,6 +194,14 @@ def test_lineage_and_checkpoint_markdown(tmp_path):
     assert f"**latest checkpoint** (after 2 iterations): `{ck2.uri}`" in cmd
     assert f"| 2 | `checkpoints/iter-0002` | `{ck2.sha256[:12]}` | save_checkpoint-iter1 |" in cmd
     assert "](" not in cmd  # file:// URIs are shown as text: the UI would strip such links
+    assert "deleted" not in cmd
+    # a checkpoint retention deleted stays in the table, marked
+    from k3core.artifacts import ArtifactStore
+
+    assert ArtifactStore(str(tmp_path)).remove("runs/r4/checkpoints/iter-0001")
+    cmd = reports.checkpoints_markdown(s, lineage)
+    assert "| 1 | `checkpoints/iter-0001` (deleted: --keep-checkpoints) |" in cmd
+    assert f"| 2 | `checkpoints/iter-0002` | `{ck2.sha256[:12]}` |" in cmd
 
 
 def test_http_uris_become_links():

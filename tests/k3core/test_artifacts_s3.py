@@ -123,3 +123,29 @@ def test_check_access_names_a_missing_bucket_and_denied_writes(s3):
         ArtifactStore(f"s3://{bucket}/read-only").check_access()
     ArtifactStore(f"s3://{bucket}/k3rl").check_access()
     assert objects(server, bucket) == []  # the probe is removed
+
+
+def test_retention_removes_a_checkpoint_marker_first_and_a_refused_delete_leaves_it_whole(s3):
+    """``ArtifactStore.remove`` (``--keep-checkpoints``) on S3: every object and the local copy go;
+    when the storage refuses the delete, the checkpoint stays published and whole, and the error
+    names it."""
+    from k3core.storage import StorageError
+
+    server, bucket = s3
+    store = ArtifactStore(f"s3://{bucket}/k3rl")
+    for rel in ("runs/r/checkpoints/iter-0001", "runs/r/checkpoints/iter-0002"):
+        with store.publish(rel, is_dir=True) as tmp:
+            build_state(tmp)
+    prefix = f"{bucket}/k3rl/runs/r/checkpoints"
+    server.fail("DELETE", f"/{prefix}/iter-0002/*", status=403, code="AccessDenied")
+    with pytest.raises(StorageError, match=rf"cannot delete s3://{prefix}/iter-0002"):
+        store.remove("runs/r/checkpoints/iter-0002")
+    assert store.exists("runs/r/checkpoints/iter-0002")  # the marker went first and was refused: still whole
+    assert len(objects(server, f"{prefix}/iter-0002")) == 5
+    server.clear_faults()
+
+    assert store.remove("runs/r/checkpoints/iter-0001") is True
+    assert objects(server, f"{prefix}/iter-0001") == []
+    assert not store.exists("runs/r/checkpoints/iter-0001")
+    assert not store.local_path("runs/r/checkpoints/iter-0001").exists()
+    assert store.exists("runs/r/checkpoints/iter-0002")

@@ -1,0 +1,57 @@
+"""Retention of a run's trainer states (``--keep-checkpoints N``).
+
+Owns: which checkpoints of a run are kept, and their deletion. A checkpoint of weight version v is
+two published directories holding the same files (hard links where the filesystem allows):
+``runs/<id>/checkpoints/iter-v`` (the manifest, what resume and ``latest.json`` point at) and
+``runs/<id>/iter-(v-1)/trainer`` (the train step's output). Both go together. Rollout and score
+tables, metrics, lineage and the prepared weights (source, warm-up, rollout weights v0) are never
+deleted: they are small, and a resumed run must never regenerate a published rollout.
+
+Kept, whatever N is:
+- the newest N checkpoints;
+- the latest (``latest.json``): resume continues from it and the engine serves it;
+- with ``--max-staleness 1``, the one before it: a resumed run samples its next batch with the
+  version before the latest when that batch is not published yet.
+
+Deleting is safe against crashes and never touches work in flight: pruning runs in the flow after
+an iteration is recorded (``lineage.json``, ``metrics.json``), when no stage is writing, and only
+below the latest published version; each directory loses its completion marker before its files
+(``ArtifactStore.remove``), so an interrupted delete leaves a leftover no reader trusts.
+"""
+
+from __future__ import annotations
+
+from k3core.artifacts import ArtifactStore
+from k3core.settings import RLSettings
+
+__all__ = ["checkpoints_to_keep", "prune_checkpoints"]
+
+
+def checkpoints_to_keep(latest: int, keep: int, max_staleness: int = 0) -> set[int]:
+    """Weight versions (1..``latest``) whose checkpoints stay; ``keep`` 0 keeps them all."""
+    if keep <= 0:
+        return set(range(1, latest + 1))
+    needed = {latest} | ({latest - 1} if max_staleness and latest > 1 else set())
+    return set(range(max(1, latest - keep + 1), latest + 1)) | needed
+
+
+def prune_checkpoints(s: RLSettings, latest: int) -> list[int]:
+    """Delete the checkpoints (and their trainer states) of versions below ``latest`` that
+    ``checkpoints_to_keep`` does not keep; return the versions deleted, oldest first."""
+    if s.pipeline.keep_checkpoints <= 0:
+        return []
+    store = ArtifactStore(s.pipeline.artifacts)
+    pre = f"runs/{s.pipeline.run_id}"
+    keep = checkpoints_to_keep(latest, s.pipeline.keep_checkpoints, s.grpo.max_staleness)
+    removed = []
+    for v in range(1, latest):
+        if v in keep:
+            continue
+        ckpt, trainer = f"{pre}/checkpoints/iter-{v:04d}", f"{pre}/iter-{v - 1:04d}/trainer"
+        # the checkpoint first (what resume reads); a crash before the trainer state goes leaves
+        # only that state behind, which the next pruning finds and deletes
+        found = store.remove(ckpt)
+        found = store.remove(trainer) or found
+        if found:
+            removed.append(v)
+    return removed
