@@ -217,7 +217,14 @@ def cmd_model_info(a) -> int:
 def cmd_status(a) -> int:
     from flows.status import format_status, run_status
 
-    st = run_status(a.artifacts, a.run_id)  # RunNotFound is a ValueError: exit status 2
+    run_id = a.run_id
+    if run_id is None:  # run ids are generated when not given: show the newest run
+        from flows.status import newest_run
+
+        run_id = newest_run(a.artifacts)
+        print(f"k3rl: status of the newest run '{run_id}' under {a.artifacts} (--run-id ID for another)",
+              file=sys.stderr)
+    st = run_status(a.artifacts, run_id)  # RunNotFound is a ValueError: exit status 2
     print(json.dumps(st, indent=2) if a.json else format_status(st))
     return 0
 
@@ -240,6 +247,7 @@ EXAMPLES = {
   k3rl model-info --preset full
   k3rl model-info --config path/to/config.json --json""",
     "status": """examples:
+  k3rl status                     # the newest run under ./artifacts
   k3rl status --run-id demo
   k3rl status --run-id demo --artifacts s3://bucket/k3rl --json | jq .heldout_reward.last""",
     "plan": """examples:
@@ -308,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "reward trend", description="Summarise a run from its artifacts alone (no Prefect server "
                         "needed):\niterations done, latest checkpoint, held-out and train reward (first, last, "
                         "best).\nExit status 2 when the run does not exist.")
-    st.add_argument("--run-id", dest="run_id", default="demo", help="the run (default demo)")
+    st.add_argument("--run-id", dest="run_id", default=None, help="the run (default: the newest run under --artifacts)")
     st.add_argument("--artifacts", default="./artifacts", help="artifact root: a path or fsspec URL (default ./artifacts)")
     st.add_argument("--json", action="store_true", help="print JSON (for scripts)")
     st.set_defaults(fn=cmd_status)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["RunNotFound", "format_status", "list_runs", "run_status"]
+__all__ = ["RunNotFound", "format_status", "list_runs", "newest_run", "run_status"]
 
 
 class RunNotFound(ValueError):
@@ -32,6 +32,25 @@ def list_runs(artifacts: str) -> list[str]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+
+
+def newest_run(artifacts: str) -> str:
+    """The run whose directory changed last (ties, or a store without modification times: the last
+    id in sorted order); ``RunNotFound`` when the root holds no run."""
+    from k3core.artifacts import ArtifactStore
+
+    runs = list_runs(artifacts)
+    if not runs:
+        raise RunNotFound(f"no runs under {artifacts}: start one with `k3rl run`, or point --artifacts at the "
+                          "root your runs were written to")
+    store = ArtifactStore(artifacts)
+
+    def changed(run_id: str) -> float:
+        info = store.fs.info(f"{store.base}/runs/{run_id}")
+        t = info.get("mtime") or info.get("LastModified") or 0
+        return t.timestamp() if hasattr(t, "timestamp") else float(t)
+
+    return max(runs, key=lambda r: (changed(r), r))
 
 
 def _read_json(store, rel: str):

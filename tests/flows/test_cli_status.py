@@ -236,3 +236,19 @@ def test_summary_sums_stages_and_keeps_the_iteration_wall_time_apart(tmp_path):
     out = reports.summary(s, {"fetch": 0.25}, history, {"heldout_reward": 0.5, "heldout_solved": 0.0}, 10.0)
     assert out["seconds_per_stage"] == {"rollout": 2.5, "train": 4.5, "prepare_fetch": 0.2}
     assert out["iteration_seconds"] == 8.0
+
+
+def test_status_without_a_run_id_shows_the_newest_run_and_an_empty_root_is_exit_2(tmp_path, capsys):
+    """Run ids are generated when not given, so ``status`` alone picks the run whose directory changed
+    last (by its modification time, set here), and says which on stderr."""
+    import os
+
+    for i, run_id in enumerate(["zeta", "alpha"]):  # sorted order and age disagree: age must decide
+        d = tmp_path / "runs" / run_id
+        d.mkdir(parents=True)
+        os.utime(d, (1_000_000 + i * 100, 1_000_000 + i * 100))
+    from flows.status import newest_run
+
+    assert newest_run(str(tmp_path)) == "alpha"
+    assert main(["status", "--artifacts", str(tmp_path / "empty")]) == 2
+    assert "no runs under" in capsys.readouterr().err
