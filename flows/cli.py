@@ -78,25 +78,44 @@ def check_settings(s) -> None:
 def cmd_run(a) -> int:
     s = _settings_from_args(a)
     check_settings(s)
-    from flows.runlock import lock_path, run_lock
+    from flows.runlock import run_lock
 
     run_id, artifacts = s.pipeline.run_id, s.pipeline.artifacts
-    with run_lock(artifacts, run_id) as held:  # two runs on one id would interleave their stages
-        if not held:
-            print(f"k3rl: error: run '{run_id}' is busy: another `k3rl run` or scheduled tick holds "
-                  f"{lock_path(artifacts, run_id)}; wait for it to finish, or use another --run-id", file=sys.stderr)
+    with run_lock(artifacts, run_id) as lock:  # two runs on one id would interleave their stages
+        if not lock:
+            holder = f"pid {lock.holder}" if lock.holder else "another process"
+            print(f"k3rl: error: run '{run_id}' is busy: {holder} (a `k3rl run` or scheduled tick of it) holds "
+                  f"{lock.path}; wait for it to finish, or use another --run-id", file=sys.stderr)
             return 2
-        return _run_locked(a, s)
+        if lock.took_over_from:
+            print(f"k3rl: run '{run_id}': took over {lock.path} from pid {lock.took_over_from}, which died holding "
+                  "it; resuming", file=sys.stderr)
+        return _run_locked(a, s, lock.path)
 
 
-def _run_locked(a, s) -> int:
+def _run_locked(a, s, lock) -> int:
+    """The run, holding its lock: first clear what a killed process of it left (``flows.resume``)."""
+    from prefect import tags
+
+    from flows import resume
     from flows.pipeline import rl_run
 
     run_id = s.pipeline.run_id
+    removed = resume.remove_dead_staging(s.pipeline.artifacts, run_id)
+    if removed:
+        print(f"k3rl: run '{run_id}': removed {len(removed)} staging path(s) of a killed process "
+              f"({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})", file=sys.stderr)
+    resume.start_embedded_server()
+    tag = resume.run_tag(lock)
+    crashed = resume.crash_stale_flow_runs(tag)
+    if crashed:
+        print(f"k3rl: run '{run_id}': marked {len(crashed)} flow run(s) of a killed process Crashed "
+              f"({', '.join(crashed)})", file=sys.stderr)
     print(f"k3rl: RL run '{run_id}' on preset '{s.model.preset}', env '{s.pipeline.env}', "
           f"{s.pipeline.iterations} iterations, artifacts at {s.pipeline.artifacts}", flush=True)
     try:
-        summary = rl_run(s)
+        with tags(tag):
+            summary = rl_run(s)
     except KeyboardInterrupt:
         print(f"k3rl: interrupted; run the same command again to resume run '{run_id}'", file=sys.stderr)
         return 130
