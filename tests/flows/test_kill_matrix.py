@@ -38,10 +38,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_ID = "kill"
-# the smallest run that reaches every stage, iteration 1 resumed from iteration 0's checkpoint
+# the smallest run that reaches every stage, iteration 1 resumed from iteration 0's checkpoint; two
+# minibatches, so that the trainer's RNG (their shuffle) decides the weights
 ARGS = ["run", "--preset", "tiny", "--source", "init:tiny:3", "--env", "even_bytes_env:make", "--iterations", "2",
         "--prompts-per-iteration", "2", "--samples-per-prompt", "2", "--max-new-tokens", "3", "--warmup-steps", "1",
-        "--warmup-batch", "4", "--eval-prompts", "4", "--eval-every", "1", "--lr", "1e-3", "--run-id", RUN_ID]
+        "--warmup-batch", "4", "--eval-prompts", "4", "--eval-every", "1", "--lr", "1e-3", "--minibatches", "2",
+        "--run-id", RUN_ID]
 # every stage, in the order the run reaches them; kills in iteration 1 resume a run that has a
 # finished iteration and a live trainer and engine that the killed process lost
 PUBLISHING = ["fetch_checkpoint", "validate_checkpoint", "warmup", "quantize_mxfp4", "rollout-iter1",
@@ -64,7 +66,12 @@ def _k3rl(artifacts: Path, home: Path, fault: str | None) -> tuple[subprocess.Co
         env["K3RL_FAULT"] = fault
     p = subprocess.Popen([sys.executable, "-m", "flows.cli", *ARGS, "--artifacts", str(artifacts)], cwd=ROOT, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out, _ = p.communicate(timeout=600)
+    try:
+        out, _ = p.communicate(timeout=600)
+    finally:
+        if p.poll() is None:  # the test failed or timed out around it: do not leave the run going
+            p.kill()
+            p.wait()
     return subprocess.CompletedProcess(p.args, p.returncode, out), p.pid
 
 
