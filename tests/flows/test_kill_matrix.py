@@ -17,7 +17,7 @@ chain costs one process per stage. After every kill, and after the resume that f
   score table, trainer state or checkpoint is regenerated.
 
 At the end of each chain the run equals an uninterrupted run of the same command (the module's
-baseline): the same weights, optimizer state, RNG state and data cursor in the last trainer state,
+baseline): the same weights, optimizer state, torch RNG state and data cursor in the last trainer state,
 the same rollout and score tables, the same metrics (timings aside), no staging path anywhere and no
 flow run left unfinished."""
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import sqlite3
 import subprocess
 import sys
@@ -130,7 +129,10 @@ def _final_state(root: Path) -> dict:
     latest = json.loads((run / "latest.json").read_text())
     model, opt, extra = load_trainer_state(Path(latest["checkpoint"].removeprefix("file://")) / "state", lr=0.0)
     return {"iteration": latest["iteration"], "model": model.state_dict(), "optim": opt.state_dict(),
-            "rng": [torch.get_rng_state(), random.getstate()], "extra": {k: extra[k] for k in ("iteration", "data_cursor", "metrics")},
+            # torch's RNG draws the trainer's minibatch shuffles. Python's global RNG, saved beside it,
+            # is not compared: the trainer draws nothing from it, and Prefect's client threads draw
+            # from it (retry and reconnect jitter) whenever the server is slow, in any run.
+            "rng": torch.get_rng_state(), "extra": {k: extra[k] for k in ("iteration", "data_cursor", "metrics")},
             "metrics": json.loads((run / "metrics.json").read_text()),
             "tables": {f"{it}/{t}": pq.read_table(run / it / t) for it in ("iter-0000", "iter-0001")
                        for t in ("rollouts.parquet", "scored.parquet")}}
