@@ -69,10 +69,10 @@ def start_embedded_server() -> Any | None:
     names a server (nothing embedded) or the embedded server is already running. Call it from the
     main thread: the kernel signals the child when the thread that forked it ends."""
     from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    if PREFECT_API_URL.value():
-        return None
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return None  # a server of the user's, or none allowed: as Prefect's own client decides
     current = SubprocessASGIServer._instances.get(None)
     if current is not None and current.running:
         return None
@@ -85,7 +85,9 @@ def start_embedded_server() -> Any | None:
             def popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
                 return real(*args, preexec_fn=preexec, **kwargs)
 
-            subprocess.Popen = popen  # the one call Prefect's method makes, in this thread
+            # Prefect's method makes one Popen call and takes no preexec_fn, so the module attribute
+            # is swapped for its duration; the CLI starts no other process meanwhile (no flow runs yet)
+            subprocess.Popen = popen
             try:
                 return super()._run_uvicorn_command()
             finally:
