@@ -16,7 +16,11 @@ Prefect runs in its embedded mode unless PREFECT_API_URL points at a server; tel
 
 Exit status (every subcommand): 0 success; 1 the work failed (a run or stage raised, a checkpoint
 failed validation); 2 bad usage or input (unknown option, preset or environment, a run or file that
-does not exist); 130 interrupted (Ctrl-C; ``k3rl run`` resumes with the same command).
+does not exist, storage access denied or a bucket that does not exist); 130 interrupted (Ctrl-C;
+``k3rl run`` resumes with the same command).
+
+Errors are one message naming the problem and the fix, without a traceback; ``k3rl --debug ...``
+(the flag may also follow the subcommand) prints the traceback as well.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
+import traceback
+
+from flows.preflight import check_settings
 
 
 def _settings_from_args(a: argparse.Namespace):
@@ -44,6 +52,10 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     """One flag per setting, grouped by section (``k3rl run --help`` shows the sections)."""
     from k3core.settings import section_fields
 
+    # argparse takes "-1e-4" or "-inf" for an option (its negative-number pattern has no exponent),
+    # so `--lr -1e-4` would fail with "expected one argument" instead of the setting's own check.
+    if hasattr(p, "_negative_number_matcher"):
+        p._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.I)
     groups: dict[str, argparse._ArgumentGroup] = {}
     for sec, f in section_fields():
         g = groups.get(sec) or groups.setdefault(sec, p.add_argument_group(f"{sec} settings"))
@@ -62,17 +74,6 @@ def _bool(text: str) -> bool:
     if v not in ("1", "true", "yes", "0", "false", "no"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return v in ("1", "true", "yes")
-
-
-def check_settings(s) -> None:
-    """Bad input found before any work starts (``ValueError``, exit status 2): the sections validated
-    themselves when built; here the environment is loaded (a module that does not import, a factory
-    that returns no environment)."""
-    from flows.scale import check_dask
-    from k3core.rl.envs import load_env
-
-    load_env(s.pipeline.env)
-    check_dask(s.scale_out)
 
 
 def cmd_run(a) -> int:
@@ -100,6 +101,8 @@ def _run_locked(a, s, lock) -> int:
     from flows import resume
     from flows.pipeline import rl_run
 
+    from k3core.device import run_device
+
     run_id = s.pipeline.run_id
     removed = resume.remove_dead_staging(s.pipeline.artifacts, run_id)
     if removed:
@@ -112,7 +115,8 @@ def _run_locked(a, s, lock) -> int:
         print(f"k3rl: run '{run_id}': marked {len(crashed)} flow run(s) of a killed process Crashed "
               f"({', '.join(crashed)})", file=sys.stderr)
     print(f"k3rl: RL run '{run_id}' on preset '{s.model.preset}', env '{s.pipeline.env}', "
-          f"{s.pipeline.iterations} iterations, artifacts at {s.pipeline.artifacts}", flush=True)
+          f"{s.pipeline.iterations} iterations, device {run_device(s).type}, artifacts at {s.pipeline.artifacts}",
+          flush=True)
     try:
         with tags(tag):
             summary = rl_run(s)
@@ -120,6 +124,12 @@ def _run_locked(a, s, lock) -> int:
         print(f"k3rl: interrupted; run the same command again to resume run '{run_id}'", file=sys.stderr)
         return 130
     except Exception as e:  # the failing stage has logged its traceback through Prefect
+        from k3core.storage import StorageError
+
+        if isinstance(e, StorageError) and e.permanent:  # access, credentials, bucket: the user's to fix
+            print(f"k3rl: error: run '{run_id}' stopped: {e}; no partial artifact was published and finished stages "
+                  f"are kept: fix this and run the same command to resume", file=sys.stderr)
+            return 2
         print(f"k3rl: run '{run_id}' failed: {type(e).__name__}: {e}\n"
               f"k3rl: finished stages are kept; fix the cause and run the same command to resume", file=sys.stderr)
         return 1
@@ -135,6 +145,11 @@ def _format_summary(s: dict) -> str:
              f"{_f(s.get('heldout_greedy_reward_end'))}",
              f"  train reward (sampled): {_f(s['train_reward_first'])} -> {_f(s['train_reward_last'])}",
              "  seconds per stage: " + ", ".join(f"{k} {v}" for k, v in s["seconds_per_stage"].items())]
+    mem = s.get("memory_per_stage") or {}
+    if mem:
+        peak = "device_peak_bytes" if s.get("device") == "cuda" else "host_rss_peak_bytes"
+        lines.append(f"  peak {'device memory' if peak.startswith('device') else 'host RSS'} per stage (GiB): "
+                     + ", ".join(f"{k} {v.get(peak, 0) / 2**30:.2f}" for k, v in mem.items()))
     return "\n".join(lines)
 
 
@@ -162,7 +177,16 @@ def cmd_model_info(a) -> int:
     from k3core.config import K3Config
     from k3core.model.info import format_model_info, model_info
 
-    cfg = K3Config.from_json_file(a.config) if a.config else K3Config.preset(a.preset)
+    if a.config:
+        try:
+            cfg = K3Config.from_json_file(a.config)
+        except FileNotFoundError:
+            raise ValueError(f"--config {a.config}: no such file; give a checkpoint's config.json, or --preset") from None
+        except (TypeError, KeyError, AttributeError) as e:  # a config.json of the wrong shape
+            raise ValueError(f"--config {a.config} is not a K3 config.json ({type(e).__name__}: {e}); give a "
+                             "checkpoint's config.json, or --preset") from None
+    else:
+        cfg = K3Config.preset(a.preset)
     info = model_info(cfg)
     print(json.dumps(info, indent=2) if a.json else format_model_info(a.config or a.preset, info))
     return 0
@@ -184,6 +208,7 @@ EXAMPLES = {
   k3rl run --preset tiny --iterations 3 --run-id try --artifacts s3://bucket/k3rl      # any fsspec URL
   PYTHONPATH=~/envs k3rl run --env uppercase_env:make_env --run-id upper              # your environment
   k3rl run --run-id demo --iterations 40     # same run id: resumes, finished stages are skipped
+  k3rl run --device cuda --preset medium --iterations 3 --run-id gpu   # every stage on the GPU
   PREFECT_API_URL=http://127.0.0.1:4200/api k3rl run ...   # report to a Prefect server (UI)""",
     "prepare": """examples:
   k3rl prepare --preset tiny --run-id try                      # fetch, validate, warm up, quantize
@@ -239,6 +264,8 @@ def _add_examples(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3rl", description="RL post-training for Kimi-K3-architecture models",
                                 epilog=MAIN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="print the traceback with an error (errors are one message "
+                   "without one by default)")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="a full RL run (prepare + iterations), Prefect embedded mode by default")
     _add_run_args(r)
@@ -277,16 +304,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv[1:]:  # also accepted after the subcommand, where people type it
+        argv.remove("--debug")
+        argv.insert(0, "--debug")
+    from k3core.storage import StorageError
+
     args = build_parser().parse_args(argv)
     handler = getattr(args, "fn", None) or args.func
     try:
         return handler(args) or 0
+    except StorageError as e:  # reading or writing an artifact root (``status``, ...): named, with the fix
+        print(f"k3rl: error: {e}", file=sys.stderr)
+        return 2 if e.permanent else 1
     except (ValueError, FileNotFoundError, NotImplementedError) as e:  # bad input, found before the work
+        if args.debug:
+            traceback.print_exc()
         print(f"k3rl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("k3rl: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # not bad input: the work failed; the traceback is for whoever debugs it
+        if args.debug:
+            traceback.print_exc()
+        print(f"k3rl: error: {type(e).__name__}: {e}\nk3rl: the command failed; `k3rl --debug {args.cmd} ...` "
+              "prints the traceback", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

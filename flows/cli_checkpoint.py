@@ -7,8 +7,9 @@
 
 ``add_checkpoint_subcommands(subparsers)`` adds a ``checkpoint`` command with these four
 subcommands to an argparse subparsers object; each sets ``fn`` (and ``func``) to a handler
-``handler(args) -> int`` exit status: 0 success, 1 a checkpoint that failed validation or a pin,
-2 bad input (unknown preset, missing directory, a config that cannot be quantised, ...).
+``handler(args) -> int`` exit status: 0 success, 1 a checkpoint that failed validation or a pin, or
+a transfer that failed after the storage client's retries, 2 bad input (unknown preset, missing
+directory, a config that cannot be quantised, storage access denied or a bucket that does not exist).
 Heavy imports happen inside the handlers, so building the parser stays cheap.
 """
 
@@ -40,6 +41,24 @@ def _size(text: str) -> int:
     return v
 
 
+def _seed(text: str) -> int:
+    """A seed as ``init:PRESET:SEED`` takes it (a non-negative integer), so both spellings name the same
+    checkpoints."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _workers(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
 def cmd_init(a) -> int:
     from k3core.checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, init_checkpoint
 
@@ -56,11 +75,16 @@ def cmd_init(a) -> int:
 def cmd_fetch(a) -> int:
     from k3core.checkpoint.fetch import FetchError, fetch
     from k3core.checkpoint.pin import PinMismatchError
+    from k3core.storage import StorageError
 
     try:
         r = fetch(a.url, a.dir, pin=a.pin, workers=a.workers, progress=None if a.progress else False)
     except PinMismatchError as e:
         return _err(str(e), 1)
+    except StorageError as e:  # permanent (access, credentials, bucket): 2; else the transfer failed: 1
+        if e.permanent:
+            return _err(f"{e}; {a.dir} is untouched", 2)
+        return _err(f"{e}; {a.dir} is untouched, and what arrived is kept: run the same command to resume", 1)
     except (FetchError, ImportError, FileNotFoundError, ValueError) as e:
         return _err(str(e), 2)
     print(f"{r.dest}: {len(r.downloaded)} files fetched ({r.bytes_downloaded / 2**20:.1f} MiB), "
@@ -131,7 +155,7 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--preset", required=True, help="tiny, small, medium or full")
     p.add_argument("--out", required=True, help="checkpoint directory (replaced as a whole)")
     p.add_argument("--format", choices=["bf16", "mxfp4"], default="bf16")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="non-negative integer (default 0)")
     p.add_argument("--max-shard-bytes", type=_size, default=None, help="shard bound (default 5GB)")
     handler(p, cmd_init)
 
@@ -142,7 +166,7 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("url")
     p.add_argument("dir")
     p.add_argument("--pin", default=None, help="JSON pin: config_sha256, index_sha256 [, files]")
-    p.add_argument("--workers", type=int, default=8, help="parallel file transfers")
+    p.add_argument("--workers", type=_workers, default=8, help="parallel file transfers")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no stderr progress bar")
     handler(p, cmd_fetch)
 
@@ -156,7 +180,7 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--roundtrip", action="store_true", help="also check public -> native -> public bit for bit")
     p.add_argument("--preset", default=None, help="the model it must be (default: its own config.json)")
     p.add_argument("--write-pin", default=None, help="after passing, write a pin of this checkpoint here")
-    p.add_argument("--workers", type=int, default=4, help="files hashed at once")
+    p.add_argument("--workers", type=_workers, default=4, help="files hashed at once")
     p.add_argument("--json", action="store_true", help="print the report (without per-file hashes)")
     handler(p, cmd_validate)
 

@@ -25,6 +25,32 @@ __all__ = ["add_rollout_server_subcommand", "refuse_checkpoint_on_serve", "add_a
 COMMAND = "rollout-server"
 
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's names
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from None
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port lies in 0..65535 (0: any free port), got {v}")
+    return v
+
+
+def _at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The rollout server's options (light: nothing heavy is imported to build them)."""
     from k3core.rollout.checkpoints import DTYPES, EXPERTS
@@ -33,15 +59,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="checkpoint directory in the public layout (bf16 or MXFP4)")
     p.add_argument("--host", default="127.0.0.1",
                    help="bind address (default loopback); any other address needs --api-key")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default {DEFAULT_PORT}, as SGLang)")
+    p.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"(default {DEFAULT_PORT}, as SGLang)")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations (default float32)")
-    p.add_argument("--max-batch", dest="max_batch", type=int, default=256, help="most sequences decoded together")
-    p.add_argument("--max-queue", dest="max_queue", type=int, default=4096,
+    p.add_argument("--max-batch", dest="max_batch", type=_at_least(1), default=256, help="most sequences decoded together")
+    p.add_argument("--max-queue", dest="max_queue", type=_at_least(1), default=4096,
                    help="most waiting sequences; beyond it /generate answers 503")
     p.add_argument("--experts", default="auto", choices=EXPERTS,
                    help="auto: an MXFP4 checkpoint runs W4A8 experts; float: dequantise them")
-    p.add_argument("--weight-version", dest="weight_version", type=int, default=0, help="version of the loaded weights")
-    p.add_argument("--log-level", dest="log_level", default="warning")
+    p.add_argument("--weight-version", dest="weight_version", type=_at_least(0), default=0, help="version of the loaded weights")
+    p.add_argument("--log-level", dest="log_level", default="warning", choices=LOG_LEVELS)
     p.add_argument("--api-key", dest="api_key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
                         "K3RL_ROLLOUT_API_KEY environment variable, which keeps it out of the process list); "

@@ -34,7 +34,9 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = PROJECT_ROOT / "prefect.yaml"
 DEFAULT_POOL = "k3rl-local"
 # Settings a continuation may change without changing what the finished iterations were.
-_FREE_FIELDS = {("pipeline", "iterations"), ("pipeline", "run_id"), ("pipeline", "artifacts")}
+# The device is one of them, and a tick takes the one it is given: a run started on a GPU continues on
+# a CPU (or back) from its artifacts.
+_FREE_FIELDS = {("pipeline", "iterations"), ("pipeline", "run_id"), ("pipeline", "artifacts"), ("device", "type")}
 
 
 # ----------------------------------------------------------------------------------------- continue
@@ -44,7 +46,8 @@ def resolve_settings(run_id: str, artifacts: str, settings: RLSettings | None) -
     A run's settings are recorded in ``runs/<id>/settings.json`` by its first ``rl_continue`` tick and
     win over later ones: finished stages are cached on their inputs, so continuing with, say, another
     rollout batch size would recompute (not continue) the run. ``settings`` only start a run that has
-    no record (including a run started by ``rl_run`` directly)."""
+    no record (including a run started by ``rl_run`` directly), except for the device: a tick computes
+    on the device its ``settings`` name (the machine it runs on), not the one recorded."""
     from k3core.artifacts import ArtifactStore
 
     store = ArtifactStore(artifacts)
@@ -62,6 +65,7 @@ def resolve_settings(run_id: str, artifacts: str, settings: RLSettings | None) -
         if diff:
             warnings.append(f"run '{run_id}' continues with its recorded settings ({rel}); ignoring given "
                             + ", ".join(f"{k}={a!r} (recorded {b!r})" for k, (a, b) in diff.items()))
+        recorded = recorded.replace(device=given.device.type)
     return recorded, warnings
 
 

@@ -35,7 +35,7 @@ from flows import reports
 from flows.scale import iteration_runner
 from k3core.artifacts import Artifact
 from k3core.settings import RLSettings
-from tasks.common import Run, stage_timings
+from tasks.common import Run, memory_metrics, stage_memory, stage_timings
 from tasks.evaluate import evaluate
 from tasks.fetch import fetch_checkpoint
 from tasks.mismatch import rollout_mismatch
@@ -55,6 +55,14 @@ __all__ = ["Iteration", "Prepared", "RLSettings", "check_environment", "prepare"
 
 def run_of(s: RLSettings) -> Run:
     return Run(s.pipeline.artifacts, s.pipeline.run_id, s.pipeline.env, s.pipeline.seed)
+
+
+def device_of(s: RLSettings) -> str:
+    """The device every stage of the run computes on ("cpu" or "cuda"); ``--device cuda`` on a machine
+    without one raises ``DeviceUnavailable`` (a ``ValueError``) before any stage runs."""
+    from k3core.device import run_device
+
+    return run_device(s).type
 
 
 def check_environment(s: RLSettings) -> bool:
@@ -78,6 +86,7 @@ class Prepared:
     policy: Artifact  # the trainer's starting weights (warmed up, or the checkpoint)
     weights: Artifact  # the rollout engine's weights at version 0
     seconds: dict[str, float] = field(default_factory=dict)
+    memory: dict[str, int | str] = field(default_factory=dict)  # memory_metrics of the prepare stages
 
     def lineage(self) -> list[Artifact]:
         out = [self.checkpoint, self.report]
@@ -98,13 +107,14 @@ class Iteration:
 def prepare(settings: RLSettings) -> Prepared:
     """fetch -> validate -> (supervised warm-up) -> quantize (MXFP4 rollout weights, version 0)."""
     s, run = settings, run_of(settings)
+    device = device_of(s)
     warm = check_environment(s)
-    with stage_timings() as seconds:
+    with stage_timings() as seconds, stage_memory() as peaks:
         checkpoint = fetch_checkpoint(run, s.model.source)
         report = validate_checkpoint(run, checkpoint, s.model.preset)
-        policy = warmup(run, checkpoint, s.warmup) if warm else checkpoint
-        weights = quantize_mxfp4(run, policy) if s.rollout.quantized else policy
-    return Prepared(checkpoint, report, policy, weights, seconds)
+        policy = warmup(run, checkpoint, s.warmup, device=device) if warm else checkpoint
+        weights = quantize_mxfp4(run, policy, device=device) if s.rollout.quantized else policy
+    return Prepared(checkpoint, report, policy, weights, seconds, memory_metrics(peaks))
 
 
 @flow(name="rl_iteration", flow_run_name="{settings.pipeline.run_id}-iter{iteration}", log_prints=True,
@@ -118,34 +128,38 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
     iteration sampled it ahead; else it is sampled here by ``behind`` (the version before
     ``weights``; a resumed run finds it published) or, with neither, by ``weights`` (iteration 0)."""
     s, run = settings, run_of(settings)
+    device = device_of(s)
     cursor = data_position(policy)  # where this iteration's prompts start (datasets), as the trainer state says
     t0 = time.perf_counter()
     ahead = s.grpo.max_staleness > 0 and iteration + 1 < s.pipeline.iterations
-    with stage_timings() as seconds:
-        heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
+    with stage_timings() as seconds, stage_memory() as peaks:
+        heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward, device=device)
                    if s.evaluation.due(iteration) else {})
         if rollouts is None:
-            rollouts = rollout_of(s, run, iteration, behind or weights, cursor=cursor)
+            rollouts = rollout_of(s, run, iteration, behind or weights, cursor=cursor, device=device)
         scored = score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages,
                                reward=s.reward)
-        refills = refill(s, run, iteration, weights, scored.info["groups_informative"], cursor)
+        refills = refill(s, run, iteration, weights, scored.info["groups_informative"], cursor, device)
         if ahead:  # the next batch, at this version, beside the stages up to the save; its prompts follow this one's
-            serve_version(run.run_id, weights, s.rollout.url)
+            serve_version(run.run_id, weights, s.rollout.url, device)
             pending = rollout.submit(run, iteration + 1, weights, s.rollout,
-                                     cursor=cursor + s.rollout.prompts_per_iteration * (1 + len(refills)))
+                                     cursor=cursor + s.rollout.prompts_per_iteration * (1 + len(refills)),
+                                     device=device)
         mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
-                                     s.rollout.temperature)
+                                     s.rollout.temperature, device=device)
                     if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
         batch = (scored, *(sc for _, sc in refills))
-        ref = reference_logprobs(run, iteration, reference, batch, s.grpo, s.rollout) if s.grpo.kl_coef else None
+        ref = (reference_logprobs(run, iteration, reference, batch, s.grpo, s.rollout, device=device)
+               if s.grpo.kl_coef else None)
         trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, batch[1:], cursor, ref,
-                             procs=s.scale_out.train_procs)
+                             procs=s.scale_out.train_procs, device=device)
         checkpoint = save_checkpoint(run, iteration, trained)
         next_rollouts = pending.result() if ahead else None  # the engine keeps this version until it is done
-        engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized)
+        engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized, device=device)
     metrics = reports.iteration_metrics(iteration, weights, rollouts, scored, trained, engine, heldout, mismatch, seconds)
     metrics.update(sampling_rounds=1 + len(refills), weight_version=rollouts.version, policy_version=iteration,
-                   staleness=iteration - rollouts.version, seconds_iteration=time.perf_counter() - t0)
+                   staleness=iteration - rollouts.version, seconds_iteration=time.perf_counter() - t0,
+                   device=device, **memory_metrics(peaks))
     served = _served(s, checkpoint)
     extra = [a for pair in refills for a in pair] + ([ref] if ref is not None else [])
     return Iteration(checkpoint, served, metrics, [rollouts, scored, *extra, trained, checkpoint, engine],
@@ -153,18 +167,19 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
 
 
 def rollout_of(s: RLSettings, run: Run, iteration: int, weights: Artifact, refill: int = 0,
-               cursor: int = 0) -> Artifact:
-    """The rollout (or refill round ``refill``) in this process, or fanned out as shards over the
-    task runner's engine workers (``--task-runner dask``): the same table either way."""
+               cursor: int = 0, device: str = "cpu") -> Artifact:
+    """The rollout (or refill round ``refill``) in this process on ``device``, or fanned out as
+    shards over the task runner's engine workers (``--task-runner dask``, CPU engines): the same table
+    either way."""
     if s.scale_out.task_runner == "dask":
         return rollout_fanout(run, iteration, weights, s.rollout, s.scale_out.rollout_workers, refill, cursor)
     if refill:
-        return rollout_refill(run, iteration, weights, s.rollout, refill, cursor)
-    return rollout(run, iteration, weights, s.rollout, cursor=cursor)
+        return rollout_refill(run, iteration, weights, s.rollout, refill, cursor, device=device)
+    return rollout(run, iteration, weights, s.rollout, cursor=cursor, device=device)
 
 
 def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
-           informative: int, cursor: int = 0) -> list[tuple[Artifact, Artifact]]:
+           informative: int, cursor: int = 0, device: str = "cpu") -> list[tuple[Artifact, Artifact]]:
     """Dynamic sampling: while fewer than ``prompts_per_iteration`` groups have rewards that differ
     (``informative`` so far), one more round of new prompts on the same weights, at most
     ``refill_rounds``. -> (rollouts, scored) of each round, in order."""
@@ -172,7 +187,7 @@ def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
     for r in range(1, s.grpo.refill_rounds + 1):
         if informative >= s.rollout.prompts_per_iteration:
             break
-        rollouts = rollout_of(s, run, iteration, weights, r, cursor)
+        rollouts = rollout_of(s, run, iteration, weights, r, cursor, device)
         scored = score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, r,
                               s.reward)
         informative += scored.info["groups_informative"]
@@ -189,14 +204,20 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     log = get_run_logger()
     s, run = settings, run_of(settings)
     t_start = time.perf_counter()
+    device = device_of(s)  # --device cuda without a GPU fails here, before any stage
+    log.info(f"run '{run.run_id}': stages compute on {device} (--device {s.device.type})")
     prep = prepare(s)
     history, done = reports.finished_iterations(s)  # a continued run starts after its last recorded iteration
     policy, weights = prep.policy, prep.weights
     behind = pending = None  # one-step-off-policy: the previous version's weights; a batch sampled ahead
     if done:
+        # the recorded handles name the local paths of the machine that made them; on another machine,
+        # or after its cache was emptied, the checkpoints read here are downloaded from the root again
         checkpoints = [next(a for a in it if a.kind == "dcp" and "manifest" in a.info) for it in done]
-        policy, weights = checkpoints[-1], _served(s, checkpoints[-1])
-        behind = _served(s, checkpoints[-2]) if len(checkpoints) > 1 else prep.weights
+        policy = run.store.localize(checkpoints[-1])
+        weights = _served(s, policy)
+        behind = (_served(s, run.store.localize(checkpoints[-2])) if len(checkpoints) > 1 and s.grpo.max_staleness
+                  else prep.weights)
         log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
     reference = prep.policy if s.grpo.kl_coef else None
     with iteration_runner(s.scale_out) as runner:  # a Dask cluster lives as long as the run's iterations
@@ -211,8 +232,8 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
             log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics))
             reports.record_lineage(s, prep.lineage(), done)
             reports.publish_iteration(s, history, _flat(prep, done))
-    final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward)
-    summary = reports.summary(s, prep.seconds, history, final, time.perf_counter() - t_start)
+    final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward, device=device)
+    summary = reports.summary(s, prep.seconds, history, final, time.perf_counter() - t_start, prep.memory, device)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary
 

@@ -284,7 +284,10 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def summary(s: RLSettings, prepare_seconds: dict[str, float], history: list[dict], final: dict, wall: float) -> dict:
+def summary(s: RLSettings, prepare_seconds: dict[str, float], history: list[dict], final: dict, wall: float,
+            prepare_memory: dict | None = None, device: str = "cpu") -> dict:
+    """The run's summary (``summary.json``). ``memory_per_stage``: per stage, the largest peaks of
+    ``metrics.json``'s ``memory_<stage>_*`` over the iterations, and the prepare stages' own."""
     ev = [h for h in history if "heldout_reward" in h]
     per_stage: dict[str, float] = {}
     for h in history:
@@ -293,6 +296,15 @@ def summary(s: RLSettings, prepare_seconds: dict[str, float], history: list[dict
                 per_stage[k[8:]] = per_stage.get(k[8:], 0.0) + v
     per_stage.update({f"prepare_{k}": v for k, v in prepare_seconds.items()})
     iteration_seconds = sum(h.get("seconds_iteration", 0.0) for h in history)
+    memory: dict[str, dict[str, int]] = {}
+    rows = [{k: v for k, v in h.items() if k.startswith("memory_")} for h in history]
+    rows.append({k.replace("memory_", "memory_prepare_", 1): v for k, v in (prepare_memory or {}).items()})
+    for row in rows:
+        for k, v in row.items():
+            for field in ("device_peak_bytes", "device_bytes_after", "host_rss_peak_bytes"):
+                if k.endswith("_" + field):
+                    stage = k[len("memory_"):-len(field) - 1]
+                    memory.setdefault(stage, {})[field] = max(memory.get(stage, {}).get(field, 0), v)
     out = {
         "run_id": s.pipeline.run_id, "iterations": len(history), "env": s.pipeline.env, "preset": s.model.preset,
         "heldout_reward_start": ev[0]["heldout_reward"] if ev else None,
@@ -311,6 +323,8 @@ def summary(s: RLSettings, prepare_seconds: dict[str, float], history: list[dict
         "wall_seconds": wall,
         "iteration_seconds": round(iteration_seconds, 1),  # the iterations' bodies, end to end
         "seconds_per_stage": {k: round(v, 1) for k, v in per_stage.items()},
+        "device": device,
+        "memory_per_stage": memory,
     }
     ArtifactStore(s.pipeline.artifacts).replace_text(f"runs/{s.pipeline.run_id}/summary.json", json.dumps(out, indent=2))
     return out

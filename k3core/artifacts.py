@@ -1,15 +1,25 @@
 """Artifact store: atomic publication of files and directories under one root, local or fsspec.
 
 Every artifact is built at a temporary local name, fsync'ed, then published in one step:
-``os.replace`` for a local file, ``os.rename`` of the whole directory for a local directory, and for
-remote roots (``memory://``, ``s3://``, ...) an upload of every file followed by a ``_COMPLETE``
-marker written last. A reader only trusts a directory that has its marker, so a crash at any point
-leaves either the previous state or the new, complete artifact, never a half-written one where a
-good one is expected. Publishing an artifact that already exists is a no-op (idempotent stages).
+``os.replace`` for a local file, ``os.rename`` of the whole directory for a local directory. For
+remote roots (``s3://``, ``memory://``, any fsspec URL) a file is uploaded to a hidden temporary key
+beside its final one and moved into place (on S3 a server-side copy, which, like every S3 write, is
+all or nothing), and a directory's files are uploaded under its final prefix, then a ``_COMPLETE``
+marker last. A reader trusts a directory only once it has its marker; a publish that fails removes
+what it uploaded, and one that finds objects of an earlier, unfinished publish under the prefix
+removes them before uploading. So a crash or a storage error at any point leaves either the previous
+state or the new, complete artifact, never a half-written one where a good one is expected.
+Publishing an artifact that already exists is a no-op (idempotent stages).
 
-A process killed mid-publish (kill -9, OOM, power) leaves its staging path behind. Staging names
-carry the writer's host and pid (``.tmp-<name>.<host>.<pid>.<nonce>``), so ``remove_dead_staging``
-deletes exactly the leftovers of writers of this host that are gone, never a live writer's.
+A remote root keeps a local cache of what this machine published or read (``K3RL_CACHE_DIR``,
+default ``~/.cache/k3rl``, one folder per root); the remote is the truth, and an artifact handle
+whose local path is gone (another machine, a wiped cache) is downloaded again (``localize``).
+Storage failures leave as ``k3core.storage.StorageError`` naming the object and the fix.
+
+A process killed mid-publish (kill -9, OOM, power) leaves its local staging path behind. Staging
+names carry the writer's host and pid (``.tmp-<name>.<host>.<pid>.<nonce>``), so
+``remove_dead_staging`` deletes exactly the leftovers of writers of this host that are gone, never a
+live writer's.
 """
 
 from __future__ import annotations
@@ -20,8 +30,8 @@ import os
 import shutil
 import socket
 import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
+from pathlib import Path, PurePosixPath
 from typing import Any
 from collections.abc import Callable
 
@@ -29,6 +39,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from k3core import faults
+from k3core.storage import StorageError, storage_call
 
 COMPLETE = "_COMPLETE"
 STAGING_PREFIXES = (".tmp-", ".dl-")
@@ -36,7 +47,7 @@ _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def staging_name(prefix: str, name: str) -> str:
-    """A fresh staging name for ``name``, owned by this process of this host."""
+    """A fresh local staging name for ``name``, owned by this process of this host."""
     return f"{prefix}{name}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
 
 
@@ -102,7 +113,11 @@ class ArtifactStore:
 
     def __init__(self, root: str | os.PathLike):
         root = str(root)
-        self.fs, base = fsspec.core.url_to_fs(root)
+        try:
+            self.fs, base = fsspec.core.url_to_fs(root)
+        except ImportError as e:  # the protocol's package is not installed (s3fs for s3://)
+            raise ArtifactRootError(f"artifact root {root}: {e} (for s3://: pip install 'k3rl[s3]', "
+                                    f"which brings s3fs)") from None
         self.is_local = isinstance(self.fs, LocalFileSystem)
         if self.is_local:
             self.base = os.path.abspath(base)
@@ -133,7 +148,10 @@ class ArtifactStore:
             p = Path(self.base, rel)
             return p.is_file() or (p.is_dir() and (p / COMPLETE).exists())
         r = self._remote(rel)
-        return self.fs.isfile(r) or self.fs.exists(f"{r}/{COMPLETE}")
+        with storage_call("read", self.uri(rel)):
+            # the storage's answer, not a listing this process cached before another one published
+            self.fs.invalidate_cache(r)
+            return self.fs.isfile(r) or self.fs.exists(f"{r}/{COMPLETE}")
 
     @contextlib.contextmanager
     def publish(self, rel: str, is_dir: bool = False):
@@ -173,15 +191,54 @@ class ArtifactStore:
                 shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
 
     def _upload(self, tmp: Path, rel: str, is_dir: bool) -> None:
+        """Publish the local build ``tmp`` as remote ``rel``: a file through a temporary key and a
+        move, a directory file by file and its marker last. On failure nothing stays under ``rel``
+        that a reader would take for the artifact (and, where the storage lets us, nothing at all)."""
         r = self._remote(rel)
         if not is_dir:
-            self.fs.put_file(str(tmp), r)
+            self._put_via_temp(tmp, rel)
             return
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file() and p.name != COMPLETE:
-                self.fs.makedirs(f"{r}/{p.parent.relative_to(tmp)}".rstrip("/."), exist_ok=True)
-                self.fs.put_file(str(p), f"{r}/{p.relative_to(tmp)}")
-        self.fs.pipe_file(f"{r}/{COMPLETE}", b"")  # the marker last: readers trust only complete dirs
+        with storage_call("write", self.uri(rel)):
+            # objects of an earlier publish that never got its marker (one writer per artifact: the run lock)
+            if self.fs.exists(r) and not self.fs.exists(f"{r}/{COMPLETE}"):
+                self.fs.rm(r, recursive=True)
+        try:
+            for p in sorted(tmp.rglob("*")):
+                if p.is_file() and p.name != COMPLETE:
+                    key = p.relative_to(tmp).as_posix()
+                    with storage_call("write", self.uri(f"{rel}/{key}")):
+                        self.fs.makedirs(f"{r}/{p.parent.relative_to(tmp).as_posix()}".rstrip("/."), exist_ok=True)
+                        self.fs.put_file(str(p), f"{r}/{key}")
+            with storage_call("write", self.uri(f"{rel}/{COMPLETE}")):
+                self.fs.pipe_file(f"{r}/{COMPLETE}", b"")  # the marker last: readers trust only complete dirs
+        except BaseException:
+            self._remove_quietly(r, recursive=True)
+            raise
+
+    def _put_via_temp(self, local: Path, rel: str) -> None:
+        """Upload ``local`` to a hidden temporary key beside ``rel``, then move it onto ``rel``: no
+        reader ever sees a partly written object under the final key, whatever the filesystem."""
+        r = self._remote(rel)
+        parent, name = r.rsplit("/", 1) if "/" in r else ("", r)
+        temp = f"{parent}/.tmp-{name}-{uuid.uuid4().hex[:8]}" if parent else f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            with storage_call("write", self.uri(rel)):
+                self.fs.put_file(str(local), temp)
+                self.fs.mv(temp, r)
+        except BaseException:
+            self._remove_quietly(temp)
+            raise
+        finally:
+            self.fs.invalidate_cache(r)
+
+    def _remove_quietly(self, path: str, recursive: bool = False) -> None:
+        """Best-effort cleanup after a failed publish. The storage may refuse it too (the same denied
+        credentials); what stays is then a directory without its marker, which no reader takes and
+        the next publish clears, or a hidden temporary key, which no reader looks at."""
+        with contextlib.suppress(Exception):
+            self.fs.rm(path, recursive=recursive)
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(path)
 
     def open_local(self, rel: str) -> Path:
         """A local path holding the published artifact (downloaded once for remote roots)."""
@@ -195,12 +252,64 @@ class ArtifactStore:
         r = self._remote(rel)
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.parent / staging_name(".dl-", local.name)
-        if self.fs.isfile(r):
-            self.fs.get_file(r, str(tmp))
-        else:
-            self.fs.get(r, str(tmp), recursive=True)
-        os.rename(tmp, local)
+        try:
+            with storage_call("read", self.uri(rel)):
+                if self.fs.isfile(r):
+                    self.fs.get_file(r, str(tmp))
+                else:
+                    self.fs.get(r, str(tmp), recursive=True)
+            fsync_tree(tmp)
+            os.rename(tmp, local)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         return local
+
+    def rel_of(self, uri: str) -> str | None:
+        """The ``rel`` of an artifact URI under this root (None: elsewhere)."""
+        prefix = self.uri("")
+        return uri[len(prefix):].strip("/") if uri.startswith(prefix) and len(uri) > len(prefix) else None
+
+    def localize(self, artifact: Artifact) -> Artifact:
+        """``artifact`` with a ``path`` that exists on this machine: as it is when it does, else the
+        same sub-path of this machine's copy of it, downloaded from the root (a handle recorded by
+        another machine, or before this machine's cache was emptied)."""
+        if Path(artifact.path).exists():
+            return artifact
+        rel = self.rel_of(artifact.uri)
+        if rel is None:
+            return artifact
+        parts, want = PurePosixPath(artifact.path).parts, tuple(rel.split("/"))
+        ends = [i + len(want) for i in range(len(parts) - len(want) + 1) if parts[i:i + len(want)] == want]
+        inner = "/".join(parts[ends[-1]:]) if ends else ""
+        local = self.open_local(rel)
+        return replace(artifact, path=str(local / inner if inner else local))
+
+    def check_access(self) -> None:
+        """Fail before any work when this root cannot hold artifacts: write a small object at the
+        root, read it back and remove it. Raises ``ArtifactRootError`` (a ``ValueError``) naming the
+        root, the cause and the fix."""
+        probe = f".k3rl-access-check-{uuid.uuid4().hex[:8]}"
+        try:
+            if self.is_local:
+                with storage_call("write", self.uri(probe)):
+                    os.makedirs(self.base, exist_ok=True)
+                    p = Path(self.base, probe)
+                    p.write_bytes(b"k3rl")
+                    ok = p.read_bytes() == b"k3rl"
+                    p.unlink()
+            else:
+                r = self._remote(probe)
+                with storage_call("write", self.uri(probe)):
+                    self.fs.pipe_file(r, b"k3rl")
+                with storage_call("read", self.uri(probe)):
+                    ok = self.fs.cat_file(r) == b"k3rl"
+                self._remove_quietly(r)
+        except StorageError as e:
+            raise ArtifactRootError(f"artifact root {self.root} is not usable: {e}") from e
+        if not ok:
+            raise ArtifactRootError(f"artifact root {self.root} is not usable: an object written there read back "
+                                    f"different; check the storage")
 
     def publish_once(self, rel: str, build: Callable[[Path], None], is_dir: bool = False) -> Path:
         """The local path of artifact ``rel``, built by ``build(tmp)`` and published atomically the
@@ -224,15 +333,19 @@ class ArtifactStore:
         return self.uri(rel)
 
     def replace_text(self, rel: str, text: str) -> str:
-        """Overwrite (not idempotent): used for pointers such as ``latest``, updated last."""
+        """Overwrite (not idempotent): used for pointers such as ``latest``, updated last. A reader
+        sees the old text or the new, never a mix (temporary name, then one move)."""
         final = Path(self.base if self.is_local else self.cache, rel)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / staging_name(".tmp-", final.name)
-        tmp.write_text(text)
-        fsync_tree(tmp)
-        if not self.is_local:
-            self.fs.put_file(str(tmp), self._remote(rel))
-        os.replace(tmp, final)
+        try:
+            tmp.write_text(text)
+            fsync_tree(tmp)
+            if not self.is_local:
+                self._put_via_temp(tmp, rel)
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
         fsync_dir(final.parent)
         return self.uri(rel)
 
@@ -258,7 +371,13 @@ class ArtifactStore:
     def read_text(self, rel: str) -> str:
         if self.is_local:
             return Path(self.base, rel).read_text()
-        return self.fs.cat_file(self._remote(rel)).decode()
+        with storage_call("read", self.uri(rel)):  # a missing object: StorageNotFound, a FileNotFoundError
+            return self.fs.cat_file(self._remote(rel)).decode()
+
+
+class ArtifactRootError(ValueError):
+    """An artifact root that cannot hold artifacts (missing bucket, access denied, read-only):
+    bad input, found before any work."""
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ __all__ = [
     "layer_backward_workspace", "snapshots_before", "boundary_bytes", "aligned_stage_layout",
     "check_stage_layout", "StageLayout", "stage_layout", "context_table", "stage_memory", "replica_size",
     "replica_sweep", "max_tokens_per_gpu", "engine_footprint", "checkpoint_report", "plan", "format_plan",
+    "static_decode_state_bytes", "device_ledger",
 ]
 
 GB = 1e9
@@ -853,6 +854,61 @@ def engine_footprint(config: K3Config, hw: str | Hardware, *, sequences: int = 1
         out[tag] = {"weights": weights, "total": total, "nodes": math.ceil(total / node),
                     "gpus": math.ceil(total / hw.hbm_usable), "weights_only_nodes": math.ceil(weights / node)}
     return out
+
+
+def static_decode_state_bytes(config: K3Config, sequences: int, context: int, dtype_bytes: int = BF16) -> int:
+    """Bytes of the rollout engine's fixed-shape decode state (``k3core.model.cache.StaticDecodeState``)
+    for ``sequences`` slots of ``context`` tokens, engine weights of ``dtype_bytes``: per MLA layer the
+    latents ``[S, context, kv_lora_rank + qk_rope_head_dim]`` in the weights' dtype; per KDA layer the
+    state ``[S, H, K, K]`` and three short-convolution tails ``[S, H*K, kernel-1]`` in fp32 (fp64 for an
+    fp64 engine); two int64 per slot (input token, length). Exact: the state's buffers are these."""
+    L = config.num_hidden_layers
+    n_mla = sum(1 for i in range(L) if config.layer_type(i) == "mla")
+    H, K = config.kda_num_heads, config.kda_head_dim
+    state_bytes = 2 * FP32 if dtype_bytes == 8 else FP32
+    mla = dtype_bytes * (config.kv_lora_rank + config.qk_rope_head_dim) * context * sequences * n_mla
+    kda = state_bytes * (H * K * K + 3 * H * K * (config.kda_short_conv_kernel_size - 1)) * sequences * (L - n_mla)
+    return int(mla + kda + 2 * INT64 * sequences)
+
+
+def device_ledger(config: K3Config, *, trainer_dtype_bytes: int = FP32, engine_dtype_bytes: int = FP32,
+                  quantized: bool = True, sequences: int = 128, context: int = 512) -> dict[str, int]:
+    """What one process training and sampling ``config`` on one device holds, by owner, in bytes:
+    the arithmetic the per-stage peaks of ``metrics.json`` are read against.
+
+    - ``trainer_weights`` / ``trainer_gradients`` (device): every parameter in ``trainer_dtype_bytes``
+      except the ones the model keeps fp32 (KDA ``A_log``, ``dt_bias``, short convolutions:
+      ``ParamCounts.fp32``); gradients have their parameter's dtype, exist during the train step only,
+      and belong to trainable parameters: all but the first layer's attention-mixing pair (two ``[D]``
+      vectors the model freezes, since no gradient reaches them);
+    - ``trainer_buffers`` (device): the persistent fp32 buffers (the router's expert-score bias);
+    - ``host_optimizer_state`` (host): ``StreamedAdamW``'s fp32 master and bf16 moments, 8 B per
+      trainable parameter (its chunk stages and scratch are fixed in the model size and not counted);
+    - ``engine_weights`` (device): non-routed parameters in ``engine_dtype_bytes`` (fp32 kept),
+      routed experts as MXFP4 (half a byte per weight plus one E8M0 scale per 32) when ``quantized``,
+      the persistent buffers, and the AttnRes ``w * gamma`` cache (fp32, one ``[D]`` vector per
+      mixing site: two per layer and the output's);
+    - ``engine_decode_state`` (device): ``static_decode_state_bytes`` for ``sequences`` x ``context``,
+      the decode mode on CUDA; held during rollout and evaluation only (released after each).
+    Activations are not in the ledger: they depend on the kernels and the micro-batch
+    (``context_table``), and exist during the train step only."""
+    pc = param_counts(config)
+    L = config.num_hidden_layers
+    n_moe = sum(1 for i in range(L) if config.is_moe_layer(i))
+    non_routed_float = pc.total - pc.routed - pc.fp32
+    routed_bytes = pc.routed * (0.5 + 1 / 32) if quantized else pc.routed * engine_dtype_bytes
+    trainer = (pc.total - pc.fp32) * trainer_dtype_bytes + pc.fp32 * FP32
+    frozen = 2 * config.hidden_size  # layer 0's attention-mixing projection and norm (float, not fp32-kept)
+    buffers = FP32 * n_moe * config.num_experts
+    return {
+        "trainer_weights": int(trainer),
+        "trainer_gradients": int(trainer - frozen * trainer_dtype_bytes),
+        "trainer_buffers": int(buffers),
+        "host_optimizer_state": int((pc.total - frozen) * host_adam_bytes_per_param(streamed=True)),
+        "engine_weights": int(non_routed_float * engine_dtype_bytes + pc.fp32 * FP32 + routed_bytes + buffers
+                              + FP32 * (2 * L + 1) * config.hidden_size),
+        "engine_decode_state": static_decode_state_bytes(config, sequences, context, engine_dtype_bytes),
+    }
 
 
 # =====================================================================================  checkpoint

@@ -1,5 +1,5 @@
 """Run settings, in sections: model and source, rollout, GRPO (the trainer), warm-up, evaluation,
-pipeline, reward (the sandbox), scale-out. ``RLSettings`` composes them. The defaults live here and only here: the CLI flags, the
+pipeline, reward (the sandbox), scale-out, device. ``RLSettings`` composes them. The defaults live here and only here: the CLI flags, the
 Prefect deployments' parameters and the stages all read these objects.
 
 Every section validates itself in ``__post_init__`` and raises one ``SettingsError`` listing every
@@ -16,10 +16,11 @@ sections, so ``RLSettings.from_flat`` maps flags (or their underscore forms) bac
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["EvalSettings", "GRPOSettings", "LOSS_AGGREGATIONS", "ModelSettings", "PipelineSettings", "RLSettings",
+__all__ = ["DEVICES", "DeviceSettings", "EvalSettings", "GRPOSettings", "LOSS_AGGREGATIONS", "ModelSettings", "PipelineSettings", "RLSettings",
            "RewardSettings", "RolloutSettings", "ScaleOutSettings", "SettingsError", "TASK_RUNNERS", "WarmupSettings"]
 
 # pydantic (through Prefect) reads this attribute of stdlib dataclasses: refuse unknown keys.
@@ -41,8 +42,9 @@ def _flag(name: str, help: str) -> dict:
 
 
 def _check(problems: list[str], section: _Section) -> None:
-    """Type and sign checks shared by every section: ints are ints (not bools), floats are numbers,
-    bools are bools, strings are strings, and fields marked ``min`` are at least that."""
+    """Type and sign checks shared by every section: ints are ints (not bools), floats are finite
+    numbers (NaN compares false with every bound, so it would pass the range checks and reach the
+    trainer), bools are bools, strings are strings, and fields marked ``min`` are at least that."""
     for f in dataclasses.fields(section):
         v, flag = getattr(section, f.name), f.metadata.get("flag", f.name)
         kind = f.metadata.get("kind")
@@ -51,6 +53,9 @@ def _check(problems: list[str], section: _Section) -> None:
             continue
         if kind == "float" and (isinstance(v, bool) or not isinstance(v, (int, float))):
             problems.append(f"--{flag} must be a number, got {v!r}")
+            continue
+        if kind == "float" and not math.isfinite(v):
+            problems.append(f"--{flag} must be a finite number, got {v!r}")
             continue
         if kind == "bool" and not isinstance(v, bool):
             problems.append(f"--{flag} must be true or false, got {v!r}")
@@ -133,7 +138,7 @@ class RolloutSettings(_Section):
 
     def problems(self) -> list[str]:
         out = super().problems()
-        if isinstance(self.top_p, (int, float)) and not 0.0 < self.top_p <= 1.0:
+        if isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and not 0.0 < self.top_p <= 1.0:
             out.append(f"--top-p must lie in (0, 1], got {self.top_p!r}")
         if isinstance(self.url, str) and self.url not in ("", "local") and not self.url.startswith(("http://", "https://")):
             out.append(f"--rollout-url {self.url!r}: use 'local' or an http(s):// URL")
@@ -162,9 +167,14 @@ class GRPOSettings(_Section):
                            "first update, so later updates are off-policy and the PPO clip engages)", min=1)
     minibatches: int = _int(1, "minibatches", "optimizer steps per pass: the rollout batch is shuffled and split into "
                             "this many minibatches (updates per iteration = ppo-epochs x minibatches)", min=1)
-    micro_batch_tokens: int = _int(0, "micro-batch-tokens", "token budget of one forward/backward (sequences x "
-                                   "padded length); gradients accumulate over a minibatch's micro-batches, so the "
-                                   "update does not depend on it (0: a whole minibatch at once)")
+    micro_batch_tokens: int = _int(0, "micro-batch-tokens", "token budget of one forward/backward (real tokens when "
+                                   "packing, sequences x padded length otherwise); gradients accumulate over a "
+                                   "minibatch's micro-batches, so the update does not depend on it (0: a whole "
+                                   "minibatch at once)")
+    packing: bool = _bool(True, "packing", "pack each micro-batch's sequences back to back into one row (varlen: "
+                          "cu_seqlens for KDA, block-diagonal causal attention for MLA), filled first-fit-decreasing "
+                          "under --micro-batch-tokens, so no position is padding; false: right-padded [B, L] "
+                          "micro-batches with an attention mask. Same update either way, up to rounding")
     loss_aggregation: str = _str("token-mean", "loss-aggregation", "token-mean (every token counts the same, DAPO), "
                                  "seq-mean-token-mean (every sequence counts the same) or seq-sum (token sum over "
                                  "sequences x --max-new-tokens, Dr. GRPO)")
@@ -185,7 +195,7 @@ class GRPOSettings(_Section):
         if isinstance(self.loss_aggregation, str) and self.loss_aggregation not in LOSS_AGGREGATIONS:
             out.append(f"--loss-aggregation: unknown mode {self.loss_aggregation!r}; choose one of "
                        f"{', '.join(LOSS_AGGREGATIONS)}")
-        if isinstance(self.tis_cap, (int, float)) and not self.tis_cap > 0:
+        if isinstance(self.tis_cap, (int, float)) and math.isfinite(self.tis_cap) and not self.tis_cap > 0:
             out.append(f"--tis-cap must be > 0, got {self.tis_cap!r}")
         if isinstance(self.clip_eps_low, (int, float)) and self.clip_eps_low >= 1:
             out.append(f"--clip-eps-low must be < 1 (the ratio's lower bound is 1 - eps), got {self.clip_eps_low!r}")
@@ -232,7 +242,7 @@ class RewardSettings(_Section):
 
     def problems(self) -> list[str]:
         out = super().problems()
-        if isinstance(self.timeout, (int, float)) and not (self.timeout > 0 and self.timeout < float("inf")):
+        if isinstance(self.timeout, (int, float)) and math.isfinite(self.timeout) and not self.timeout > 0:
             out.append(f"--reward-timeout must be a positive number of seconds, got {self.timeout!r}")
         return out
 
@@ -293,9 +303,31 @@ class ScaleOutSettings(_Section):
         return out
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class DeviceSettings(_Section):
+    """Where the stages compute: every stage of the run (warm-up, quantize, rollout engine, mismatch,
+    reference, train step, weight transfer, evaluation) puts its tensors on this one device; on a GPU
+    the trainer and the rollout engine share it. Which device ``auto`` means, and whether ``cuda`` is
+    there, is decided when the run starts (``k3core.device.resolve_device``), not here: settings
+    recorded on a GPU machine still load on a CPU one."""
+
+    type: str = _str("auto", "device", "cpu, cuda (refused where torch sees no GPU) or auto (cuda when "
+                     "torch.cuda.is_available(), else cpu)")
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if isinstance(self.type, str) and self.type not in DEVICES:
+            out.append(f"--device: unknown device {self.type!r}; choose one of {', '.join(DEVICES)}")
+        return out
+
+
 _SECTIONS: dict[str, type[_Section]] = {"model": ModelSettings, "rollout": RolloutSettings, "grpo": GRPOSettings,
                                         "warmup": WarmupSettings, "evaluation": EvalSettings,
-                                        "pipeline": PipelineSettings, "reward": RewardSettings, "scale_out": ScaleOutSettings}
+                                        "pipeline": PipelineSettings, "reward": RewardSettings, "scale_out": ScaleOutSettings,
+                                        "device": DeviceSettings}
 
 
 @dataclass
@@ -312,6 +344,7 @@ class RLSettings:
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
     reward: RewardSettings = field(default_factory=RewardSettings)
     scale_out: ScaleOutSettings = field(default_factory=ScaleOutSettings)
+    device: DeviceSettings = field(default_factory=DeviceSettings)
 
     def __post_init__(self) -> None:
         problems = []
@@ -327,9 +360,19 @@ class RLSettings:
         if self.scale_out.task_runner == "dask" and self.grpo.max_staleness:
             cross.append("--max-staleness 1 samples the next batch on this process's engine beside the train step; "
                          "it is not combined with --task-runner dask yet (use one or the other)")
+        if self.model.source.startswith("init:") and self.model.source.split(":")[1] != self.model.preset:
+            cross.append(f"--source {self.model.source} makes a '{self.model.source.split(':')[1]}' checkpoint but "
+                         f"--preset is '{self.model.preset}' (the run validates its checkpoint against the preset): "
+                         f"use --source init:{self.model.preset}[:SEED], or leave --source out")
         if self.scale_out.train_procs > 1 and self.grpo.kl_coef:
             cross.append("--kl-coef with --train-procs > 1: the FSDP2 train step does not read the reference's "
                          "logprobs yet (use --train-procs 1, or --kl-coef 0)")
+        if self.device.type == "cuda" and self.scale_out.task_runner == "dask":
+            cross.append("--device cuda with --task-runner dask: the Dask workers' resident engines run on the CPU; "
+                         "use --task-runner local to sample on the GPU")
+        if self.device.type == "cuda" and self.scale_out.train_procs > 1:
+            cross.append("--device cuda with --train-procs > 1: the FSDP2 train job runs on gloo (CPU) only; "
+                         "use --train-procs 1 on one GPU")
         if cross:
             raise SettingsError("RLSettings", cross)
         if not self.model.source:

@@ -12,7 +12,10 @@
 - Declaration: ``@stage(...)`` on the stage body, in its own module, says all of the above once (task
   run name, published and read URIs as functions of the arguments, extra Prefect options); the flow
   then calls the stage like a function, or ``.submit(...)``s it to run beside what the flow does next
-  (the flow's task runner; ``.result()`` joins it). ``stage_timings()`` collects each call's wall time.
+  (the flow's task runner; ``.result()`` joins it). ``stage_timings()`` collects each call's wall time,
+  ``stage_memory()`` its peak device memory and host RSS (``k3core.device.MemoryProbe``, on the
+  device the call's ``device`` argument names; a submitted stage is not probed, its memory shows in
+  the peaks of the stages it runs beside).
 - Fault injection (tests only, ``K3RL_FAULT``, ``k3core/faults.py``): with it set, each stage body
   runs inside ``faults.in_stage`` so its publishes know their stage, and may kill the process after
   the body returned, before Prefect records the task run; unset, the body is the task's function.
@@ -41,13 +44,15 @@ from k3core.artifacts import Artifact, ArtifactStore
 from k3core.checkpoint.validate import CheckpointValidationError
 from k3core.settings import SettingsError
 
-NON_RETRYABLE = (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, CheckpointValidationError,
-                 SettingsError)
+NON_RETRYABLE = (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, PermissionError,
+                 CheckpointValidationError, SettingsError)
 RETRIES = int(os.environ.get("K3RL_TASK_RETRIES", "2"))
 
 
 def retry_unless_bad_input(task, task_run, state) -> bool:
-    """Prefect ``retry_condition_fn``: retry transient failures only."""
+    """Prefect ``retry_condition_fn``: retry transient failures only. Storage errors (``StorageError``,
+    after botocore's and s3fs's own retries) are retried unless they are access denied or missing
+    credentials (a ``PermissionError``) or a missing object or bucket (a ``FileNotFoundError``)."""
     try:
         state.result()
     except NON_RETRYABLE:
@@ -119,6 +124,7 @@ class Run:
 
 
 _timings: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("k3rl_stage_timings", default=None)
+_memory: contextvars.ContextVar[dict | None] = contextvars.ContextVar("k3rl_stage_memory", default=None)
 
 
 @contextlib.contextmanager
@@ -131,6 +137,30 @@ def stage_timings():
         yield seconds
     finally:
         _timings.reset(token)
+
+
+@contextlib.contextmanager
+def stage_memory():
+    """Collect ``{stage key: StagePeak}`` of every stage called inside the block (two calls of one
+    stage, such as refill rounds, keep the larger peaks). ``memory_metrics`` flattens it."""
+    peaks: dict = {}
+    token = _memory.set(peaks)
+    try:
+        yield peaks
+    finally:
+        _memory.reset(token)
+
+
+def memory_metrics(peaks: dict, prefix: str = "") -> dict[str, int | str]:
+    """``{stage: StagePeak}`` as flat metrics: ``memory_<prefix><stage>_device_peak_bytes``,
+    ``..._device_bytes_after``, ``..._host_rss_peak_bytes``, and ``memory_host_rss_method``."""
+    out: dict[str, int | str] = {}
+    for key, p in peaks.items():
+        out[f"memory_{prefix}{key}_device_peak_bytes"] = p.device_peak_bytes
+        out[f"memory_{prefix}{key}_device_bytes_after"] = p.device_bytes_after
+        out[f"memory_{prefix}{key}_host_rss_peak_bytes"] = p.host_rss_peak_bytes
+        out["memory_host_rss_method"] = p.host_rss_method
+    return out
 
 
 def record_seconds(key: str, seconds: float) -> None:
@@ -154,9 +184,7 @@ class Stage:
 
     def task(self, *args: Any, **kwargs: Any) -> tuple[Task, str, list[str]]:
         """The Prefect task for one call: (task, task run name, input URIs)."""
-        bound = self.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a = self._arguments(*args, **kwargs)
         run: Run = a["run"]
         outputs = list(self.outputs(**a)) if self.outputs else []
         inputs = [u for u in (self.inputs(**a) if self.inputs else []) if u]
@@ -168,17 +196,36 @@ class Stage:
                                  asset_deps=inputs or None, **opts)
         return task, name, inputs
 
+    def _arguments(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    def run_of(self, *args: Any, **kwargs: Any) -> Run:
+        """The ``Run`` a call names (its first parameter)."""
+        return self.signature.bind(*args, **kwargs).arguments["run"]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         task, name, inputs = self.task(*args, **kwargs)
+        run = self.run_of(*args, **kwargs)
+        peaks = _memory.get()
+        probe = None
+        if peaks is not None:
+            from k3core.device import MemoryProbe
+
+            probe = MemoryProbe(self._arguments(*args, **kwargs).get("device", "cpu"))
         t0 = time.perf_counter()
-        state = task(*args, return_state=True, **kwargs)
+        with probe if probe is not None else contextlib.nullcontext():
+            state = task(*args, return_state=True, **kwargs)
         out = state.result()  # raises the stage's own exception when it failed
         seconds = _timings.get()
         if seconds is not None:
             seconds[self.key] = seconds.get(self.key, 0.0) + time.perf_counter() - t0
+        if probe is not None:
+            peaks[self.key] = peaks[self.key].merged(probe.peak) if self.key in peaks else probe.peak
         if isinstance(out, Artifact):
             run_id = state.state_details.task_run_id
-            out = dataclasses.replace(out, produced_by=name, inputs=tuple(inputs),
+            out = dataclasses.replace(run.store.localize(out), produced_by=name, inputs=tuple(inputs),
                                       produced_by_id=str(run_id) if run_id else "")
         return out
 
@@ -187,7 +234,8 @@ class Stage:
         ``DaskTaskRunner``), concurrently with the flow's next calls (same retries, cache and lineage
         as a call). Join it with ``.result()``."""
         task, name, inputs = self.task(*args, **kwargs)
-        return StageFuture(task.submit(*args, **kwargs), name, tuple(inputs), self.key, time.perf_counter())
+        return StageFuture(task.submit(*args, **kwargs), name, tuple(inputs), self.key, time.perf_counter(),
+                           self.run_of(*args, **kwargs))
 
 
 def _fault_points(fn: Callable, name: str, key: str) -> Callable:
@@ -212,8 +260,8 @@ class StageFuture:
     submission to completion, spent beside other stages) and ``<key>_wait`` (how long the flow then
     still waited for it: the part the overlap did not hide)."""
 
-    def __init__(self, future: Any, name: str, inputs: tuple[str, ...], key: str, submitted: float):
-        self.future, self.name, self.inputs, self.key = future, name, inputs, key
+    def __init__(self, future: Any, name: str, inputs: tuple[str, ...], key: str, submitted: float, run: Run):
+        self.future, self.name, self.inputs, self.key, self.run = future, name, inputs, key, run
         self._done_at: float | None = None
         self._submitted = submitted
         future.add_done_callback(self._mark_done)
@@ -231,7 +279,7 @@ class StageFuture:
             seconds[f"{self.key}_ahead"] = seconds.get(f"{self.key}_ahead", 0.0) + (self._done_at or t1) - self._submitted
         if isinstance(out, Artifact):
             run_id = getattr(self.future, "task_run_id", None)
-            out = dataclasses.replace(out, produced_by=self.name, inputs=self.inputs,
+            out = dataclasses.replace(self.run.store.localize(out), produced_by=self.name, inputs=self.inputs,
                                       produced_by_id=str(run_id) if run_id else "")
         return out
 

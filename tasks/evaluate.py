@@ -14,18 +14,19 @@ from tasks.common import Run, stage
 
 @stage(run_name="evaluate-{label}", inputs=lambda run, weights, **_: [run.served_uri(weights)])
 def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: RolloutSettings,
-             reward: RewardSettings = RewardSettings()) -> dict:
+             reward: RewardSettings = RewardSettings(), device: str = "cpu") -> dict:
     """``label``: names the task run (``iter5``, ``final``); ``rollout``: the engine URL, the
     completion length and the sampling temperature of the run's rollouts; ``reward``: the sandbox's
-    limits (user and dataset environments)."""
+    limits (user and dataset environments); ``device``: where the embedded engine runs. The engine's
+    decode state is released afterwards (the train step may need the memory)."""
     from k3core.config import K3Config
     from k3core.rl.data import heldout_prompts
     from k3core.rl.envs import load_env
     from k3core.rl.evaluate import evaluate as run_eval
     from k3core.tokenizer import ByteTokenizer
-    from tasks.rollout import rollout_client
+    from tasks.rollout import release_decode_state, rollout_client
 
-    client = rollout_client(run.run_id, weights, rollout.url)
+    client = rollout_client(run.run_id, weights, rollout.url, device)
     client.routing = False  # rewards need tokens only (a real SGLang returns routing only when enabled)
     tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
     env = load_env(run.env)
@@ -33,4 +34,5 @@ def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: R
     out = run_eval(client, tok, env, run.env, prompts, rollout.max_new_tokens, rollout.temperature, seed=run.seed,
                    expected_version=weights.version, limits=SandboxLimits.of(reward))
     out["version"] = weights.version
+    release_decode_state(run.run_id)
     return out

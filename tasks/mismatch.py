@@ -16,9 +16,10 @@ from tasks.common import Run, stage
 @stage(run_name="rollout_mismatch-iter{iteration}", key="mismatch",
        inputs=lambda rollouts, state, **_: [rollouts.uri, state.uri])
 def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifact, n_sequences: int,
-                     temperature: float) -> dict:
+                     temperature: float, device: str = "cpu") -> dict:
     """``state``: the trainer weights at the rollouts' version (a public checkpoint or a DCP trainer
-    state). Returns ``mismatch_*`` metrics."""
+    state), on ``device`` (the trainer's copies and both engines live there). Returns ``mismatch_*``
+    metrics."""
     import pyarrow.parquet as pq
     import torch
 
@@ -34,7 +35,7 @@ def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifa
     seqs = [(r["prompt_ids"], r["output_ids"]) for r in rows if r["output_ids"]]
     rng = rng_state()
     try:  # the metric must not move the process's RNG (the train step's draws depend on it)
-        model = trainers.weights(run.run_id, state)
+        model = trainers.weights(run.run_id, state, device)
         out = measure_mismatch(model, seqs, ByteTokenizer(model.config).pad_id, temperature, torch.bfloat16)
     finally:
         set_rng_state(rng)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import torch
 from prefect import get_run_logger
 
 from k3core.artifacts import Artifact
@@ -19,19 +20,21 @@ _lock = threading.Lock()
 _models: dict[str, object] = {}  # reference sha256 -> model (frozen; read only)
 
 
-def reference_model(reference: Artifact):
-    """The reference policy of ``reference`` (read once per process; the caller must not change it)."""
+def reference_model(reference: Artifact, device: str = "cpu"):
+    """The reference policy of ``reference`` on ``device`` (read once per process and device; the
+    caller must not change it)."""
     if reference.kind == "dcp":
         raise ValueError(f"the KL reference {reference.uri} is a trainer state: give a public-layout checkpoint "
                          "(the run's warmed-up or fetched weights)")
     with _lock:
-        model = _models.get(reference.sha256)
+        key = f"{reference.sha256}@{torch.device(device).type}"
+        model = _models.get(key)
         if model is None:
             from k3core.rl.weights import load_policy
 
-            model = load_policy(reference.path).requires_grad_(False)
             _models.clear()  # one reference per process at a time
-            _models[reference.sha256] = model
+            model = load_policy(reference.path, device=device).requires_grad_(False)
+            _models[key] = model
         return model
 
 
@@ -43,7 +46,7 @@ def _rel(run: Run, iteration: int) -> str:
        outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))],
        inputs=lambda reference, scored, **_: [reference.uri, *(a.uri for a in scored)])
 def reference_logprobs(run: Run, iteration: int, reference: Artifact, scored: tuple[Artifact, ...],
-                       settings: GRPOSettings, sampling: RolloutSettings) -> Artifact:
+                       settings: GRPOSettings, sampling: RolloutSettings, device: str = "cpu") -> Artifact:
     """``scored``: the iteration's scored tables (first round, then refills); their rows are keyed by
     (prompt_index, sample_index), distinct across rounds. The log-probabilities are the trainer's
     computation on the reference's weights (``reference_logprobs_table``: the rollouts' temperature,
@@ -57,7 +60,7 @@ def reference_logprobs(run: Run, iteration: int, reference: Artifact, scored: tu
     rel = _rel(run, iteration)
 
     def build(tmp):
-        model = reference_model(reference)
+        model = reference_model(reference, device)
         table = pa.concat_tables([pq.read_table(a.path) for a in scored])
         out = reference_logprobs_table(model, table, settings, ByteTokenizer(model.config).pad_id,
                                        temperature=sampling.temperature)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 
 import pyarrow.parquet as pq
+import torch
 from prefect import get_run_logger
 
 from k3core.artifacts import Artifact
@@ -24,33 +25,49 @@ from tasks import engines, trainers
 from tasks.common import Run, stage
 
 
-def engine_for(run_id: str, weights: Artifact):
-    """The live engine at ``weights.version``, or a new one built from the durable artifact.
-    Quantised weights run on the W4A8 engine (MXFP4 routed experts, FP8 activations)."""
+def engine_for(run_id: str, weights: Artifact, device: str = "cpu"):
+    """The live engine at ``weights.version`` on ``device``, or a new one there built from the
+    durable artifact. Quantised weights run on the W4A8 engine (MXFP4 routed experts, FP8
+    activations); the decode mode is the device's (``k3core.device.decode_mode``)."""
+    from k3core.device import decode_mode
     from k3core.rl.weights import build_engine, engine_from_model
 
     eng = engines.get(run_id)
-    if eng is not None and eng.weight_version == weights.version:
+    if eng is not None and eng.weight_version == weights.version and eng.device.type == torch.device(device).type:
         return eng
     if weights.kind == "dcp":  # a trainer checkpoint: quantise routed experts on the way
         import copy
 
-        model = copy.deepcopy(trainers.weights(run_id, weights))  # the engine takes its model over
-        eng = engine_from_model(model, weights.version, quantized=weights.info.get("quantized", True))
+        model = copy.deepcopy(trainers.weights(run_id, weights, device))  # the engine takes its model over
+        eng = engine_from_model(model, weights.version, quantized=weights.info.get("quantized", True),
+                                decode=decode_mode(device))
     else:
-        eng = build_engine(weights.path, weights.version)
+        eng = build_engine(weights.path, weights.version, device=device, decode=decode_mode(device))
     engines.put(run_id, eng)
     return eng
 
 
-def rollout_client(run_id: str, weights: Artifact, url: str = "local"):
-    """A ``RolloutClient`` serving ``weights.version``: the live embedded engine, or the server at
-    ``url``, pushed the weights through ``/update_weights_from_disk`` when it serves another version
-    (a trainer checkpoint is first written in the public layout, ``k3core.transfer.write_disk``)."""
+def release_decode_state(run_id: str) -> int:
+    """Free the live embedded engine's decode state once a stage has its completions (the train step
+    that follows shares the device); the engine keeps its weights. Returns the bytes released."""
+    eng = engines.get(run_id)
+    if eng is None or eng.is_serving:
+        return 0
+    try:
+        return eng.release_decode_state()
+    except RuntimeError:  # a batch is running (a rollout sampled ahead): the stage running it releases it
+        return 0
+
+
+def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu"):
+    """A ``RolloutClient`` serving ``weights.version``: the live embedded engine (on ``device``), or
+    the server at ``url``, pushed the weights through ``/update_weights_from_disk`` when it serves
+    another version (a trainer checkpoint is first written in the public layout,
+    ``k3core.transfer.write_disk``)."""
     from k3core.rollout.client import RolloutClient
 
     if url in (None, "", "local"):
-        return RolloutClient("local", engine=engine_for(run_id, weights))
+        return RolloutClient("local", engine=engine_for(run_id, weights, device))
     from k3core.config import K3Config
 
     config = K3Config.from_json_file(f"{weights.path}/config.json")
@@ -65,7 +82,7 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local"):
 
     from k3core.transfer import write_disk
 
-    model = trainers.weights(run_id, weights)
+    model = trainers.weights(run_id, weights, device)
     tmp = tempfile.mkdtemp(prefix="k3rl-push-")
     try:
         write_disk(f"{tmp}/weights", model, model.config, weights.version, weights.info.get("quantized", True))
@@ -75,12 +92,12 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local"):
     return client
 
 
-def serve_version(run_id: str, weights: Artifact, url: str = "local") -> None:
+def serve_version(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu") -> None:
     """Bring the engine (embedded, or the server at ``url``) to ``weights.version`` in the calling
     thread. The one-step-off-policy flow calls it before it submits the next rollout, so that rollout
     finds its engine ready and never reads the trainer's live model, which the train step running
     beside it changes in place."""
-    rollout_client(run_id, weights, url)
+    rollout_client(run_id, weights, url, device)
 
 
 def _rel(run: Run, iteration: int, refill: int = 0) -> str:
@@ -97,12 +114,13 @@ def _seed(run: Run, iteration: int, refill: int) -> int:
        outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
        inputs=lambda run, weights, **_: [run.served_uri(weights)])
 def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, refill: int = 0,
-            cursor: int = 0) -> Artifact:
+            cursor: int = 0, device: str = "cpu") -> Artifact:
     """``settings.prompts_per_iteration`` prompts x ``samples_per_prompt`` completions. ``refill`` > 0
     (``rollout_refill``): a dynamic-sampling round of new prompts for the same iteration and weights,
     in a file of its own, its prompts numbered after the earlier rounds'. ``cursor``: the data
     position at the start of the iteration (from the trainer state); a dataset environment's round
-    ``refill`` reads its prompts at ``cursor + refill * prompts_per_iteration``."""
+    ``refill`` reads its prompts at ``cursor + refill * prompts_per_iteration``. ``device``: where the
+    embedded engine runs; its decode state is released once the batch is written."""
     from k3core.config import K3Config
     from k3core.rl.data import training_prompts
     from k3core.rl.envs import load_env
@@ -112,7 +130,7 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
     from k3core.tokenizer import ByteTokenizer
 
     def build(tmp):
-        client = rollout_client(run.run_id, weights, settings.url)
+        client = rollout_client(run.run_id, weights, settings.url, device)
         client.check_version(weights.version)
         tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
         n = settings.prompts_per_iteration
@@ -130,6 +148,7 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
         pq.write_table(table, tmp)
 
     path = run.store.publish_once(_rel(run, iteration, refill), build)
+    release_decode_state(run.run_id)
     table = pq.read_table(path, columns=["output_ids", "weight_version"])
     tokens = sum(len(x) for x in table.column("output_ids").to_pylist())
     # the version the rows were sampled with: a batch published earlier (sampled ahead by the previous

@@ -23,18 +23,19 @@ def _rel(run: Run, iteration: int) -> str:
     return run.iter_rel(iteration, "trainer")
 
 
-def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
-    """(model, optimizer) at ``state``: the live trainer (its saved RNG restored), or read from the
-    trainer state (DCP), or a public-layout checkpoint with a fresh optimizer and the RNG seeded from
-    the run's seed (the first iteration)."""
+def _trainer(run: Run, state: Artifact, settings: GRPOSettings, device: str = "cpu"):
+    """(model, optimizer) at ``state`` with the model on ``device``: the live trainer (its saved RNG
+    restored), or read from the trainer state (DCP), or a public-layout checkpoint with a fresh
+    optimizer and the RNG seeded from the run's seed (the first iteration). The optimizer's state
+    stays on the host (``StreamedAdamW``)."""
     from k3core.rl.trainer_state import QAT_KEY, make_optimizer, set_qat, set_rng_state
     from k3core.rl.weights import load_policy
 
     if state.kind != "dcp":
-        model = set_qat(load_policy(state.path), settings.qat)
+        model = set_qat(load_policy(state.path, device=device), settings.qat)
         _seed_first_trainer(run)
         return model, make_optimizer(model, settings.lr)
-    trainers.weights(run.run_id, state)  # live, or read once from the DCP state
+    trainers.weights(run.run_id, state, device)  # live, or read once from the DCP state
     live = trainers.take(run.run_id, state.version)
     set_rng_state(live.rng)
     model, opt, extra = live.model, live.optimizer, live.extra
@@ -66,7 +67,7 @@ def _seed_first_trainer(run: Run) -> None:
                                                               reference.uri if reference else ""])
 def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, settings: GRPOSettings,
                sampling: RolloutSettings, refills: tuple[Artifact, ...] = (), cursor: int = 0,
-               reference: Artifact | None = None, procs: int = 1) -> Artifact:
+               reference: Artifact | None = None, procs: int = 1, device: str = "cpu") -> Artifact:
     """``sampling``: the settings the rollouts were sampled with (the trainer's log-probabilities use
     their temperature; ``max_new_tokens`` is the constant of ``seq-sum`` aggregation; at most
     ``prompts_per_iteration`` informative groups are trained on). ``refills``: the scored tables of
@@ -76,7 +77,8 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
     (``data_cursor.position``: past every round's prompts, trained on or not). ``reference``: the
     frozen reference's log-probabilities of the batch (``tasks.reference``), required when
     ``settings.kl_coef`` > 0. ``procs``: processes of the step (> 1: a torchrun job, the model
-    sharded with FSDP2; the same update up to floating-point summation order)."""
+    sharded with FSDP2; the same update up to floating-point summation order). ``device``: where
+    the model trains (one process; the FSDP2 job runs on the CPU)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -92,11 +94,13 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
     def build(tmp):
         position = cursor + sampling.prompts_per_iteration * (1 + len(refills))
         if procs > 1:
+            if device != "cpu":
+                raise ValueError(f"--train-procs {procs} runs the FSDP2 job on gloo (CPU); it cannot train on {device}")
             metrics = _train_distributed(run, iteration, state, scored, settings, sampling, refills, procs, tmp,
                                          position)
             _log(iteration, metrics)
             return
-        model, opt = _trainer(run, state, settings)
+        model, opt = _trainer(run, state, settings, device)
         table = pa.concat_tables([pq.read_table(a.path) for a in (scored, *refills)])
         metrics = train_on_table(model, opt, table, settings, ByteTokenizer(model.config).pad_id,
                                  temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,

@@ -16,6 +16,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from k3core.artifacts import Artifact
 
 _lock = threading.Lock()
@@ -57,22 +59,30 @@ def clear() -> None:
         _live.clear()
 
 
-def weights(run_id: str, state: Artifact):
-    """The trainer's model at ``state`` for reading (the caller must not change it): the live one; or,
-    for a DCP trainer state, the whole trainer read once and kept live (the train step that follows
-    takes it from here with its saved RNG states); or a public-layout checkpoint, loaded.
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def weights(run_id: str, state: Artifact, device: str = "cpu"):
+    """The trainer's model at ``state`` on ``device`` for reading (the caller must not change it):
+    the live one; or, for a DCP trainer state, the whole trainer read once onto ``device`` and kept
+    live (the train step that follows takes it from here with its saved RNG states); or a
+    public-layout checkpoint, loaded. A live trainer on another device is dropped and read again.
     The process's RNG states are left as they were."""
     if state.kind != "dcp":
         from k3core.rl.weights import load_policy
 
-        return load_policy(state.path)
+        return load_policy(state.path, device=device)
     live = peek(run_id, state.version)
+    if live is not None and _device_of(live.model).type != torch.device(device).type:
+        take(run_id, state.version)
+        live = None
     if live is None:
         from k3core.rl.trainer_state import load_trainer_state, rng_state, set_rng_state
 
         mine = rng_state()
         try:  # loading restores the state's RNG: keep it with the trainer, give the process its own back
-            model, optimizer, extra = load_trainer_state(state.path, lr=0.0)  # lr: the saved param groups win
+            model, optimizer, extra = load_trainer_state(state.path, lr=0.0, device=device)  # lr: the saved groups win
             live = LiveTrainer(state.version, model, optimizer, extra, rng_state())
         finally:
             set_rng_state(mine)

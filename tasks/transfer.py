@@ -16,17 +16,19 @@ from tasks import engines, trainers
 from tasks.common import Run, stage
 
 
-def _blank_engine(config, dtype: torch.dtype, quantized: bool):
-    """An engine of ``config`` at version -1 with zero weights, for the first transfer of a process
-    (or after a rerun of an older iteration): every version then arrives through the same path."""
+def _blank_engine(config, dtype: torch.dtype, quantized: bool, device: torch.device | str = "cpu"):
+    """An engine of ``config`` on ``device`` at version -1 with zero weights, for the first transfer
+    of a process (or after a rerun of an older iteration): every version then arrives through the
+    same path."""
     from k3core.checkpoint.names import materialize, meta_model
+    from k3core.device import decode_mode
     from k3core.rl.weights import engine_from_model
 
-    model = materialize(meta_model(config), "cpu").cast(dtype)
+    model = materialize(meta_model(config), device).cast(dtype)
     with torch.no_grad():
         for t in list(model.parameters()) + list(model.buffers()):
             t.zero_()
-    return engine_from_model(model, -1, quantized)
+    return engine_from_model(model, -1, quantized, decode=decode_mode(device))
 
 
 def _takes(engine, quantized: bool) -> bool:
@@ -41,15 +43,19 @@ def _takes(engine, quantized: bool) -> bool:
 @stage(run_name="transfer_weights-iter{iteration}", key="transfer",
        outputs=lambda run, checkpoint, **_: [run.engine_uri(checkpoint.version)],
        inputs=lambda checkpoint, **_: [checkpoint.uri], cache_policy=None, persist_result=False)
-def transfer_weights(run: Run, iteration: int, checkpoint: Artifact, quantized: bool) -> Artifact:
-    """Not cached: the engine lives in this process, so every run pushes (a cheap in-memory copy)."""
+def transfer_weights(run: Run, iteration: int, checkpoint: Artifact, quantized: bool, device: str = "cpu") -> Artifact:
+    """Not cached: the engine lives in this process, so every run pushes (an in-memory copy on
+    ``device``: the trainer's tensors go straight into the engine's on the same device, routed experts
+    quantised to MXFP4 there, no disk and no host round trip; the disk path,
+    ``k3core.transfer.write_disk``, is for a separate rollout server, ``tasks.rollout.rollout_client``)."""
     from k3core.transfer import push_inprocess
 
     t0 = time.perf_counter()
-    model = trainers.weights(run.run_id, checkpoint)
+    model = trainers.weights(run.run_id, checkpoint, device)
     eng = engines.get(run.run_id)
-    if eng is None or eng.weight_version >= checkpoint.version or not _takes(eng, quantized):
-        eng = _blank_engine(model.config, next(model.parameters()).dtype, quantized)
+    if (eng is None or eng.weight_version >= checkpoint.version or not _takes(eng, quantized)
+            or eng.device.type != torch.device(device).type):
+        eng = _blank_engine(model.config, next(model.parameters()).dtype, quantized, device)
         engines.put(run.run_id, eng)
     rep = push_inprocess(eng, model.state_dict(), checkpoint.version, quantize_experts=quantized)
     return Artifact(kind="engine", uri=run.engine_uri(checkpoint.version), path=rep.path,

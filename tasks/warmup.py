@@ -15,7 +15,9 @@ def _rel(run: Run) -> str:
 
 
 @stage(run_name="warmup", outputs=lambda run, **_: [run.uri(_rel(run))], inputs=lambda checkpoint, **_: [checkpoint.uri])
-def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings) -> Artifact:
+def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings, device: str = "cpu") -> Artifact:
+    """The supervised warm-up on ``device``; the published policy is the same public bf16 layout
+    whatever the device."""
     from k3core.checkpoint.hf import save_hf
     from k3core.rl.envs import load_env
     from k3core.rl.warmup import supervised_warmup
@@ -26,7 +28,7 @@ def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings) -> Artifact
     metrics: dict = {"warmup_steps": settings.steps}
 
     def build(tmp):
-        model = load_policy(checkpoint.path)
+        model = load_policy(checkpoint.path, device=device)
         metrics.update(supervised_warmup(model, load_env(run.env), run.env, ByteTokenizer(model.config),
                                          settings.steps, settings.batch, settings.lr, run.seed, log=log.info))
         save_hf(model, tmp / "ckpt", model.config, target="bf16")

@@ -1,5 +1,6 @@
 """Test-session settings: Prefect without network or telemetry, one embedded server for the session
-(started lazily by the fixture that needs it), and a thread count that suits a shared 2-core machine."""
+(started lazily by the fixture that needs it), a thread count that suits a shared 2-core machine,
+and a local S3 server (``local_s3``, started by the first test that asks for it)."""
 
 import os
 
@@ -17,3 +18,23 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+@pytest.fixture(scope="session")
+def local_s3():
+    """A real S3 server for the session: moto's, on 127.0.0.1 at a free port, with storage-layer
+    fault injection (``tests/s3_local.py``). Needs the ``s3`` extra (s3fs, moto[server]), which the
+    ``test`` extra includes."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("k3rl_test_s3_local", Path(__file__).with_name("s3_local.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    server = mod.LocalS3()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -19,6 +19,11 @@ record inside it says which); any other directory is refused before a byte moves
 destination that is the source or lies inside it (or holds it). A source without ``config.json``
 and ``model.safetensors.index.json`` is not a checkpoint and is refused before any copy.
 
+Storage errors (access denied, no credentials, a missing bucket, an endpoint that does not answer
+after the client's own retries) leave as ``k3core.storage.StorageError`` naming the remote file and
+the fix; transient ones (S3's 503 SlowDown, a dropped connection) are retried by botocore and s3fs
+first. Either way ``dest`` is untouched, and the staged files and parts are kept for the next run.
+
 Expected hashes: the pin's, the LFS sha256 ``HfFileSystem`` reports, and the source's own
 ``k3rl.manifest.json`` (fetched with config and index) when it has one; every transferred file is
 checked against the one known, and a checkpoint with a manifest keeps it, so later loads check it.
@@ -51,6 +56,7 @@ from k3core.checkpoint.files import (CONFIG_NAME, HASH_CHUNK, INDEX_NAME, atomic
                                      sha256_file)
 from k3core.checkpoint.manifest import MANIFEST_NAME
 from k3core.checkpoint.pin import Pin, PinMismatchError, load_pin
+from k3core.storage import storage_call
 
 __all__ = ["fetch", "FetchResult", "FetchError", "FetchRefused", "resolve_filesystem", "list_remote", "RECORD_NAME"]
 
@@ -185,6 +191,7 @@ def _transfer(fs, rf: RemoteFile, dest: Path, want: str | None, progress: _Progr
     final = dest / rf.name
     final.parent.mkdir(parents=True, exist_ok=True)
     part = final.with_name(f".{final.name}.part")
+    uri = fs.unstrip_protocol(rf.path)
     for attempt in (0, 1):
         h = hashlib.sha256()
         have = part.stat().st_size if part.is_file() else 0
@@ -197,11 +204,14 @@ def _transfer(fs, rf: RemoteFile, dest: Path, want: str | None, progress: _Progr
                     h.update(b)
             progress.add(have)
         moved = 0
-        with open(part, "ab") as out, fs.open(rf.path, "rb") as src:
+        with storage_call("read", uri):
+            src = fs.open(rf.path, "rb")
+        with open(part, "ab") as out, src:
             if have:
                 src.seek(have)
             while have + moved < rf.size:
-                b = src.read(min(chunk, rf.size - have - moved))
+                with storage_call("read", uri):  # the source's errors only, not the local disk's
+                    b = src.read(min(chunk, rf.size - have - moved))
                 if not b:
                     break
                 out.write(b)
@@ -313,8 +323,9 @@ def fetch(url: str, dest: str | os.PathLike, pin: str | os.PathLike | dict | Pin
     manifest and every shard the index names are always fetched.
     ``progress``: draw the stderr bar (default: when stderr is a terminal).
     Raises ``FetchError`` for a destination it must not replace or a source that is not a
-    checkpoint, and ``PinMismatchError`` before any shard transfer if config or index differ from
-    the pin. ``dest`` is untouched unless the whole fetch succeeds.
+    checkpoint, ``PinMismatchError`` before any shard transfer if config or index differ from
+    the pin, and ``k3core.storage.StorageError`` (``.permanent``: access denied, no credentials)
+    when the source cannot be listed or read. ``dest`` is untouched unless the whole fetch succeeds.
     """
     t0 = time.monotonic()
     url = str(url)
@@ -322,9 +333,10 @@ def fetch(url: str, dest: str | os.PathLike, pin: str | os.PathLike | dict | Pin
     fs, root = resolve_filesystem(url)
     dest = Path(dest).absolute()
     try:
-        remote = list_remote(fs, root)
-    except FileNotFoundError:
-        raise FetchRefused(f"{url}: not found") from None
+        with storage_call("list", url):
+            remote = list_remote(fs, root)
+    except FileNotFoundError as e:  # the source, or its bucket, does not exist: bad input
+        raise FetchRefused(f"{url}: not found ({e.__cause__ or e}); check the URL") from None
     if not remote:
         raise FetchRefused(f"{url}: no files found (check the URL: it must name a checkpoint directory)")
     missing_heads = [n for n in (CONFIG_NAME, INDEX_NAME) if n not in remote]

@@ -183,6 +183,9 @@ def quantize_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
     from safetensors import safe_open
 
     src = Path(src)
+    if not (src / CONFIG_NAME).is_file():
+        raise FileNotFoundError(f"{src} is not a checkpoint directory (no {CONFIG_NAME}): give the bf16 checkpoint's "
+                                "directory (config.json, index, shards) as SRC")
     check_new_destination(src, dst, "quantize")
     config = K3Config.from_json_file(src / CONFIG_NAME)
     if checkpoint_target(config) != "bf16":

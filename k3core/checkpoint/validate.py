@@ -48,7 +48,7 @@ from k3core.checkpoint.pin import Pin, PinMismatchError, load_pin
 from k3core.checkpoint.safetensors_file import ST_TO_DTYPE, SafetensorsFormatError, read_header
 from k3core.config import K3Config, mxfp4_quantization_config
 
-__all__ = ["validate_checkpoint", "CheckpointValidationError", "roundtrip_checkpoint"]
+__all__ = ["audit_structure", "validate_checkpoint", "CheckpointValidationError", "roundtrip_checkpoint"]
 
 ROUNDTRIP_BUFFER_BYTES = 1 << 30  # native buffer cap: stacked experts are round-tripped in chunks
 
@@ -73,8 +73,11 @@ def _audit_config(root: Path, config: K3Config | None) -> tuple[K3Config, str]:
     try:
         with open(p) as f:
             raw = json.load(f)
+    except json.JSONDecodeError as e:
+        _fail("config", f"{p}: not valid JSON ({e})")
+    try:
         ckpt = K3Config.from_hf_dict(raw)
-    except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSONDecodeError is a ValueError
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
         _fail("config", f"{p}: {e}")
     text = raw.get("text_config", raw) if isinstance(raw, dict) else {}
     qc = text.get("quantization_config")
@@ -296,6 +299,23 @@ def _validate_dcp_dir(root: Path, pin) -> dict:
 
 
 # ------------------------------------------------------------------------------------- main
+def audit_structure(path: str | os.PathLike, config: K3Config | None = None) -> K3Config:
+    """Checks 1, 3 and 4 alone (config, index, every shard's header against the layout), no hashing:
+    what a command checks of a checkpoint it is given before any work starts. Reading one header
+    per shard is cheap at any size; a truncated, missing or mis-shaped shard is found here. Returns
+    the checkpoint's config; raises ``CheckpointValidationError`` on the first failed check."""
+    root = Path(path)
+    if not root.is_dir():
+        _fail("path", f"{root} is not a directory")
+    ckpt_cfg, target = _audit_config(root, config)
+    wm, _ = _read_weight_map(root)
+    _audit_pairs(wm)
+    layout = public_layout(config or ckpt_cfg, target)
+    _audit_keys(layout, wm)
+    _audit_shards(root, layout, wm)
+    return ckpt_cfg
+
+
 def validate_checkpoint(path: str | os.PathLike, config: K3Config | None = None,
                         pin: str | os.PathLike | dict | Pin | None = None,
                         report_path: str | os.PathLike | None = None, roundtrip: bool = False,

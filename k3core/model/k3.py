@@ -6,7 +6,10 @@ One forward (``K3ForCausalLM.forward``) serves training, scoring and decoding:
   log-probabilities of ``targets`` (``targets[b, t]`` is the token that ``logits[b, t]`` predicts);
 - ``return_routing`` -> routed expert ids per token and MoE layer ``[B, T, n_moe_layers, k]``;
   ``forced_routing`` (same shape) replays them (routing replay, "R3");
-- ``cache`` (``K3Cache``) -> prefill then decode with constant KDA state and the MLA latent cache.
+- ``cache`` (``K3Cache``) -> prefill then decode with constant KDA state and the MLA latent cache;
+- ``cu_seqlens`` -> packed sequences: ``input_ids`` ``[1, T]`` holds N sequences back to back
+  (offsets ``[N + 1]``, ``k3core.model.varlen``) and each is computed as if it ran alone, with no
+  padding (training and scoring; ``forced_routing`` and the outputs follow the same ``[1, T]`` row).
 ``decode_step`` (``StaticDecodeState``) is the fixed-shape one-token decode that a CUDA graph captures.
 
 The residual stream follows Block Attention Residuals (see ``attnres.py``): ``p`` is the current
@@ -32,6 +35,7 @@ from k3core.model.mla import GatedMLA
 from k3core.model.mlp import SiTUMLP
 from k3core.model.moe import LatentMoE
 from k3core.model.norm import RMSNorm, at_least_fp32
+from k3core.model.varlen import VarlenLayout
 
 # Parameters (and buffers) that stay fp32 whatever the model dtype, as in the release.
 FP32_NAME_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
@@ -81,15 +85,16 @@ class K3DecoderLayer(nn.Module):
             wg = w_gamma(proj, norm)
         return attn_res_mix(p, blocks, wg, self.eps)
 
-    def forward(self, p, blocks, attention_mask=None, cache=None, forced_ids=None, use_cache=False):
-        """p ``[B, T, D]`` partial sum, blocks list of ``[B, T, D]`` -> (p, blocks, expert ids or None)."""
+    def forward(self, p, blocks, attention_mask=None, cache=None, forced_ids=None, use_cache=False, varlen=None):
+        """p ``[B, T, D]`` partial sum, blocks list of ``[B, T, D]`` -> (p, blocks, expert ids or None).
+        ``varlen`` (packed sequences) reaches the attention only: the mixes, norms and MoE act per token."""
         h = self._mix(p, blocks, self.self_attention_res_proj, self.self_attention_res_norm,
                       self._attn_site, use_cache) if blocks else p
         if self.starts_block:
             blocks = blocks + [p]
-            p = self.self_attn(self.input_layernorm(h), attention_mask, cache)
+            p = self.self_attn(self.input_layernorm(h), attention_mask, cache, varlen=varlen)
         else:
-            p = p + self.self_attn(self.input_layernorm(h), attention_mask, cache)
+            p = p + self.self_attn(self.input_layernorm(h), attention_mask, cache, varlen=varlen)
         m = self._mix(p, blocks, self.mlp_res_proj, self.mlp_res_norm, self._mlp_site, use_cache)
         if self.is_moe:
             out, ids = self.block_sparse_moe(self.post_attention_layernorm(m), forced_ids,
@@ -201,7 +206,7 @@ class K3ForCausalLM(nn.Module):
                 raise ValueError(f"token id {int(input_ids[bad[0], bad[1]])} at position {tuple(bad)} is outside the "
                                  f"vocabulary [0, {V}): tokenize with this model's tokenizer (vocab_size={V})")
 
-    def _trunk(self, input_ids, attention_mask, layer_caches, forced_routing) -> tuple[torch.Tensor, list]:
+    def _trunk(self, input_ids, attention_mask, layer_caches, forced_routing, varlen=None) -> tuple[torch.Tensor, list]:
         """Embedding, layers, output mix and head -> (logits ``[B, T, V]``, routed ids per MoE layer)."""
         use_cache = self.use_inference_caches
         p = self.model.embed_tokens(input_ids)
@@ -212,7 +217,7 @@ class K3ForCausalLM(nn.Module):
             if forced_routing is not None and layer.is_moe:
                 forced = forced_routing[:, :, len(routing)]
             cache = layer_caches[i] if layer_caches is not None else None
-            p, blocks, ids = layer(p, blocks, attention_mask, cache, forced, use_cache)
+            p, blocks, ids = layer(p, blocks, attention_mask, cache, forced, use_cache, varlen)
             if ids is not None:
                 routing.append(ids)
         m = self.model
@@ -242,7 +247,7 @@ class K3ForCausalLM(nn.Module):
                 targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 return_logits: bool = True, return_logprobs: bool = False, return_routing: bool = False,
                 forced_routing: torch.Tensor | None = None, cache: K3Cache | None = None,
-                pixel_values=None, **kwargs) -> K3Output:
+                cu_seqlens: torch.Tensor | None = None, pixel_values=None, **kwargs) -> K3Output:
         if pixel_values is not None or any(k in kwargs for k in ("image_grid_thw", "pixel_values_videos", "images")):
             raise NotImplementedError("multimodal (MoonViT) inputs are not supported: k3rl trains the K3 text "
                                       "backbone only; pass token ids without images")
@@ -255,8 +260,17 @@ class K3ForCausalLM(nn.Module):
         n_moe, k = len(self.moe_layer_ids), self.config.num_experts_per_token
         if forced_routing is not None and tuple(forced_routing.shape) != (B, T, n_moe, k):
             raise ValueError(f"forced_routing has shape {tuple(forced_routing.shape)}, expected {(B, T, n_moe, k)}")
+        varlen = None
+        if cu_seqlens is not None:
+            if B != 1 or attention_mask is not None or cache is not None:
+                raise ValueError(f"packed sequences (cu_seqlens) take input_ids [1, T] with no attention_mask and no "
+                                 f"cache (there is no padding to mask, and decoding is not packed); got input_ids "
+                                 f"{tuple(input_ids.shape)}, attention_mask "
+                                 f"{'given' if attention_mask is not None else 'None'}, cache "
+                                 f"{'given' if cache is not None else 'None'}")
+            varlen = VarlenLayout.from_cu_seqlens(cu_seqlens, T, input_ids.device)
         logits, routing = self._trunk(input_ids, attention_mask, cache.layers if cache is not None else None,
-                                      forced_routing)
+                                      forced_routing, varlen)
         out = K3Output(cache=cache)
         if cache is not None:
             cache.seen_tokens += T

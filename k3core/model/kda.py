@@ -9,7 +9,10 @@ Per token t and head h (Kimi Linear / K3; the recurrence is computed by ``k3core
   o_t     = head_dim^-0.5 * q_t^T S_t
   out     = o_proj(rmsnorm_per_head(o) * sigmoid(g_proj(x)))                  full-rank output gate
 
-Shapes: x ``[B, T, D]``; heads H = ``kda_num_heads``, K = V = ``kda_head_dim``.
+Shapes: x ``[B, T, D]``; heads H = ``kda_num_heads``, K = V = ``kda_head_dim``. Packed (``varlen``,
+``k3core.model.varlen``): x ``[1, T, D]`` holds several sequences; the convolution sees zeros before
+each sequence's first token and the recurrence starts each sequence from a zero state
+(``cu_seqlens``: fla's varlen ``chunk_kda`` on CUDA, the torch chunked path elsewhere).
 Public names (``layers.N.self_attn.``): q_proj/k_proj/v_proj/g_proj ``[H*K, D]``, o_proj ``[D, H*K]``,
 f_a_proj ``[K, D]``, f_b_proj ``[H*K, K]``, b_proj ``[H, D]``, {q,k,v}_conv1d ``[H*K, 1, kernel]``
 (fp32), A_log ``[H]`` (fp32; padded in public files), dt_bias ``[H*K]`` (fp32), o_norm ``[K]`` (fp32).
@@ -25,6 +28,7 @@ from torch import nn
 
 from k3core.model.cache import KDALayerCache, StaticKDACache
 from k3core.model.norm import at_least_fp32, rms_norm
+from k3core.model.varlen import VarlenLayout
 from k3core.ops.kda import kda, kda_gate, kda_step
 
 
@@ -46,6 +50,21 @@ class ShortConv(nn.Module):
         xp = torch.cat([tail, xt], dim=2)
         y = F.conv1d(xp, self.weight.to(xp.dtype), groups=C)
         return F.silu(y).transpose(1, 2).to(x.dtype), xp[..., xp.shape[-1] - (self.kernel - 1):]
+
+    def forward_packed(self, x: torch.Tensor, varlen: VarlenLayout) -> torch.Tensor:
+        """x ``[1, T, C]`` of packed sequences -> y ``[1, T, C]``, each sequence convolved as if alone.
+        The row is re-laid with ``kernel - 1`` zeros in front of every sequence (what each sees alone:
+        no tail), one unpadded conv1d runs over it, and the outputs at the real tokens are read back,
+        so no token of one sequence reaches the next. Same conv1d as ``forward`` (same numerics),
+        one copy of the input saved for backward."""
+        T, C = x.shape[1], x.shape[2]
+        gap = self.kernel - 1
+        # position of every packed token in the re-laid row: shifted by the gaps up to its sequence's
+        at = torch.arange(T, device=x.device) + (varlen.seq_ids + 1) * gap
+        xt = at_least_fp32(x[0]).t()  # [C, T]
+        xp = xt.new_zeros(C, T + varlen.num_sequences * gap).index_copy(1, at, xt)
+        y = F.conv1d(xp.unsqueeze(0), self.weight.to(xp.dtype), groups=C)[0]  # [C, len - gap]
+        return F.silu(y.index_select(1, at - gap)).t().unsqueeze(0).to(x.dtype)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -73,11 +92,14 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm.weight = nn.Parameter(torch.ones(K, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: KDALayerCache | StaticKDACache | None = None) -> torch.Tensor:
+                cache: KDALayerCache | StaticKDACache | None = None, varlen: VarlenLayout | None = None) -> torch.Tensor:
         """x ``[B, T, D]``; attention_mask ``[B, T]`` (True = real token) makes pads neutral;
         cache (updated in place) carries conv tails and the recurrent state across calls. A
         ``StaticKDACache`` (one token per slot) has its buffers overwritten (``copy_``), so their
-        storage never moves (what a captured CUDA graph needs)."""
+        storage never moves (what a captured CUDA graph needs). ``varlen``: x ``[1, T, D]`` holds
+        packed sequences (training and scoring; no mask, no cache)."""
+        if varlen is not None:
+            return self._forward_packed(x, varlen)
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         mask = None if attention_mask is None else attention_mask.to(torch.bool).unsqueeze(-1)
@@ -108,5 +130,18 @@ class KimiDeltaAttention(nn.Module):
                 buf.copy_(new)
         elif cache is not None:
             cache.conv_q, cache.conv_k, cache.conv_v, cache.state = cq, ck, cv, new_state
+        o = rms_norm(o.to(x.dtype), self.o_norm.weight, self.eps).reshape(B, T, H * K)
+        return self.o_proj(o * torch.sigmoid(self.g_proj(x)))
+
+    def _forward_packed(self, x: torch.Tensor, varlen: VarlenLayout) -> torch.Tensor:
+        """The forward of ``x`` ``[1, T, D]`` whose sequences ``varlen`` delimits: every sequence as
+        if run alone (conv without a tail, recurrence from a zero state)."""
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        q, k, v = (conv.forward_packed(proj(x), varlen).view(B, T, H, K) for conv, proj in
+                   ((self.q_conv1d, self.q_proj), (self.k_conv1d, self.k_proj), (self.v_conv1d, self.v_proj)))
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(at_least_fp32(self.b_proj(x)))
+        o, _ = kda(q, k, v, g, beta, cu_seqlens=varlen.cu_seqlens, lower_bound=self.lower_bound)
         o = rms_norm(o.to(x.dtype), self.o_norm.weight, self.eps).reshape(B, T, H * K)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))

@@ -17,6 +17,10 @@ attends in latent space (the "absorbed" form): ``q_nope W_k`` is scored against 
 latent context is expanded once through ``W_v``; keys and values are never re-expanded. With a
 ``StaticMLACache`` (fixed-shape decode, one token) the new latent is written at each slot's
 ``lens`` position and attention runs over all ``max_len`` positions, masked to the first ``lens + 1``.
+
+Packed sequences (``varlen``, ``k3core.model.varlen``): x ``[1, T, D]``; attention is block-diagonal
+causal (a query sees the earlier tokens of its own sequence only). NoPE: no rotary embedding, so no
+position ids enter here.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import nn
 
 from k3core.model.cache import MLALayerCache, StaticMLACache
 from k3core.model.norm import RMSNorm, at_least_fp32
+from k3core.model.varlen import VarlenLayout
 
 
 def _attend_mask(q_len: int, k_valid: torch.Tensor, offset: int) -> torch.Tensor:
@@ -62,12 +67,14 @@ class GatedMLA(nn.Module):
         return torch.cat([self.kv_a_layernorm(c), k_tail], dim=-1)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: MLALayerCache | StaticMLACache | None = None) -> torch.Tensor:
+                cache: MLALayerCache | StaticMLACache | None = None, varlen: VarlenLayout | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H = self.num_heads
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(B, T, H, self.nope + self.tail)
         kv = self._latent(x)
-        if isinstance(cache, StaticMLACache):
+        if varlen is not None:
+            o = self._attend_packed(q, kv, varlen)
+        elif isinstance(cache, StaticMLACache):
             o = self._attend_static(q, kv, cache)
         else:
             valid = (torch.ones(B, T, dtype=torch.bool, device=x.device) if attention_mask is None
@@ -83,16 +90,38 @@ class GatedMLA(nn.Module):
 
     def _attend_expanded(self, q, kv, valid):
         """Training / prefill: expand keys and values, causal SDPA. -> ``[B, T, H, v]``."""
-        B, T, H, _ = q.shape
-        c, k_tail = kv.split([self.kv_lora_rank, self.tail], dim=-1)
-        k_nope, v = self.kv_b_proj(c).view(B, T, H, self.nope + self.vdim).split([self.nope, self.vdim], dim=-1)
-        k = torch.cat([k_nope, k_tail.unsqueeze(2).expand(B, T, H, self.tail)], dim=-1)
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        T = q.shape[1]
+        qh, kh, vh = (t.transpose(1, 2) for t in self._expand(q, kv))
         if valid is None:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=_attend_mask(T, valid, 0), scale=self.scale)
         return o.transpose(1, 2)
+
+    def _expand(self, q, kv):
+        """q ``[B, T, H, nope+tail]``, latent ``[B, T, kv_lora+tail]`` -> (q, k, v) ``[B, T, H, *]``,
+        keys and values expanded per head."""
+        B, T, H, _ = q.shape
+        c, k_tail = kv.split([self.kv_lora_rank, self.tail], dim=-1)
+        k_nope, v = self.kv_b_proj(c).view(B, T, H, self.nope + self.vdim).split([self.nope, self.vdim], dim=-1)
+        k = torch.cat([k_nope, k_tail.unsqueeze(2).expand(B, T, H, self.tail)], dim=-1)
+        return q, k, v
+
+    def _attend_packed(self, q, kv, varlen: VarlenLayout):
+        """Block-diagonal causal attention over the packed row -> ``[1, T, H, v]``. The sequences are
+        scattered into a right-padded ``[N, T_max]`` batch and attended with a plain causal mask: a
+        real query at position i sees keys 0..i of its own sequence, and the padding (after every real
+        token) is never among them, so this is the block-diagonal causal mask exactly, at
+        ``N * T_max^2`` instead of ``T^2`` score entries. On the GPU a fused varlen kernel would take
+        the packed row directly, with no padding: flash-attention's ``flash_attn_varlen_func`` (or
+        ``torch.nn.attention.varlen.varlen_attn``) with ``cu_seqlens`` and causal masking, here. Its
+        flash-attention-2 kernels take one head width for q, k and v, and MLA's values (128) are
+        narrower than its queries and keys (192), so v would be zero-padded to 192 and the output
+        sliced back; until then SDPA (its memory-efficient kernel on CUDA) runs on the padded batch."""
+        q, k, v = self._expand(q, kv)
+        qh, kh, vh = (varlen.to_padded(t).transpose(1, 2) for t in (q, k, v))  # [N, H, T_max, *]
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
+        return varlen.from_padded(o.transpose(1, 2))
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_k ``[H, nope, kv_lora]``, W_v ``[H, v, kv_lora]``): views of kv_b_proj (never stale)."""

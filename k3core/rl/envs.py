@@ -97,16 +97,40 @@ def load_env(spec: str):
         raise ValueError(f"unknown environment {spec!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}), a "
                          "dataset (math, code, or dataset:math|code:URL) or 'module.path:factory' for your own")
     mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise ValueError(f"environment {spec!r}: expected 'module.path:factory' with both parts named")
+    # The module and its factory are the user's code: whatever they raise (a syntax error, an
+    # exception or sys.exit at import) is bad input named here, not a traceback out of the CLI.
     try:
         mod = importlib.import_module(mod_name)
-    except ImportError as e:
+    except ModuleNotFoundError as e:
+        if e.name != mod_name and not mod_name.startswith(f"{e.name}."):
+            raise ValueError(f"environment {spec!r}: module {mod_name!r} imports {e.name!r}, which is not installed; "
+                             "install it or remove the import") from e
         raise ValueError(f"environment {spec!r}: cannot import module {mod_name!r} ({e}); is it on PYTHONPATH?") from e
-    factory = getattr(mod, attr, None)
-    if factory is None:
-        raise ValueError(f"environment {spec!r}: module {mod_name!r} has no attribute {attr!r}")
-    env = factory() if callable(factory) and not isinstance(factory, Environment) else factory
+    except SyntaxError as e:
+        raise ValueError(f"environment {spec!r}: module {mod_name!r} has a syntax error ({e.msg}, {e.filename} line "
+                         f"{e.lineno}); fix the module") from e
+    except (Exception, SystemExit) as e:
+        raise ValueError(f"environment {spec!r}: importing module {mod_name!r} raised {type(e).__name__}: {e}; "
+                         "fix the module (it runs at import, before any stage)") from e
+    if not hasattr(mod, attr):
+        raise ValueError(f"environment {spec!r}: module {mod_name!r} has no attribute {attr!r}; define it there or "
+                         "name the factory after the ':'")
+    factory = getattr(mod, attr)
+    if callable(factory) and not isinstance(factory, Environment):
+        try:
+            env = factory()
+        except (Exception, SystemExit) as e:
+            raise ValueError(f"environment {spec!r}: {mod_name}.{attr}() raised {type(e).__name__}: {e}; fix the "
+                             "factory (it is called with no arguments)") from e
+    else:
+        env = factory
     if not isinstance(env, Environment):
-        raise ValueError(f"environment {spec!r} must provide prompts(rng, n) and reward(prompt, completion)")
+        lacks = [m for m in ("prompts", "reward") if not callable(getattr(env, m, None))]
+        raise ValueError(f"environment {spec!r} must provide prompts(rng, n) and reward(prompt, completion); "
+                         f"{mod_name}.{attr}{'()' if callable(factory) else ''} gave a {type(env).__name__} without "
+                         f"{' and '.join(lacks) or 'them'}")
     return env
 
 

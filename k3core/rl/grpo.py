@@ -67,18 +67,26 @@ def uniform_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def loss_weights(mask: torch.Tensor, mode: str = "token-mean", *, tokens: int | None = None,
-                 sequences: int | None = None, norm: float | None = None) -> torch.Tensor:
+                 sequences: int | None = None, norm: float | None = None,
+                 seq_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token weights ``[B, T]`` (zero off ``mask``) that aggregate per-token losses into the
     minibatch loss (module docstring). ``tokens`` / ``sequences``: the minibatch's generated tokens
     and sequences when ``mask`` is only part of it (a micro-batch; default: ``mask`` is the whole
-    minibatch); ``norm``: the constant C of ``seq-sum``."""
+    minibatch); ``norm``: the constant C of ``seq-sum``. ``seq_ids`` ``[B, T]``: the sequence of every
+    position when a row holds several (packed sequences); default: each row is one sequence."""
     m = mask.float()
     if mode == "token-mean":
         n = float(m.sum()) if tokens is None else float(tokens)
         return m / max(n, 1.0)
-    n_seq = float(m.shape[0] if sequences is None else sequences)
+    if seq_ids is not None and seq_ids.shape != mask.shape:
+        raise ValueError(f"seq_ids have shape {tuple(seq_ids.shape)}, the mask {tuple(mask.shape)}")
+    if seq_ids is None:
+        seq_ids = torch.arange(m.shape[0], device=m.device).unsqueeze(1).expand_as(m)
+    per_seq = torch.zeros(int(seq_ids.max()) + 1 if seq_ids.numel() else 0, device=m.device)
+    per_seq = per_seq.index_add(0, seq_ids.reshape(-1).to(m.device), m.reshape(-1))  # generated tokens of each
+    n_seq = float(per_seq.numel() if sequences is None else sequences)
     if mode == "seq-mean-token-mean":
-        return m / m.sum(1, keepdim=True).clamp_min(1.0) / max(n_seq, 1.0)
+        return m / per_seq[seq_ids.to(m.device)].clamp_min(1.0) / max(n_seq, 1.0)
     if mode == "seq-sum":
         if norm is None or not norm > 0:
             raise ValueError(f"seq-sum aggregation needs a positive constant norm (the completion length cap), got {norm!r}")

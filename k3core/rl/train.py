@@ -7,8 +7,15 @@ with gradient accumulation: the same code on CPU and GPU, and the same update wh
 
 Sequences arrive as token lists (prompt, completion) with per-token rollout log-probabilities, a
 sequence advantage and, for routing replay, the expert ids the rollout engine chose at every input
-position. They are right-padded into ``[B, L]`` with ``L = max(len(prompt) + len(completion)) - 1``:
-inputs are ``seq[:-1]``, targets ``seq[1:]``, and only targets that are generated tokens are trained.
+position. Inputs are ``seq[:-1]``, targets ``seq[1:]``, and only targets that are generated tokens
+are trained. Two layouts of a micro-batch (``GRPOSettings.packing``), one step implementation:
+- packed (``pack_varlen``): the sequences back to back in one row ``[1, T]``, T the sum of their
+  lengths, with ``cu_seqlens`` offsets; the model computes each as if alone, no position is padding.
+  Micro-batches are filled first-fit-decreasing under a budget of real tokens.
+- padded (``pack_sequences``): right-padded into ``[B, L]`` with ``L = max(len(prompt) +
+  len(completion)) - 1`` and an attention mask; micro-batches hold similar lengths under a budget of
+  sequences x L.
+Both give the same log-probabilities and gradients up to float rounding (tests/k3core/rl/test_packed_train.py).
 
 Data parallel (``DataParallel``, FSDP2 under torchrun: k3core.rl.fsdp): every rank runs the same
 updates and micro-batches and trains on its share of each micro-batch (positions ``rank::world``);
@@ -68,15 +75,85 @@ class RLSequence:
     ref_logprobs: list[float] | None = None  # the frozen reference's, per generated token (KL penalty)
 
 
-def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = False) -> dict[str, torch.Tensor]:
-    B = len(seqs)
-    if B == 0:
+def _check_batch(seqs: list[RLSequence]) -> None:
+    if not seqs:
         raise ValueError("empty batch: no sequences to train on")
-    full = [s.prompt_ids + s.output_ids for s in seqs]
     if any(len(s.output_ids) == 0 for s in seqs):
         raise ValueError("a sequence has an empty completion: nothing to train on for it")
     if any(len(s.prompt_ids) == 0 for s in seqs):  # no position would predict the first generated token
         raise ValueError("a sequence has an empty prompt: it needs at least one token (BOS) before the completion")
+
+
+def _check_logprobs(b: int, s: RLSequence, with_ref: bool) -> None:
+    if s.rollout_logprobs is not None and len(s.rollout_logprobs) != len(s.output_ids):
+        raise ValueError(f"sequence {b}: {len(s.rollout_logprobs)} rollout logprobs for {len(s.output_ids)} tokens")
+    if with_ref and (s.ref_logprobs is None or len(s.ref_logprobs) != len(s.output_ids)):
+        got = None if s.ref_logprobs is None else len(s.ref_logprobs)
+        raise ValueError(f"sequence {b}: {got} reference logprobs for {len(s.output_ids)} tokens (every "
+                         "sequence of a batch needs them once one has)")
+
+
+def _check_routing(seqs: list[RLSequence]) -> torch.Size:
+    """The ``[n_moe, k]`` shape of the batch's routing, after checking every sequence carries one
+    entry per input position."""
+    first = next((s.routing for s in seqs if s.routing is not None), None)
+    if first is None:
+        raise ValueError("routing replay: no sequence carries routing (rollouts must record the experts they used)")
+    for b, s in enumerate(seqs):
+        n = _input_len(s)
+        if s.routing is None or s.routing.shape[0] != n:
+            got = None if s.routing is None else tuple(s.routing.shape)
+            raise ValueError(f"routing replay: sequence {b} has routing {got}, needs {n} positions")
+    return first.shape[1:]
+
+
+def pack_varlen(seqs: list[RLSequence], with_routing: bool = False) -> dict[str, torch.Tensor | None]:
+    """The packed layout: every sequence's input positions back to back in one row ``[1, T]``
+    (T = sum of ``len(prompt) + len(completion) - 1``), ``cu_seqlens`` int32 ``[N + 1]`` their offsets
+    (the model's ``cu_seqlens``), ``seq_ids`` ``[1, T]`` the sequence of each position. The other
+    entries are ``pack_sequences``' on that row: ``valid`` is all true (no padding), ``advantages`` is
+    per position ``[1, T]``, ``routing`` ``[1, T, n_moe, k]``."""
+    _check_batch(seqs)
+    with_ref = any(s.ref_logprobs is not None for s in seqs)
+    ids, tgt, gen, lp_roll, lp_ref, adv, sid = [], [], [], [], [], [], []
+    for b, s in enumerate(seqs):
+        _check_logprobs(b, s, with_ref)
+        f = s.prompt_ids + s.output_ids
+        n, p = len(f) - 1, len(s.prompt_ids)
+        ids.append(torch.tensor(f[:-1]))
+        tgt.append(torch.tensor(f[1:]))
+        g = torch.zeros(n, dtype=torch.bool)
+        g[p - 1:] = True
+        gen.append(g)
+        z = torch.zeros(p - 1)
+        lp_roll.append(torch.cat([z, torch.tensor(s.rollout_logprobs)]) if s.rollout_logprobs is not None
+                       else torch.zeros(n))
+        if with_ref:
+            lp_ref.append(torch.cat([z, torch.tensor(s.ref_logprobs)]))
+        adv.append(torch.full((n,), float(s.advantage)))
+        sid.append(torch.full((n,), b, dtype=torch.long))
+    routing = None
+    if with_routing:
+        _check_routing(seqs)
+        routing = torch.cat([s.routing.long() for s in seqs]).unsqueeze(0)
+    lengths = torch.tensor([_input_len(s) for s in seqs])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
+    row = {"input_ids": ids, "targets": tgt, "gen_mask": gen, "rollout_logprobs": lp_roll, "advantages": adv,
+           "seq_ids": sid}
+    out = {k: torch.cat(v).unsqueeze(0) for k, v in row.items()}
+    out.update(valid=torch.ones_like(out["gen_mask"]), routing=routing,
+               ref_logprobs=torch.cat(lp_ref).unsqueeze(0) if with_ref else None, cu_seqlens=cu)
+    return out
+
+
+def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = False) -> dict[str, torch.Tensor]:
+    """The padded layout: sequences right-padded to ``[B, L]`` (module docstring); ``valid`` marks
+    real positions, ``gen_mask`` the trained ones, ``advantages`` is ``[B]``, ``routing``
+    ``[B, L, n_moe, k]`` (padding positions route to experts 0..k-1; their outputs are never read).
+    ``cu_seqlens`` and ``seq_ids`` are None (each row is one sequence)."""
+    _check_batch(seqs)
+    B = len(seqs)
+    full = [s.prompt_ids + s.output_ids for s in seqs]
     L = max(len(f) for f in full) - 1
     ids = torch.full((B, L), pad_id, dtype=torch.long)
     tgt = torch.zeros(B, L, dtype=torch.long)
@@ -93,42 +170,51 @@ def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = Fal
         valid[b, :n] = True
         p = len(s.prompt_ids)
         gen[b, p - 1:n] = True
+        _check_logprobs(b, s, lp_ref is not None)
         if s.rollout_logprobs is not None:
-            if len(s.rollout_logprobs) != len(s.output_ids):
-                raise ValueError(f"sequence {b}: {len(s.rollout_logprobs)} rollout logprobs for {len(s.output_ids)} tokens")
             lp_roll[b, p - 1:n] = torch.tensor(s.rollout_logprobs)
         if lp_ref is not None:
-            if s.ref_logprobs is None or len(s.ref_logprobs) != len(s.output_ids):
-                got = None if s.ref_logprobs is None else len(s.ref_logprobs)
-                raise ValueError(f"sequence {b}: {got} reference logprobs for {len(s.output_ids)} tokens (every "
-                                 "sequence of a batch needs them once one has)")
             lp_ref[b, p - 1:n] = torch.tensor(s.ref_logprobs)
         adv[b] = s.advantage
     if with_routing:
-        first = next((s.routing for s in seqs if s.routing is not None), None)
-        if first is None:
-            raise ValueError("routing replay: no sequence carries routing (rollouts must record the experts they used)")
-        k_shape = first.shape[1:]
+        k_shape = _check_routing(seqs)
         routing = torch.arange(k_shape[1]).expand(B, L, *k_shape).clone()
-        for b, (s, f) in enumerate(zip(seqs, full)):
-            n = len(f) - 1
-            if s.routing is None or s.routing.shape[0] != n:
-                got = None if s.routing is None else tuple(s.routing.shape)
-                raise ValueError(f"routing replay: sequence {b} has routing {got}, needs {n} positions")
-            routing[b, :n] = s.routing.long()
+        for b, s in enumerate(seqs):
+            routing[b, :_input_len(s)] = s.routing.long()
     return {"input_ids": ids, "targets": tgt, "valid": valid, "gen_mask": gen, "rollout_logprobs": lp_roll,
-            "advantages": adv, "routing": routing, "ref_logprobs": lp_ref}
+            "advantages": adv, "routing": routing, "ref_logprobs": lp_ref, "cu_seqlens": None, "seq_ids": None}
 
 
-def micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices into ``lengths`` (input positions per sequence) grouped into micro-batches whose padded
-    size (sequences x longest input) stays within ``budget`` tokens; longest first, so similar lengths
-    share a micro-batch. A sequence longer than the budget alone gets a micro-batch of its own
-    (a sequence is never split). ``budget`` 0: everything in one micro-batch, in order."""
+def make_batch(seqs: list[RLSequence], pad_id: int, packed: bool, with_routing: bool = False) -> dict:
+    """One micro-batch in the packed (``pack_varlen``) or the padded (``pack_sequences``) layout."""
+    return pack_varlen(seqs, with_routing) if packed else pack_sequences(seqs, pad_id, with_routing)
+
+
+def micro_batches(lengths: list[int], budget: int, packed: bool = False) -> list[list[int]]:
+    """Indices into ``lengths`` (input positions per sequence) grouped into micro-batches of at most
+    ``budget`` tokens; a sequence is never split, so one longer than the budget gets a micro-batch of
+    its own. Deterministic: sequences are taken longest first (ties by index).
+    - ``packed``: the budget counts real tokens (the sum of the lengths, no padding in a packed row);
+      first-fit decreasing: each sequence joins the first micro-batch it still fits in, so short
+      sequences fill the room that long ones leave.
+    - padded: the budget counts sequences x the longest input (the padded ``[B, L]``); sequences
+      join the latest micro-batch while it fits, so similar lengths share one.
+    ``budget`` 0: everything in one micro-batch, in order."""
     if budget <= 0:
         return [list(range(len(lengths)))] if lengths else []
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     out: list[list[int]] = []
+    if packed:
+        used: list[int] = []
+        for i in order:
+            j = next((j for j, u in enumerate(used) if u + lengths[i] <= budget), None)
+            if j is None:
+                out.append([i])
+                used.append(lengths[i])
+            else:
+                out[j].append(i)
+                used[j] += lengths[i]
+        return out
     for i in order:
         if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget:
             out[-1].append(i)
@@ -141,10 +227,19 @@ def _input_len(s: RLSequence) -> int:
     return len(s.prompt_ids) + len(s.output_ids) - 1
 
 
+def _generated_per_sequence(x: torch.Tensor, batch: dict, seqs: list[RLSequence]) -> list[torch.Tensor]:
+    """The entries of ``x`` (``[B, L]`` or ``[1, T]``) at the generated positions, one 1-D tensor per
+    sequence of the micro-batch: in both layouts the generated positions, read in row-major order,
+    are the first sequence's, then the second's, ..."""
+    return list(x[batch["gen_mask"].to(x.device)].split([len(s.output_ids) for s in seqs]))
+
+
 def _forward_logp(model: K3ForCausalLM, batch: dict, temperature: float, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trainer log-probabilities of the targets ``[b, L]`` and the tempered logits."""
-    out = model(batch["input_ids"].to(dev), batch["valid"].to(dev),
-                forced_routing=None if batch["routing"] is None else batch["routing"].to(dev))
+    """Trainer log-probabilities of the targets ``[b, L]`` (``[1, T]`` packed) and the tempered logits."""
+    packed = batch["cu_seqlens"] is not None
+    out = model(batch["input_ids"].to(dev), None if packed else batch["valid"].to(dev),
+                forced_routing=None if batch["routing"] is None else batch["routing"].to(dev),
+                cu_seqlens=batch["cu_seqlens"])
     logits = out.logits.float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"].to(dev).unsqueeze(-1)).squeeze(-1)
     return logp, logits
@@ -154,18 +249,20 @@ def _forward_logp(model: K3ForCausalLM, batch: dict, temperature: float, dev) ->
 def old_logprobs(model: K3ForCausalLM, seqs: list[RLSequence], cfg: GRPOSettings, pad_id: int,
                  temperature: float = 1.0, dp: DataParallel | None = None) -> list[torch.Tensor]:
     """``logp_old``: the trainer's log-probability of every generated token (one 1-D tensor per
-    sequence) before any update of this batch, in micro-batches of ``cfg.micro_batch_tokens``
-    (with ``dp``: each rank its share, then every rank gets all of them)."""
+    sequence) before any update of this batch, in the micro-batches and layout the updates use
+    (``cfg.micro_batch_tokens``, ``cfg.packing``; with ``dp``: each rank its share, then every rank
+    gets all of them)."""
     dev = next(model.parameters()).device
     model.train()
     model.use_inference_caches = False
     out: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-    for idx in micro_batches([_input_len(s) for s in seqs], cfg.micro_batch_tokens):
+    for idx in micro_batches([_input_len(s) for s in seqs], cfg.micro_batch_tokens, cfg.packing):
         mine, stand_in = _share(dp, idx)
-        batch = pack_sequences([seqs[i] for i in mine], pad_id, with_routing=cfg.routing_replay)
+        mseqs = [seqs[i] for i in mine]
+        batch = make_batch(mseqs, pad_id, cfg.packing, with_routing=cfg.routing_replay)
         logp, _ = _forward_logp(model, batch, temperature, dev)
-        for row, i in enumerate([] if stand_in else mine):
-            out[i] = logp[row][batch["gen_mask"][row].to(dev)].float().cpu()
+        for i, lp in zip([] if stand_in else mine, _generated_per_sequence(logp, batch, mseqs)):
+            out[i] = lp.float().cpu()
     if dp is not None:
         for part in dp.gather({i: t for i, t in enumerate(out) if t.numel()}):
             for i, t in part.items():
@@ -182,7 +279,8 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
                     seq_sum_norm: float | None = None, dp: DataParallel | None = None) -> dict:
     """GRPO updates of ``model`` on one rollout batch: ``cfg.ppo_epochs`` passes, each over
     ``cfg.minibatches`` shuffled minibatches, one optimizer step per minibatch; each minibatch runs in
-    micro-batches of at most ``cfg.micro_batch_tokens`` padded tokens whose gradients accumulate
+    micro-batches of at most ``cfg.micro_batch_tokens`` tokens (real tokens packed, sequences x
+    longest input padded: ``cfg.packing``) whose gradients accumulate
     (weights of ``cfg.loss_aggregation`` fixed by the whole minibatch, so the split changes nothing
     but rounding). ``logp_old`` is the trainer's before the first update (no gradient): computed by
     one extra forward pass when there are several updates, and the detached ``logp`` itself when
@@ -225,10 +323,10 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
             tokens = sum(len(s.output_ids) for s in mseqs)
             optimizer.zero_grad(set_to_none=True)
             parts = []
-            micro = micro_batches([_input_len(s) for s in mseqs], cfg.micro_batch_tokens)
+            micro = micro_batches([_input_len(s) for s in mseqs], cfg.micro_batch_tokens, cfg.packing)
             for idx in micro:
                 idx, stand_in = _share(dp, idx)
-                batch = pack_sequences([mseqs[j] for j in idx], pad_id, with_routing=cfg.routing_replay)
+                batch = make_batch([mseqs[j] for j in idx], pad_id, cfg.packing, with_routing=cfg.routing_replay)
                 logp, logits = _forward_logp(model, batch, temperature, dev)
                 mask = batch["gen_mask"].to(dev)
                 if old is None:
@@ -236,7 +334,8 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
                 else:
                     logp_old = torch.zeros_like(logp)
                     logp_old[mask] = torch.cat([old[mb[j]] for j in idx]).to(dev)
-                w = loss_weights(mask, cfg.loss_aggregation, tokens=tokens, sequences=len(mseqs), norm=seq_sum_norm)
+                w = loss_weights(mask, cfg.loss_aggregation, tokens=tokens, sequences=len(mseqs), norm=seq_sum_norm,
+                                 seq_ids=None if batch["seq_ids"] is None else batch["seq_ids"].to(dev))
                 ref = batch["ref_logprobs"]
                 loss, st = grpo_loss(logp, logp_old, batch["rollout_logprobs"].to(dev), batch["advantages"].to(dev),
                                      mask, cfg.clip_eps_low, cfg.clip_eps_high, cfg.tis_cap, weights=w,

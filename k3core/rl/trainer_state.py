@@ -65,9 +65,13 @@ def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: tor
         write_manifest(out_dir)  # last: sha256 of every file (all ranks' data, .metadata included), checked before any load
 
 
-def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.float32, shard=None):
+def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.float32, shard=None,
+                       device: str | torch.device = "cpu"):
     """(model, optimizer, extra) from a trainer-state directory written by ``save_trainer_state``;
     the model trains with QAT when the state was saved with it (``extra['qat_routed_experts']``).
+    The model's weights are materialised on ``device`` and DCP reads them straight into it; the
+    optimizer (``StreamedAdamW``) keeps its state (master weights, moments) on the host whatever the
+    device, and is built after the model is placed, so its streams pair host state with device weights.
 
     Nothing is read before the directory's manifest checks out (every file's size and sha256;
     ``ManifestError`` names the first that differs). ``.metadata`` is then unpickled from the
@@ -84,12 +88,12 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     config = K3Config.from_json_file(path / "config.json")
     model = meta_model(config)
     if shard is None:
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         model.cast(dtype)
     else:
         model.cast(dtype)
         shard(model)
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
     opt = make_optimizer(model, lr)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd, "rng": {"torch": torch.get_rng_state(), "python": ""}, "extra": ""}
@@ -104,7 +108,8 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     return model, opt, extra
 
 
-def load_trainer_model(path: str | Path, dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
+def load_trainer_model(path: str | Path, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu") -> K3ForCausalLM:
     """The model alone from a trainer-state directory (DCP reads only the model's entries; no
     optimizer is built): what a rollout engine needs from a trainer state. The manifest is checked
     first, as in ``load_trainer_state``."""
@@ -117,7 +122,7 @@ def load_trainer_model(path: str | Path, dtype: torch.dtype = torch.float32) -> 
     path = Path(path)
     manifest = verify_manifest(path, required=True, must_list=(METADATA_NAME, "config.json", "extra.json"))
     model = meta_model(K3Config.from_json_file(path / "config.json"))
-    model.to_empty(device="cpu")
+    model.to_empty(device=device)
     model.cast(dtype)
     state = {"model": get_model_state_dict(model)}
     with _single_process_dcp():

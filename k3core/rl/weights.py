@@ -15,10 +15,12 @@ from k3core.rollout.engine import RolloutEngine
 ROUTED_EXPERT_SUFFIXES = (".experts.w13", ".experts.w2")
 
 
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> K3ForCausalLM:
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> K3ForCausalLM:
+    """A public-layout checkpoint as the trainer's model, materialised on ``device``."""
     from k3core.checkpoint.hf import load_model
 
-    return load_model(path, dtype=dtype)
+    return load_model(path, device=device, dtype=dtype)
 
 
 def mxfp4_roundtrip(w: torch.Tensor) -> torch.Tensor:
@@ -48,22 +50,24 @@ def engine_state(model: K3ForCausalLM, quantize_experts: bool, w4a8: bool = True
 
 
 def engine_from_model(model: K3ForCausalLM, weight_version: int, quantized: bool,
-                      act_granularity: str | None = "token") -> RolloutEngine:
+                      act_granularity: str | None = "token", decode: str = "auto") -> RolloutEngine:
     """An engine around ``model`` (taken over: with ``quantized`` its routed experts are swapped for
-    W4A8 experts in place and the float expert weights dropped). A later transfer into it takes
-    ``engine_state(trainer, quantize_experts=quantized)``."""
+    W4A8 experts in place, on the model's device, and the float expert weights dropped). A later
+    transfer into it takes ``engine_state(trainer, quantize_experts=quantized)``. ``decode``: the
+    engine's decode mode (``k3core.device.decode_mode`` picks one per device)."""
     if quantized:
         from k3core.rollout.quantized import quantize_engine_model
 
         quantize_engine_model(model, act_granularity)
-    return RolloutEngine(model, weight_version)
+    return RolloutEngine(model, weight_version, decode=decode)
 
 
 def build_engine(weights_path: str | Path, weight_version: int, dtype: torch.dtype = torch.float32,
-                 w4a8: bool = True) -> RolloutEngine:
-    """An engine from a public-layout checkpoint. An MXFP4 checkpoint gives the W4A8 engine (packed
-    expert bytes loaded as they are, FP8 activations; ``w4a8=False``: experts dequantised on load,
-    activations unquantised); a bf16 checkpoint gives a float engine."""
+                 w4a8: bool = True, device: str | torch.device = "cpu", decode: str = "auto") -> RolloutEngine:
+    """An engine on ``device`` from a public-layout checkpoint. An MXFP4 checkpoint gives the W4A8
+    engine (packed expert bytes loaded as they are, FP8 activations; ``w4a8=False``: experts
+    dequantised on load, activations unquantised); a bf16 checkpoint gives a float engine.
+    ``decode``: the engine's decode mode."""
     from k3core.checkpoint.files import CONFIG_NAME
     from k3core.checkpoint.hf import checkpoint_target
 
@@ -71,5 +75,5 @@ def build_engine(weights_path: str | Path, weight_version: int, dtype: torch.dty
     if w4a8 and checkpoint_target(config) == "mxfp4":
         from k3core.rollout.quantized import load_w4a8_model
 
-        return RolloutEngine(load_w4a8_model(weights_path, dtype), weight_version)
-    return RolloutEngine(load_policy(weights_path, dtype), weight_version)
+        return RolloutEngine(load_w4a8_model(weights_path, dtype, device=device), weight_version, decode=decode)
+    return RolloutEngine(load_policy(weights_path, dtype, device), weight_version, decode=decode)

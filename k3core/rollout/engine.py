@@ -691,6 +691,27 @@ class RolloutEngine:
             return {"running": len(self._running), "waiting": len(self._queue), "max_batch": self.max_batch,
                     "max_queue": self.max_queue, "paused_for_update": bool(self._paused)}
 
+    def release_decode_state(self) -> int:
+        """Drop the decode state (the static state and its captured graphs, the dynamic cache, the
+        last logits) so its memory returns to the allocator while the engine idles, e.g. during the
+        train step that shares its device; the next admission allocates it again. Only between
+        batches: refused (``RuntimeError``) while sequences run. Returns the bytes released."""
+        with self._model_lock:
+            if self._running:
+                raise RuntimeError(f"release_decode_state with {len(self._running)} sequences running")
+            held = self.decode_state_bytes()
+            self._static, self._graphs, self._cache, self._logits = None, None, None, None
+            return held
+
+    def decode_state_bytes(self) -> int:
+        """Bytes of decode state the engine holds now (allocated, whether or not sequences use it):
+        the static state's buffers, or the dynamic cache's tensors."""
+        with self._model_lock:
+            if self._static is not None:
+                return sum(t.numel() * t.element_size() for t in self._static.buffers())
+            c = self._cache
+            return (c.kda_nbytes() + c.mla_nbytes()) if c is not None else 0
+
     def cache_stats(self) -> dict:
         """Decode-state bytes of the running batch: KDA (constant per sequence) and MLA (per token)."""
         with self._model_lock:

@@ -87,6 +87,17 @@ _NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "re
             "min_new_tokens": 0}
 _REQUEST_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "return_routed_experts", "rid", "stream",
                  "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
+_BOOL_REQUEST_KEYS = ("return_logprob", "return_routed_experts", "stream", "return_text_in_logprobs")
+
+
+def _check_request_types(body: dict) -> None:
+    """Switches are JSON booleans and a request id is a string: "false" or 0 would read as a
+    different switch than the client meant, and an id is echoed into every output."""
+    for key in _BOOL_REQUEST_KEYS:
+        if key in body and body[key] is not None and not isinstance(body[key], bool):
+            raise BadRequest(f"'{key}' must be true or false, got {body[key]!r}")
+    if body.get("rid") is not None and not isinstance(body["rid"], str):
+        raise BadRequest(f"'rid' must be a string, got {body['rid']!r}")
 
 
 class BadRequest(ValueError):
@@ -394,6 +405,7 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             unknown = sorted(set(body) - _REQUEST_KEYS)
             if unknown:
                 raise BadRequest(f"unsupported fields {unknown}")
+            _check_request_types(body)
             if body.get("stream"):
                 raise BadRequest("streaming is not supported: send stream=false")
             if body.get("top_logprobs_num"):
@@ -467,8 +479,11 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
         try:
             body = await body_of(request, update=True)
             path = body.get("model_path")
-            if not isinstance(path, str) or not path:
+            if path is None or path == "":
                 raise BadRequest("'model_path' (a checkpoint directory in the public layout) is required")
+            if not isinstance(path, str):
+                raise BadRequest(f"'model_path' must be a string (a checkpoint directory in the public layout), "
+                                 f"got {path!r}")
             if body.get("load_format") not in (None, "auto", "safetensors"):
                 raise BadRequest(f"load_format {body['load_format']!r} is not supported (auto/safetensors)")
             if body.get("abort_all_requests"):

@@ -105,18 +105,20 @@ def test_update_settings_defaults_flags_and_checks():
     values listed together."""
     g = GRPOSettings()
     assert (g.ppo_epochs, g.minibatches, g.micro_batch_tokens, g.loss_aggregation, g.scale_advantages,
-            g.refill_rounds) == (1, 1, 0, "token-mean", True, 0)
+            g.refill_rounds, g.packing) == (1, 1, 0, "token-mean", True, 0, True)
     s = RLSettings.from_dict({"ppo-epochs": 2, "minibatches": 4, "micro_batch_tokens": 2048,
-                              "loss-aggregation": "seq-sum", "scale-advantages": False, "refill-rounds": 3})
+                              "loss-aggregation": "seq-sum", "scale-advantages": False, "refill-rounds": 3,
+                              "packing": False})
     assert (s.grpo.ppo_epochs, s.grpo.minibatches, s.grpo.micro_batch_tokens, s.grpo.loss_aggregation,
-            s.grpo.scale_advantages, s.grpo.refill_rounds) == (2, 4, 2048, "seq-sum", False, 3)
+            s.grpo.scale_advantages, s.grpo.refill_rounds, s.grpo.packing) == (2, 4, 2048, "seq-sum", False, 3, False)
     with pytest.raises(SettingsError) as e:
         GRPOSettings(ppo_epochs=0, minibatches=0, micro_batch_tokens=-1, loss_aggregation="sum",
-                     scale_advantages="no", refill_rounds=-1)
+                     scale_advantages="no", refill_rounds=-1, packing="no")
     msg = str(e.value)
     for needle in ("--ppo-epochs must be >= 1, got 0", "--minibatches must be >= 1, got 0",
                    "--micro-batch-tokens must be >= 0, got -1", "--loss-aggregation: unknown mode 'sum'",
-                   "--scale-advantages must be true or false", "--refill-rounds must be >= 0, got -1"):
+                   "--scale-advantages must be true or false", "--refill-rounds must be >= 0, got -1",
+                   "--packing must be true or false"):
         assert needle in msg, needle
 
 

@@ -95,15 +95,13 @@ def test_two_ranks_equal_one_process_and_states_cross_world_sizes(tmp_path):
     _same_step(ref_m, extra["metrics"], ref, got, start)
 
     # 2. a state saved by one process, trained by 2 ranks: 2 epochs x 2 minibatches (logp_old taken first,
-    #    shuffles from the state's RNG), micro-batches of one sequence, so rank 1 joins every
-    #    micro-batch with a zero-weight stand-in
+    #    shuffles from the state's RNG), packed micro-batches of one sequence (a budget below every
+    #    length), so rank 1 joins every micro-batch with a zero-weight stand-in
     table2, scored2 = _scored(tmp_path, ref, seed=4)
-    longest = max(len(p) + len(o) - 1 for p, o in zip(table2.column("prompt_ids").to_pylist(),
-                                                        table2.column("output_ids").to_pylist()))
-    multi = GRPOSettings(lr=1e-3, ppo_epochs=2, minibatches=2, micro_batch_tokens=longest)
+    multi = GRPOSettings(lr=1e-3, ppo_epochs=2, minibatches=2, micro_batch_tokens=1, packing=True)
     lengths = [len(p) + len(o) - 1 for p, o in zip(table2.column("prompt_ids").to_pylist(),
                                                    table2.column("output_ids").to_pylist())]
-    assert all(len(mb) == 1 for mb in micro_batches(lengths, longest))
+    assert all(len(mb) == 1 for mb in micro_batches(lengths, 1, packed=True))
     save_trainer_state(tmp_path / "ref-1", ref, opt, {"iteration": 1})
     before = copy.deepcopy(ref)
     ref_m2 = train_on_table(ref, opt, table2, multi, pad, seq_sum_norm=7, max_groups=4)

@@ -3,7 +3,7 @@
 The loop is the pipeline's without Prefect and without files: prompts from the data cursor
 (``training_prompts``), rollouts on the embedded engine (``rollout_table``), rewards and group
 advantages (``score_table``), the GRPO update (``train_on_table``: 2 PPO epochs x 2 minibatches in
-micro-batches of at most 128 padded tokens, ``StreamedAdamW``), then the new weights into the engine
+micro-batches of at most 128 tokens, packed by default, ``StreamedAdamW``), then the new weights into the engine
 (``engine_state`` + ``load_weights``, the in-process transfer). Held-out prompts (never trained on)
 are sampled with one fixed seed before the first and after the last iteration.
 

@@ -207,9 +207,10 @@ def test_forced_routing_is_honoured():
 
 
 def _run_case(max_grad_norm_factor, temperature, lr=1.0, cap=2.0, eps=(0.2, 0.28), agg="token-mean", micro=0,
-              norm=None):
+              norm=None, packing=True):
     """Reference gradient and loss, then one grpo_train_step on the same model (loss aggregation ``agg``,
-    micro-batches of ``micro`` tokens, seq-sum constant ``norm``); returns everything to compare."""
+    micro-batches of ``micro`` tokens, seq-sum constant ``norm``, packed or padded micro-batches);
+    returns everything to compare."""
     tr = _train()
     m = _model()
     ra, rb = _routing(len(PROMPT_A) + len(OUT_A) - 1, 1), _routing(len(PROMPT_B) + len(OUT_B) - 1, 2)
@@ -242,7 +243,8 @@ def _run_case(max_grad_norm_factor, temperature, lr=1.0, cap=2.0, eps=(0.2, 0.28
             tr.RLSequence(PROMPT_B, OUT_B, rollouts[1].tolist(), ADV_B, rb)]
     opt = torch.optim.SGD(m.parameters(), lr=lr)
     metrics = _step(m, opt, seqs, temperature=temperature, clip_eps_low=eps[0], clip_eps_high=eps[1], tis_cap=cap,
-                    max_grad_norm=max_norm, loss_aggregation=agg, micro_batch_tokens=micro, seq_sum_norm=norm)
+                    max_grad_norm=max_norm, loss_aggregation=agg, micro_batch_tokens=micro, seq_sum_norm=norm,
+                    packing=packing)
     after = {n: p.detach().clone() for n, p in m.named_parameters()}
     grads = dict(zip(names, grads), **{n: None for n in frozen})
     return dict(loss=float(loss.detach()), entropy=entropy, grads=grads, total_norm=total_norm, max_norm=max_norm,
@@ -308,12 +310,15 @@ def test_grpo_train_step_clips_the_gradient_norm():
 
 # ------------------------------------------------- loss aggregation, micro-batches, PPO epochs, minibatches
 
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
 @pytest.mark.parametrize("agg,micro", [("token-mean", 7), ("seq-mean-token-mean", 0), ("seq-mean-token-mean", 7),
                                        ("seq-sum", 0), ("seq-sum", 7)])
-def test_aggregation_modes_and_micro_batches_match_the_reference(agg, micro):
+def test_aggregation_modes_and_micro_batches_match_the_reference(agg, micro, packing):
     """Each aggregation mode against its formula (``_agg_weights``), unsplit and in micro-batches of 7
-    tokens (A's 6 positions and B's 7 cannot share one: two micro-batches, gradients accumulated)."""
-    r = _run_case(max_grad_norm_factor=1e3, temperature=1.0, agg=agg, micro=micro, norm=5 if agg == "seq-sum" else None)
+    tokens (A's 6 positions and B's 7 cannot share one: two micro-batches, gradients accumulated), in
+    both micro-batch layouts."""
+    r = _run_case(max_grad_norm_factor=1e3, temperature=1.0, agg=agg, micro=micro, norm=5 if agg == "seq-sum" else None,
+                  packing=packing)
     m = r["metrics"]
     assert m["loss"] == pytest.approx(r["loss"], rel=1e-5, abs=1e-7)
     assert m["grad_norm"] == pytest.approx(r["total_norm"], rel=1e-5)

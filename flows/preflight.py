@@ -1,0 +1,119 @@
+"""Checks of a run's inputs before any work: before Prefect starts, before the run lock is taken,
+before anything is written under the artifact root.
+
+Owns: ``check_settings`` (what ``k3rl run`` and ``k3rl prepare`` check beyond the settings
+sections' own validation): the environment loads, the scale-out setting is usable, the source is a
+checkpoint, the artifact root can be written. Each failure is a ``ValueError`` whose message names
+the flag, the problem and the fix; the CLI prints it as one error with exit status 2.
+Does not own: the settings' own checks (``k3core.settings``, which deployments run too), or the
+fail-closed audit of a fetched checkpoint (the ``validate_checkpoint`` stage hashes every file). A
+source on a remote filesystem is read first by the fetch stage, whose retries absorb a transient
+error that a check here would turn into a refusal; here only its filesystem must be known.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["check_artifact_root", "check_settings", "check_source"]
+
+
+def check_settings(s) -> None:
+    """Everything a run's settings name that can be checked on this machine, cheaply, up front."""
+    from flows.scale import check_dask
+    from k3core.device import run_device
+    from k3core.rl.envs import load_env
+
+    load_env(s.pipeline.env)
+    check_artifact_root(s.pipeline.artifacts, s.pipeline.run_id)
+    if not _source_fetched(s.pipeline.artifacts, s.pipeline.run_id):
+        check_source(s.model.source, s.model.preset)
+    check_dask(s.scale_out)
+    run_device(s)  # --device cuda where torch sees no GPU
+
+
+def _source_fetched(artifacts: str, run_id: str) -> bool:
+    """Whether the run has already published its fetched source (a resume never reads the source
+    again, so a source moved away since must not refuse it). Local roots only: a remote root's
+    marker is left to the fetch stage, which finds it and skips."""
+    from k3core.artifacts import COMPLETE
+
+    path = _local_path(artifacts)
+    return path is not None and (path / "runs" / run_id / "source" / COMPLETE).is_file()
+
+
+def _local_path(url: str) -> Path | None:
+    """The local path a path or ``file://`` URL names; None for any other filesystem."""
+    if url.startswith("file://"):
+        return Path(url[len("file://"):])
+    return None if "://" in url else Path(url)
+
+
+def check_source(source: str, preset: str) -> None:
+    """``--source``: ``init:`` specs were checked by the settings; a URL's filesystem must exist; a
+    local directory must be a public-layout checkpoint of ``preset`` (config, index and every
+    shard's header: a truncated, missing or mis-shaped shard is named here, no file is hashed)."""
+    if source.startswith("init:"):
+        return
+    from k3core.checkpoint.fetch import resolve_filesystem
+    from k3core.checkpoint.validate import CheckpointValidationError, audit_structure
+    from k3core.config import K3Config
+
+    path = _local_path(source)
+    if path is None:
+        try:
+            resolve_filesystem(source)
+        except ImportError as e:
+            raise ValueError(f"--source {source!r}: {e}; use a directory, a file://, s3:// or hf:// URL, or "
+                             "init:PRESET[:SEED] for a fresh checkpoint") from None
+        return
+    if not path.exists():
+        raise ValueError(f"--source {source}: no such directory; give a checkpoint directory (config.json, index, "
+                         "shards), or init:PRESET[:SEED] for a fresh one")
+    if not path.is_dir():
+        raise ValueError(f"--source {source} is a file; give the checkpoint's directory (config.json, index, shards)")
+    try:
+        audit_structure(path, K3Config.preset(preset))
+    except CheckpointValidationError as e:
+        raise ValueError(f"--source {source} is not a usable '{preset}' checkpoint: {e}; point --source at a "
+                         f"complete checkpoint of that preset (`k3rl checkpoint validate DIR` audits one)") from None
+
+
+def _nearest_existing(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_artifact_root(artifacts: str, run_id: str) -> None:
+    """``--artifacts``: another filesystem's protocol must be known (its package installed); a local
+    root must be a directory, or creatable, and writable where the run will write (its run directory,
+    or the nearest directory above it that exists). Nothing is created in a local root; a remote one
+    gets a small object written, read back and removed."""
+    path = _local_path(artifacts)
+    if path is None:
+        import fsspec
+
+        protocol = artifacts.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as e:
+            raise ValueError(f"--artifacts {artifacts}: no filesystem for {protocol}:// ({e}); use a directory or a "
+                             "URL of an installed fsspec filesystem (s3:// needs s3fs)") from None
+        from k3core.artifacts import ArtifactStore
+
+        ArtifactStore(artifacts).check_access()  # a missing bucket, denied access: StorageError, exit 2
+        return
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--artifacts {artifacts} is a file, not a directory; point --artifacts at a directory "
+                         "(it is created when missing)")
+    for target in (path / "runs" / run_id, path):
+        where = _nearest_existing(target)
+        if not where.is_dir():
+            raise ValueError(f"--artifacts {artifacts}: {where} is a file, so the artifact root cannot be created "
+                             "there; choose another --artifacts")
+        if not os.access(where, os.W_OK | os.X_OK):
+            raise ValueError(f"--artifacts {artifacts}: {where} is not writable (a read-only filesystem or its "
+                             "permissions); choose a writable --artifacts, or make it writable")

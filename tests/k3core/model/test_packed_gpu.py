@@ -1,0 +1,85 @@
+"""Packed (varlen) sequences on CUDA: fla's varlen ``chunk_kda`` against k3core's torch chunked KDA on
+the same packed batch, and against each sequence run alone. Skipped without a GPU.
+
+Both compare with the experts forced (``forced_routing``): fla's fp32 ``tl.dot`` runs in TF32 on
+Hopper, which flips near-tied expert choices of a random-init router, and one flipped expert moves a
+log-probability by far more than rounding (see test_model_gpu.py). With routing fixed, what is left
+is TF32 rounding, so the tolerance can catch a kernel that crosses a sequence boundary.
+"""
+
+import functools
+
+import pytest
+import torch
+
+import k3core.model.kda as kda_layer
+from k3core.config import K3Config
+from k3core.model import K3ForCausalLM
+from k3core.ops.kda import kda
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# a token alone, shorter than the conv kernel, exactly one and just over one 64-token chunk, several chunks
+LENGTHS = [1, 3, 64, 65, 200, 17]
+
+
+def _cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _setup():
+    torch.manual_seed(0)
+    cfg = K3Config.preset("small")
+    cpu = K3ForCausalLM(cfg)
+    cpu.reset_parameters(0)
+    gpu = K3ForCausalLM(cfg).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    seqs = [torch.randint(0, 256, (n,)) for n in LENGTHS]
+    ids = torch.cat(seqs).unsqueeze(0)
+    tgt = torch.cat([s.roll(-1) for s in seqs]).unsqueeze(0)
+    # the CPU's own packed routing, replayed on the GPU (the CPU packed path is checked against each
+    # sequence alone in test_packed.py)
+    with torch.no_grad():
+        routing = cpu(ids, cu_seqlens=_cu(LENGTHS), return_routing=True).routing
+    return gpu, seqs, ids.cuda(), tgt.cuda(), routing.cuda()
+
+
+def _packed(model, ids, tgt, routing):
+    out = model(ids, cu_seqlens=_cu(LENGTHS), targets=tgt, return_logprobs=True, forced_routing=routing)
+    return out.logprobs
+
+
+def test_packed_fla_varlen_matches_torch_chunk(monkeypatch):
+    """The same packed batch through the model twice on CUDA: KDA by fla's varlen kernel (the default
+    on CUDA), then by the torch chunked path; log-probabilities and the KDA parameters' gradients."""
+    gpu, _, ids, tgt, routing = _setup()
+    # the KDA layers' own parameters: their gradient passes through the kernel's backward
+    kda_params = [(n, p) for n, p in gpu.named_parameters() if n.endswith(("conv1d.weight", "A_log", "dt_bias"))]
+    assert kda_params
+    lp_fla = _packed(gpu, ids, tgt, routing)
+    g_fla = torch.autograd.grad(lp_fla.sum(), [p for _, p in kda_params])
+    monkeypatch.setattr(kda_layer, "kda", functools.partial(kda, backend="torch"))
+    lp_torch = _packed(gpu, ids, tgt, routing)
+    g_torch = torch.autograd.grad(lp_torch.sum(), [p for _, p in kda_params])
+    diff = (lp_fla - lp_torch).abs().max().item()
+    torch.testing.assert_close(lp_fla, lp_torch, rtol=1e-2, atol=1e-2, msg=lambda m: f"{m}\nmax |diff| {diff:.3g}")
+    for (n, _), a, b in zip(kda_params, g_fla, g_torch):
+        rel = ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+        assert rel < 2e-2, f"{n}: gradient relative error {rel:.3g}"
+
+
+def test_packed_fla_equals_each_sequence_alone():
+    """fla varlen on the packed row against fla on each sequence alone (no ``cu_seqlens``)."""
+    gpu, seqs, ids, tgt, routing = _setup()
+    with torch.no_grad():
+        lp = _packed(gpu, ids, tgt, routing)
+        alone, start = [], 0
+        for s in seqs:
+            n = s.numel()
+            x = s.cuda().unsqueeze(0)
+            alone.append(gpu(x, targets=x.roll(-1, 1), return_logprobs=True,
+                             forced_routing=routing[:, start:start + n]).logprobs)
+            start += n
+    want = torch.cat(alone, 1)
+    diff = (lp - want).abs().max().item()
+    torch.testing.assert_close(lp, want, rtol=1e-2, atol=1e-2, msg=lambda m: f"{m}\nmax |diff| {diff:.3g}")
