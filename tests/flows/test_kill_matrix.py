@@ -17,9 +17,9 @@ chain costs one process per stage. After every kill, and after the resume that f
   score table, trainer state or checkpoint is regenerated.
 
 At the end of each chain the run equals an uninterrupted run of the same command (the module's
-baseline): the same weights, optimizer state, torch RNG state and data cursor in the last trainer state,
-the same rollout and score tables, the same metrics (timings aside), no staging path anywhere and no
-flow run left unfinished."""
+baseline): the same weights, optimizer state, torch RNG state and data cursor in the last trainer
+state, the same rollout and score tables, the same metrics (timings and memory peaks aside), no
+staging path anywhere and no flow run left unfinished."""
 
 from __future__ import annotations
 
@@ -138,13 +138,14 @@ def _final_state(root: Path) -> dict:
                        for t in ("rollouts.parquet", "scored.parquet")}}
 
 
-def _timing(key) -> bool:
-    return isinstance(key, str) and ("seconds" in key or key.endswith("_per_s"))
+def _measured(key) -> bool:
+    """Metrics that measure the process (wall time, rates, memory peaks), not the run's state."""
+    return isinstance(key, str) and ("seconds" in key or key.endswith("_per_s") or key.startswith("memory_"))
 
 
 def _drop_timings(x):
     if isinstance(x, dict):
-        return {k: _drop_timings(v) for k, v in x.items() if not _timing(k)}
+        return {k: _drop_timings(v) for k, v in x.items() if not _measured(k)}
     if isinstance(x, list):
         return [_drop_timings(v) for v in x]
     return x
