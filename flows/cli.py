@@ -97,15 +97,19 @@ def _bool(text: str) -> bool:
 def cmd_run(a) -> int:
     s = _settings_from_args(a)
     check_settings(s)
-    from flows.runlock import lock_path, run_lock
+    from flows.runlock import run_lock
 
     run_id, artifacts = s.pipeline.run_id, s.pipeline.artifacts
-    with run_lock(artifacts, run_id) as held:  # two runs on one id would interleave their stages
-        if not held:
-            print(f"k3rl: error: run '{run_id}' is busy: another `k3rl run` or scheduled tick holds "
-                  f"{lock_path(artifacts, run_id)}; wait for it to finish, or use another --run-id", file=sys.stderr)
+    with run_lock(artifacts, run_id) as lock:  # two runs on one id would interleave their stages
+        if not lock:
+            holder = f"pid {lock.holder}" if lock.holder else "another process"
+            print(f"k3rl: error: run '{run_id}' is busy: {holder} (a `k3rl run` or scheduled tick of it) holds "
+                  f"{lock.path}; wait for it to finish, or use another --run-id", file=sys.stderr)
             return 2
-        return _run_locked(a, s)
+        if lock.took_over_from:
+            print(f"k3rl: run '{run_id}': took over {lock.path} from pid {lock.took_over_from}, which died holding "
+                  "it; resuming", file=sys.stderr)
+        return _run_locked(a, s, lock.path)
 
 
 def resume_command(argv: list[str], run_id: str) -> str:
@@ -116,13 +120,18 @@ def resume_command(argv: list[str], run_id: str) -> str:
     return shlex.join(["k3rl", *argv, *([] if has_id else ["--run-id", run_id])])
 
 
-def _run_locked(a, s) -> int:
+def _run_locked(a, s, lock) -> int:
+    """The run, holding its lock: a finished run replays its summary; otherwise first clear what a
+    killed process of it left (``flows.resume``)."""
+    from prefect import tags
+
+    from flows import resume
     from flows.console import progress_wanted, run_progress
     from flows.pipeline import rl_run
 
-    run_id = s.pipeline.run_id
     from k3core.device import run_device
 
+    run_id = s.pipeline.run_id
     print(f"k3rl: RL run '{run_id}'{' (a new run id)' if getattr(a, 'run_id_generated', False) else ''} on preset "
           f"'{s.model.preset}', env '{s.pipeline.env}', {s.pipeline.iterations} iterations, device "
           f"{run_device(s).type}, artifacts at {s.pipeline.artifacts}\n"
@@ -135,8 +144,18 @@ def _run_locked(a, s) -> int:
               f"follows (a larger --iterations continues it)", file=sys.stderr, flush=True)
         print(json.dumps(summary, indent=2) if a.json else _format_summary(summary))
         return 0
+    removed = resume.remove_dead_staging(s.pipeline.artifacts, run_id)
+    if removed:
+        print(f"k3rl: run '{run_id}': removed {len(removed)} staging path(s) of a killed process "
+              f"({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})", file=sys.stderr)
+    resume.start_embedded_server()
+    tag = resume.run_tag(lock)
+    crashed = resume.crash_stale_flow_runs(tag)
+    if crashed:
+        print(f"k3rl: run '{run_id}': marked {len(crashed)} flow run(s) of a killed process Crashed "
+              f"({', '.join(crashed)})", file=sys.stderr)
     try:
-        with run_progress(not a.no_progress and progress_wanted()):
+        with run_progress(not a.no_progress and progress_wanted()), tags(tag):
             summary = rl_run(s)
     except KeyboardInterrupt:
         print(f"k3rl: interrupted; run the same command again to resume run '{run_id}'", file=sys.stderr)

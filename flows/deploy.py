@@ -82,10 +82,12 @@ def rl_continue(run_id: str = "demo", artifacts: str = "./artifacts", iterations
     PipelineSettings(run_id=run_id, artifacts=artifacts)  # a run id that is a path is refused before the lock
     with run_lock(artifacts, run_id) as held:
         if not held:
-            msg = (f"run '{run_id}' is busy (another rl_continue tick holds {lock_path(artifacts, run_id)}); "
+            msg = (f"run '{run_id}' is busy (pid {held.holder or '?'} holds {held.path}: another tick or a `k3rl run`); "
                    "skipping this tick")
             log.warning(msg)
             return Cancelled(message=msg)
+        if held.took_over_from:
+            log.warning(f"run '{run_id}': took over {held.path} from pid {held.took_over_from}, which died holding it")
         s, warnings = resolve_settings(run_id, artifacts, settings)
         for w in warnings:
             log.warning(w)

@@ -15,6 +15,11 @@ A remote root keeps a local cache of what this machine published or read (``K3RL
 default ``~/.cache/k3rl``, one folder per root); the remote is the truth, and an artifact handle
 whose local path is gone (another machine, a wiped cache) is downloaded again (``localize``).
 Storage failures leave as ``k3core.storage.StorageError`` naming the object and the fix.
+
+A process killed mid-publish (kill -9, OOM, power) leaves its local staging path behind. Staging
+names carry the writer's host and pid (``.tmp-<name>.<host>.<pid>.<nonce>``), so
+``remove_dead_staging`` deletes exactly the leftovers of writers of this host that are gone, never a
+live writer's.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import socket
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
@@ -32,9 +38,37 @@ from collections.abc import Callable
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from k3core import faults
 from k3core.storage import StorageError, storage_call
 
 COMPLETE = "_COMPLETE"
+STAGING_PREFIXES = (".tmp-", ".dl-")
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def staging_name(prefix: str, name: str) -> str:
+    """A fresh local staging name for ``name``, owned by this process of this host."""
+    return f"{prefix}{name}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+
+
+def staging_writer(name: str) -> tuple[str, int] | None:
+    """(host tag, pid) of the process that made staging path ``name``; None when it is not one."""
+    if not name.startswith(STAGING_PREFIXES):
+        return None
+    parts = name.rsplit(".", 3)
+    if len(parts) != 4 or not parts[2].isdigit():
+        return None
+    return parts[1], int(parts[2])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not ours to judge
+        return True
+    return True
 
 
 def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 20) -> str:
@@ -125,14 +159,16 @@ class ArtifactStore:
         delete it on failure. If the artifact already exists, the new build is discarded."""
         final = Path(self.base if self.is_local else self.cache, rel)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp = final.parent / staging_name(".tmp-", final.name)
         if is_dir:
             tmp.mkdir()
         try:
             yield tmp
+            faults.reached("mid-write", tmp)
             if is_dir:
                 (tmp / COMPLETE).write_text("")
             fsync_tree(tmp)
+            faults.reached("before-publish", tmp)
             if self.is_local:
                 if self.exists(rel):
                     return
@@ -215,7 +251,7 @@ class ArtifactStore:
             return local
         r = self._remote(rel)
         local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.parent / f".dl-{local.name}-{uuid.uuid4().hex[:8]}"
+        tmp = local.parent / staging_name(".dl-", local.name)
         try:
             with storage_call("read", self.uri(rel)):
                 if self.fs.isfile(r):
@@ -301,7 +337,7 @@ class ArtifactStore:
         sees the old text or the new, never a mix (temporary name, then one move)."""
         final = Path(self.base if self.is_local else self.cache, rel)
         final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.parent / f".tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+        tmp = final.parent / staging_name(".tmp-", final.name)
         try:
             tmp.write_text(text)
             fsync_tree(tmp)
@@ -337,6 +373,25 @@ class ArtifactStore:
         elif local.exists():
             local.unlink()
         return found
+
+    def remove_dead_staging(self, rel: str) -> list[Path]:
+        """Delete the staging paths under ``rel`` (this machine's side: the root itself, or the local
+        cache of a remote root) whose writer was a process of this host that no longer runs. Staging
+        of live processes and of other hosts is left alone, so this is safe beside running writers."""
+        top = Path(self.base if self.is_local else self.cache, rel)
+        if not top.is_dir():
+            return []
+        removed = []
+        for dirpath, dirnames, filenames in os.walk(top):
+            for name in [*dirnames, *filenames]:
+                writer = staging_writer(name)
+                if writer is None or writer[0] != _HOST or _alive(writer[1]):
+                    continue
+                p = Path(dirpath, name)
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+                removed.append(p)
+            dirnames[:] = [d for d in dirnames if staging_writer(d) is None]  # never descend into staging
+        return removed
 
     def read_text(self, rel: str) -> str:
         if self.is_local:

@@ -16,6 +16,9 @@
   ``stage_memory()`` its peak device memory and host RSS (``k3core.device.MemoryProbe``, on the
   device the call's ``device`` argument names; a submitted stage is not probed, its memory shows in
   the peaks of the stages it runs beside).
+- Fault injection (tests only, ``K3RL_FAULT``, ``k3core/faults.py``): with it set, each stage body
+  runs inside ``faults.in_stage`` so its publishes know their stage, and may kill the process after
+  the body returned, before Prefect records the task run; unset, the body is the task's function.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from prefect import Task
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 from prefect.tasks import MaterializingTask, exponential_backoff
 
+from k3core import faults
 from k3core.artifacts import Artifact, ArtifactStore
 from k3core.checkpoint.validate import CheckpointValidationError
 from k3core.settings import SettingsError
@@ -215,7 +219,8 @@ class Stage:
         name = self.run_name.format(**a)
         opts = stage_options(result_root_for(run.artifacts))
         opts.update(self.options)
-        task = MaterializingTask(fn=self.fn, name=self.fn.__name__, task_run_name=name, assets=outputs,
+        fn = self.fn if faults.SPEC is None else _fault_points(self.fn, name, self.key)
+        task = MaterializingTask(fn=fn, name=self.fn.__name__, task_run_name=name, assets=outputs,
                                  asset_deps=inputs or None, **opts)
         return task, name, inputs
 
@@ -263,6 +268,22 @@ class Stage:
         task, name, inputs = self.task(*args, **kwargs)
         return StageFuture(task.submit(*args, **kwargs), name, tuple(inputs), self.key, time.perf_counter(),
                            self.run_of(*args, **kwargs))
+
+
+def _fault_points(fn: Callable, name: str, key: str) -> Callable:
+    """``fn`` with the fault points of ``k3core.faults`` around it. ``functools.wraps`` keeps what
+    Prefect reads off the function (name, signature, and through ``__wrapped__`` the source that the
+    ``TASK_SOURCE`` cache key hashes), so a run with fault injection and its resume without share
+    their cache."""
+
+    @functools.wraps(fn)
+    def body(*args: Any, **kwargs: Any) -> Any:
+        with faults.in_stage(name, key):
+            out = fn(*args, **kwargs)
+            faults.reached("after-publish")
+        return out
+
+    return body
 
 
 class StageFuture:

@@ -26,12 +26,14 @@ def _rel(run: Run, iteration: int) -> str:
 def _trainer(run: Run, state: Artifact, settings: GRPOSettings, device: str = "cpu"):
     """(model, optimizer) at ``state`` with the model on ``device``: the live trainer (its saved RNG
     restored), or read from the trainer state (DCP), or a public-layout checkpoint with a fresh
-    optimizer (the first iteration). The optimizer's state stays on the host (``StreamedAdamW``)."""
+    optimizer and the RNG seeded from the run's seed (the first iteration). The optimizer's state
+    stays on the host (``StreamedAdamW``)."""
     from k3core.rl.trainer_state import QAT_KEY, make_optimizer, set_qat, set_rng_state
     from k3core.rl.weights import load_policy
 
     if state.kind != "dcp":
         model = set_qat(load_policy(state.path, device=device), settings.qat)
+        _seed_first_trainer(run)
         return model, make_optimizer(model, settings.lr)
     trainers.weights(run.run_id, state, device)  # live, or read once from the DCP state
     live = trainers.take(run.run_id, state.version)
@@ -43,6 +45,20 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings, device: str = "c
         raise ValueError(f"trainer state {state.uri} was trained with QAT {onoff[was]}, this run asks for QAT "
                          f"{onoff[settings.qat]}: resume with --qat {str(was).lower()}, or start a new --run-id")
     return model, opt
+
+
+def _seed_first_trainer(run: Run) -> None:
+    """Seed the RNG (minibatch shuffles) of a trainer that starts from public-layout weights (the
+    run's first iteration) from the run's seed; later iterations restore the RNG saved with their
+    trainer state. Unseeded, it would hold whatever this process drew before: an uninterrupted run
+    comes here straight after the warm-up, a resumed run (prepare's stages cached, or a process
+    killed and restarted in between) does not, and their trainer states would differ."""
+    import random
+
+    import torch
+
+    torch.manual_seed(run.seed)
+    random.seed(run.seed)
 
 
 @stage(run_name="train_step-iter{iteration}", key="train",
@@ -139,6 +155,7 @@ def _train_distributed(run: Run, iteration: int, state: Artifact, scored: Artifa
     with tempfile.TemporaryDirectory(prefix="k3rl-train-job-") as work:
         rng = None
         if state.kind != "dcp":
+            _seed_first_trainer(run)
             rng = f"{work}/rng.pt"
             torch.save(rng_state(), rng)
         job = TrainJob(state=str(state.path), state_kind="dcp" if state.kind == "dcp" else "public",

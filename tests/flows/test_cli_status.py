@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -146,7 +147,7 @@ def test_a_second_run_on_a_busy_run_id_is_refused(tmp_path, capsys):
         assert held
         assert main(["run", "--preset", "tiny", "--run-id", "busy", "--artifacts", root]) == 2
     err = capsys.readouterr().err
-    assert "run 'busy' is busy" in err and "use another --run-id" in err
+    assert f"run 'busy' is busy: pid {os.getpid()}" in err and "use another --run-id" in err
     assert sorted(p.name for p in (tmp_path / "runs" / "busy").iterdir()) == [".lock"]  # nothing else was run
 
 

@@ -1,5 +1,5 @@
 """rl_continue's run lock (no two ticks of one run at once, across threads and processes; a dead
-holder frees it), settings precedence for continued runs, and prefect.yaml: every deployment loads,
+holder frees it, and the next holder knows it took over from that pid), settings precedence for continued runs, and prefect.yaml: every deployment loads,
 its parameters validate against its flow, and the scheduled deployment names the run it continues.
 No Prefect server needed (the end-to-end test is tests/flows/test_deployments.py)."""
 
@@ -40,11 +40,13 @@ def test_lock_held_by_another_process_and_freed_when_it_dies(tmp_path):
     try:
         assert p.stdout.readline().strip() == "held"
         with run_lock(str(tmp_path), "r") as got:
-            assert not got
-        p.kill()  # a crashed holder: the kernel drops its lock
+            assert not got and got.holder == p.pid  # the busy lock names its holder
+        p.kill()  # a crashed holder (SIGKILL): the kernel drops its lock
         p.wait(timeout=60)
         with run_lock(str(tmp_path), "r") as got:
-            assert got
+            assert got and got.took_over_from == p.pid  # taken over, and the dead holder is known
+        with run_lock(str(tmp_path), "r") as got:  # the last holder released it cleanly: no takeover
+            assert got and got.took_over_from is None
     finally:
         if p.poll() is None:
             p.kill()

@@ -1,5 +1,6 @@
 """Atomic publication in the artifact store, local and through fsspec (memory://)."""
 
+import os
 import uuid
 
 import pytest
@@ -52,3 +53,31 @@ def test_directory_without_marker_is_not_trusted(tmp_path):
         (tmp / "x").write_text("full")
     assert (tmp_path / "runs" / "half" / COMPLETE).exists()
     assert (tmp_path / "runs" / "half" / "x").read_text() == "full"
+
+
+def test_staging_of_a_dead_writer_is_removed_and_a_live_writers_is_kept(tmp_path):
+    """A killed writer leaves its staging path; the sweep removes exactly those whose pid is gone on
+    this host, never a live writer's (it may run beside one) nor another host's."""
+    import subprocess
+    import sys
+
+    from k3core.artifacts import staging_writer
+
+    store = ArtifactStore(str(tmp_path))
+    script = ("import os, signal, sys; from k3core.artifacts import ArtifactStore\n"
+              f"s = ArtifactStore({str(tmp_path)!r})\n"
+              "with s.publish('runs/r/iter-0000/t', is_dir=True) as tmp:\n"
+              "    (tmp / 'half').write_bytes(b'x')\n"
+              "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert subprocess.run([sys.executable, "-c", script]).returncode == -9
+    with store.publish("runs/r/live.txt") as live:  # this process: alive while the sweep runs
+        live.write_text("y")
+        dead = [p for p in (tmp_path / "runs" / "r" / "iter-0000").iterdir()]
+        assert len(dead) == 1 and staging_writer(dead[0].name)[1] != os.getpid()
+        host, pid = staging_writer(dead[0].name)
+        foreign = dead[0].with_name(f".tmp-t.{'0' * 8 if host != '0' * 8 else '1' * 8}.{pid}.abcdef12")
+        foreign.mkdir()
+        assert store.remove_dead_staging("runs/r") == dead
+        assert live.exists() and foreign.exists() and not dead[0].exists()
+    assert store.read_text("runs/r/live.txt") == "y"
+    assert not store.exists("runs/r/iter-0000/t")
