@@ -124,7 +124,11 @@ def engines_only(path: str, workers: int, a) -> float:
     return sum(r[0] for r in res) / (max(r[2] for r in res) - min(r[1] for r in res))
 
 
-def main() -> None:
+def compare_workers(runner: str, runner_rollouts, bare_name: str, bare_rollouts) -> None:
+    """The command line and table shared by the worker benchmarks: the local rollout stage, then
+    ``runner_rollouts(root, weights, settings, repeats, n)`` (the stage through that task runner) and
+    ``bare_rollouts(path, n, args)`` (the same engines without Prefect) at 1 and 2 workers, as
+    tokens/s and as ratios against local and against each N=1 row of the same run."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16)
@@ -132,22 +136,27 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--preset", default="small")
     a = ap.parse_args()
-    root = tempfile.mkdtemp(prefix="k3rl-bench-dask-")
+    root = tempfile.mkdtemp(prefix=f"k3rl-bench-{runner}-")
     settings = RolloutSettings(prompts_per_iteration=a.prompts, samples_per_prompt=a.samples,
                                max_new_tokens=a.new_tokens)
     weights = prepare(root, a.preset)
     print(f"{a.preset} preset, W4A8 engine; {a.prompts} prompts x {a.samples} samples x <= {a.new_tokens} tokens; "
-          f"{os.cpu_count()} cores, load average at start {os.getloadavg()[0]:.1f}")
+          f"{os.cpu_count()} cores, load averages at start {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
     rows = {"local x1 thread": statistics.median(local_rollouts(root, weights, settings, a.repeats))}
     for n in (1, 2):
-        rows[f"dask N={n}"] = statistics.median(dask_rollouts(root, weights, settings, a.repeats, n))
+        rows[f"{runner} N={n}"] = statistics.median(runner_rollouts(root, weights, settings, a.repeats, n))
     for n in (1, 2):
-        rows[f"engines N={n}"] = engines_only(weights.path, n, a)
-    print(f"load average at end {os.getloadavg()[0]:.1f}")
-    print(f"{'row':<16} {'tokens/s':>9} {'vs local':>9} {'vs dask N=1':>12} {'vs engines N=1':>15}")
+        rows[f"{bare_name} N={n}"] = bare_rollouts(weights.path, n, a)
+    print(f"load averages at end {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
+    first, bare = f"{runner} N=1", f"{bare_name} N=1"
+    print(f"{'row':<16} {'tokens/s':>9} {'vs local':>9} {'vs ' + first:>12} {'vs ' + bare:>15}")
     for name, rate in rows.items():
-        print(f"{name:<16} {rate:9.1f} {rate / rows['local x1 thread']:8.2f}x {rate / rows['dask N=1']:11.2f}x "
-              f"{rate / rows['engines N=1']:14.2f}x")
+        print(f"{name:<16} {rate:9.1f} {rate / rows['local x1 thread']:8.2f}x {rate / rows[first]:11.2f}x "
+              f"{rate / rows[bare]:14.2f}x")
+
+
+def main() -> None:
+    compare_workers("dask", dask_rollouts, "engines", engines_only)
 
 
 if __name__ == "__main__":

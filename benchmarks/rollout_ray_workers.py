@@ -23,15 +23,12 @@ Usage: PYTHONPATH=. python benchmarks/rollout_ray_workers.py [--repeats 3] [--pr
 
 from __future__ import annotations
 
-import argparse
 import os
-import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rollout_dask_workers import _timed, local_rollouts, prepare  # noqa: E402  (sets Prefect's env first)
+from rollout_dask_workers import _timed, compare_workers  # noqa: E402  (sets Prefect's env first)
 
 import torch  # noqa: E402
 from prefect import flow  # noqa: E402
@@ -99,29 +96,7 @@ def actors_only(path: str, workers: int, a) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=16)
-    ap.add_argument("--preset", default="small")
-    a = ap.parse_args()
-    root = tempfile.mkdtemp(prefix="k3rl-bench-ray-")
-    settings = RolloutSettings(prompts_per_iteration=a.prompts, samples_per_prompt=a.samples,
-                               max_new_tokens=a.new_tokens)
-    weights = prepare(root, a.preset)
-    print(f"{a.preset} preset, W4A8 engine; {a.prompts} prompts x {a.samples} samples x <= {a.new_tokens} tokens; "
-          f"{os.cpu_count()} cores, load averages at start {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
-    rows = {"local x1 thread": statistics.median(local_rollouts(root, weights, settings, a.repeats))}
-    for n in (1, 2):
-        rows[f"ray N={n}"] = statistics.median(ray_rollouts(root, weights, settings, a.repeats, n))
-    for n in (1, 2):
-        rows[f"actors N={n}"] = actors_only(weights.path, n, a)
-    print(f"load averages at end {'/'.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"{'row':<16} {'tokens/s':>9} {'vs local':>9} {'vs ray N=1':>11} {'vs actors N=1':>14}")
-    for name, rate in rows.items():
-        print(f"{name:<16} {rate:9.1f} {rate / rows['local x1 thread']:8.2f}x {rate / rows['ray N=1']:10.2f}x "
-              f"{rate / rows['actors N=1']:13.2f}x")
+    compare_workers("ray", ray_rollouts, "actors", actors_only)
 
 
 if __name__ == "__main__":
