@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from k3core.config import K3Config
-from k3core.model import K3ForCausalLM
 from k3core.rl import train as tr
 from k3core.rl.grpo import grpo_loss, loss_weights
 from k3core.settings import GRPOSettings
+from tests.k3core.rl.test_train_step import _model, _routing  # the same seeded tiny model and routing
 
 TINY = K3Config.preset("tiny")
 PAD = TINY.pad_token_id
@@ -30,23 +30,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-def _routing(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.stack([torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N_MOE)]) for _ in range(n)])
-
-
-def _model(seed: int = 0) -> K3ForCausalLM:
-    torch.manual_seed(seed)
-    m = K3ForCausalLM(TINY)
-    m.reset_parameters(seed)
-    with torch.no_grad():
-        for n, p in m.named_parameters():
-            if n.endswith("_res_proj.weight"):
-                p.normal_(0, 0.5)
-        m.lm_head.weight.mul_(10)  # peaky distributions: gradients well above rounding
-    return m.float()
 
 
 def _batch(n=7, seed=0):
