@@ -120,7 +120,7 @@ def resume_command(argv: list[str], run_id: str) -> str:
     return shlex.join(["k3rl", *argv, *([] if has_id else ["--run-id", run_id])])
 
 
-def _run_locked(a, s, lock) -> int:
+def _run_locked(a, s, lock_file) -> int:
     """The run, holding its lock: a finished run replays its summary; otherwise first clear what a
     killed process of it left (``flows.resume``)."""
     from prefect import tags
@@ -149,7 +149,7 @@ def _run_locked(a, s, lock) -> int:
         print(f"k3rl: run '{run_id}': removed {len(removed)} staging path(s) of a killed process "
               f"({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})", file=sys.stderr)
     resume.start_embedded_server()
-    tag = resume.run_tag(lock)
+    tag = resume.run_tag(lock_file)
     crashed = resume.crash_stale_flow_runs(tag)
     if crashed:
         print(f"k3rl: run '{run_id}': marked {len(crashed)} flow run(s) of a killed process Crashed "
