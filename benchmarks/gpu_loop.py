@@ -68,6 +68,7 @@ def _gib(x) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu", "auto"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     ap.add_argument("--preset", default="medium")
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
@@ -86,7 +87,7 @@ def main() -> None:
     from k3core.device import run_device
     from k3core.plan import device_ledger
 
-    s = RLSettings.from_dict({"device": a.device, "preset": a.preset, "iterations": a.iterations,
+    s = RLSettings.from_dict({"device": a.device, "dtype": a.dtype, "preset": a.preset, "iterations": a.iterations,
                               "prompts_per_iteration": a.prompts, "samples_per_prompt": a.samples,
                               "max_new_tokens": a.max_new_tokens, "warmup_steps": a.warmup_steps, "env": a.env,
                               "artifacts": a.artifacts, "run_id": a.run_id, "eval_every": 1, "eval_prompts": 32})
@@ -106,11 +107,13 @@ def main() -> None:
     longest = max(len(r["prompt_ids"]) for r in rows) + a.max_new_tokens
     slots, length = static_slots_and_length(a.prompts * a.samples, longest)
     config = K3Config.preset(a.preset)
-    dtype_bytes = 4  # the trainer and engine run the checkpoint's weights in fp32 (k3core.rl.weights.load_policy)
+    from k3core.device import run_dtype, torch_dtype
+
+    dtype_bytes = torch_dtype(run_dtype(s)).itemsize  # the trainer's and engine's weights (--dtype; auto: bf16 on cuda)
     ledger = device_ledger(config, trainer_dtype_bytes=dtype_bytes, engine_dtype_bytes=dtype_bytes,
                            quantized=s.rollout.quantized, sequences=slots, context=length)
 
-    print(f"\nrun {a.run_id}: preset {a.preset}, device {device.type}, {len(history)} iterations, wall {wall:.0f} s; "
+    print(f"\nrun {a.run_id}: preset {a.preset}, device {device.type}, dtype {run_dtype(s)}, {len(history)} iterations, wall {wall:.0f} s; "
           f"{a.prompts} x {a.samples} rollouts, {last['rollout_tokens']} generated tokens in the last iteration")
     print("ledger (GiB): " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in ledger.items())
           + f"  [decode state for {slots} slots x {length} tokens]")

@@ -55,7 +55,9 @@ __all__ = ["Iteration", "Prepared", "RLSettings", "check_environment", "prepare"
 
 
 def run_of(s: RLSettings) -> Run:
-    return Run(s.pipeline.artifacts, s.pipeline.run_id, s.pipeline.env, s.pipeline.seed)
+    from k3core.device import run_dtype
+
+    return Run(s.pipeline.artifacts, s.pipeline.run_id, s.pipeline.env, s.pipeline.seed, run_dtype(s))
 
 
 def device_of(s: RLSettings) -> str:
@@ -159,7 +161,7 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
     metrics = reports.iteration_metrics(iteration, weights, rollouts, scored, trained, engine, heldout, mismatch, seconds)
     metrics.update(sampling_rounds=1 + len(refills), weight_version=rollouts.version, policy_version=iteration,
                    staleness=iteration - rollouts.version, seconds_iteration=time.perf_counter() - t0,
-                   device=device, **memory_metrics(peaks))
+                   device=device, dtype=run.dtype, **memory_metrics(peaks))
     served = _served(s, checkpoint)
     extra = [a for pair in refills for a in pair] + ([ref] if ref is not None else [])
     return Iteration(checkpoint, served, metrics, [rollouts, scored, *extra, trained, checkpoint, engine],
@@ -264,7 +266,8 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward, device=device)
     # a continued run's prepare found its work done; the seconds it really cost are the recorded ones
     prep_seconds = (reports.recorded_prepare_seconds(s) if done_before else None) or prep.seconds
-    summary = reports.summary(s, prep_seconds, history, final, time.perf_counter() - t_start, prep.memory, device)
+    summary = reports.summary(s, prep_seconds, history, final, time.perf_counter() - t_start, prep.memory, device,
+                              run.dtype)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary
 

@@ -315,7 +315,7 @@ def _median(xs: list[float]) -> float | None:
 
 
 def summary(s: RLSettings, prepare_seconds: dict[str, float], history: list[dict], final: dict, wall: float,
-            prepare_memory: dict | None = None, device: str = "cpu") -> dict:
+            prepare_memory: dict | None = None, device: str = "cpu", dtype: str = "float32") -> dict:
     """The run's summary (``summary.json``). ``memory_per_stage``: per stage, the largest peaks of
     ``metrics.json``'s ``memory_<stage>_*`` over the iterations, and the prepare stages' own."""
     ev = [h for h in history if "heldout_reward" in h]
@@ -354,6 +354,7 @@ def summary(s: RLSettings, prepare_seconds: dict[str, float], history: list[dict
         "iteration_seconds": round(iteration_seconds, 1),  # the iterations' bodies, end to end
         "seconds_per_stage": {k: round(v, 1) for k, v in per_stage.items()},
         "device": device,
+        "dtype": dtype,
         "memory_per_stage": memory,
     }
     ArtifactStore(s.pipeline.artifacts).replace_text(f"runs/{s.pipeline.run_id}/summary.json", json.dumps(out, indent=2))

@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from k3core.settings import DEVICES, RLSettings
+from k3core.settings import DEVICES, DTYPES, RLSettings
 
-__all__ = ["DEVICES", "DeviceUnavailable", "MemoryProbe", "StagePeak", "decode_mode", "resolve_device", "run_device"]
+__all__ = ["DEVICES", "DTYPES", "DeviceUnavailable", "MemoryProbe", "StagePeak", "compute_dtype", "decode_mode",
+           "resolve_device", "run_device", "run_dtype", "torch_dtype"]
 
 
 class DeviceUnavailable(ValueError):
@@ -59,6 +60,31 @@ def run_device(s: RLSettings) -> torch.device:
     if s.device.type == "auto" and (s.scale_out.task_runner != "local" or s.scale_out.train_procs > 1):
         return torch.device("cpu")
     return resolve_device(s.device.type)
+
+
+def compute_dtype(device: torch.device | str, spec: str = "auto") -> str:
+    """The dtype the trainer's and the engine's weights take on ``device``: ``spec`` when it names one;
+    ``auto``: "bfloat16" on CUDA (tensor-core matmuls; fla's shipped kernel configs are for bf16 at
+    the model's head shapes, an fp32 call at K = 128 would autotune for minutes, docs/results/gpu_tests.md),
+    "float32" on the CPU (CPUs run fp32 matmuls natively, and the small presets' learning curves in
+    docs/ were measured in it)."""
+    if spec not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {spec!r}")
+    if spec != "auto":
+        return spec
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+
+
+def run_dtype(s: RLSettings) -> str:
+    """The compute dtype of a run: ``compute_dtype(run_device(s), s.device.dtype)``."""
+    return compute_dtype(run_device(s), s.device.dtype)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """"float32" / "bfloat16" -> the torch dtype (the tasks pass dtypes by name: Prefect parameters)."""
+    if name not in DTYPES[1:]:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES[1:])}, got {name!r}")
+    return getattr(torch, name)
 
 
 def decode_mode(device: torch.device | str) -> str:

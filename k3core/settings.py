@@ -316,6 +316,7 @@ class ScaleOutSettings(_Section):
 
 
 DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -328,11 +329,16 @@ class DeviceSettings(_Section):
 
     type: str = _str("auto", "device", "cpu, cuda (refused where torch sees no GPU) or auto (cuda when "
                      "torch.cuda.is_available(), else cpu)")
+    dtype: str = _str("auto", "dtype", "the weights' dtype in the trainer and the rollout engine: float32, bfloat16 "
+                      "or auto (bfloat16 on cuda: tensor cores and fla's shipped kernel configs; float32 on cpu). "
+                      "The trainer's master weights stay float32 on the host either way (StreamedAdamW)")
 
     def problems(self) -> list[str]:
         out = super().problems()
         if isinstance(self.type, str) and self.type not in DEVICES:
             out.append(f"--device: unknown device {self.type!r}; choose one of {', '.join(DEVICES)}")
+        if isinstance(self.dtype, str) and self.dtype not in DTYPES:
+            out.append(f"--dtype: unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         return out
 
 

@@ -89,13 +89,14 @@ def result_root_for(artifact_root: str) -> str:
 
 @dataclass(frozen=True)
 class Run:
-    """A run's identity, fixed for its whole life: where its artifacts live, its id, its environment
-    and its seed. Every stage takes it first; the artifact layout under ``runs/<run_id>/`` is here."""
+    """A run's identity, fixed for its whole life: where its artifacts live, its id, its environment,
+    its seed and the dtype its models compute in. Every stage takes it first; the artifact layout under ``runs/<run_id>/`` is here."""
 
     artifacts: str
     run_id: str
     env: str = "reverse"
     seed: int = 0
+    dtype: str = "float32"  # the trainer's and the engine's weights (``k3core.device.compute_dtype``)
 
     @property
     def store(self) -> ArtifactStore:

@@ -35,7 +35,7 @@ def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifa
     seqs = [(r["prompt_ids"], r["output_ids"]) for r in rows if r["output_ids"]]
     rng = rng_state()
     try:  # the metric must not move the process's RNG (the train step's draws depend on it)
-        model = trainers.weights(run.run_id, state, device)
+        model = trainers.weights(run.run_id, state, device, run.dtype)
         out = measure_mismatch(model, seqs, ByteTokenizer(model.config).pad_id, temperature, torch.bfloat16)
     finally:
         set_rng_state(rng)

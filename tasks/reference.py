@@ -20,20 +20,21 @@ _lock = threading.Lock()
 _models: dict[str, object] = {}  # reference sha256 -> model (frozen; read only)
 
 
-def reference_model(reference: Artifact, device: str = "cpu"):
-    """The reference policy of ``reference`` on ``device`` (read once per process and device; the
-    caller must not change it)."""
+def reference_model(reference: Artifact, device: str = "cpu", dtype: str = "float32"):
+    """The reference policy of ``reference`` on ``device`` in ``dtype`` (read once per process, device
+    and dtype; the caller must not change it)."""
     if reference.kind == "dcp":
         raise ValueError(f"the KL reference {reference.uri} is a trainer state: give a public-layout checkpoint "
                          "(the run's warmed-up or fetched weights)")
     with _lock:
-        key = f"{reference.sha256}@{torch.device(device).type}"
+        key = f"{reference.sha256}@{torch.device(device).type}:{dtype}"
         model = _models.get(key)
         if model is None:
+            from k3core.device import torch_dtype
             from k3core.rl.weights import load_policy
 
             _models.clear()  # one reference per process at a time
-            model = load_policy(reference.path, device=device).requires_grad_(False)
+            model = load_policy(reference.path, torch_dtype(dtype), device=device).requires_grad_(False)
             _models[key] = model
         return model
 
@@ -60,7 +61,7 @@ def reference_logprobs(run: Run, iteration: int, reference: Artifact, scored: tu
     rel = _rel(run, iteration)
 
     def build(tmp):
-        model = reference_model(reference, device)
+        model = reference_model(reference, device, run.dtype)
         table = pa.concat_tables([pq.read_table(a.path) for a in scored])
         out = reference_logprobs_table(model, table, settings, ByteTokenizer(model.config).pad_id,
                                        temperature=sampling.temperature)

@@ -26,11 +26,11 @@ from tasks import engines, trainers
 from tasks.common import Run, stage
 
 
-def engine_for(run_id: str, weights: Artifact, device: str = "cpu"):
-    """The live engine at ``weights.version`` on ``device``, or a new one there built from the
-    durable artifact. Quantised weights run on the W4A8 engine (MXFP4 routed experts, FP8
+def engine_for(run_id: str, weights: Artifact, device: str = "cpu", dtype: str = "float32"):
+    """The live engine at ``weights.version`` on ``device`` with its non-expert weights in ``dtype``,
+    or a new one there built from the durable artifact. Quantised weights run on the W4A8 engine (MXFP4 routed experts, FP8
     activations); the decode mode is the device's (``k3core.device.decode_mode``)."""
-    from k3core.device import decode_mode
+    from k3core.device import decode_mode, torch_dtype
     from k3core.rl.weights import build_engine, engine_from_model
 
     eng = engines.get(run_id)
@@ -39,11 +39,11 @@ def engine_for(run_id: str, weights: Artifact, device: str = "cpu"):
     if weights.kind == "dcp":  # a trainer checkpoint: quantise routed experts on the way
         import copy
 
-        model = copy.deepcopy(trainers.weights(run_id, weights, device))  # the engine takes its model over
+        model = copy.deepcopy(trainers.weights(run_id, weights, device, dtype))  # the engine takes its model over
         eng = engine_from_model(model, weights.version, quantized=weights.info.get("quantized", True),
                                 decode=decode_mode(device))
     else:
-        eng = build_engine(weights.path, weights.version, device=device, decode=decode_mode(device))
+        eng = build_engine(weights.path, weights.version, torch_dtype(dtype), device=device, decode=decode_mode(device))
     engines.put(run_id, eng)
     return eng
 
@@ -60,7 +60,7 @@ def release_decode_state(run_id: str) -> int:
         return 0
 
 
-def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu"):
+def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu", dtype: str = "float32"):
     """A ``RolloutClient`` serving ``weights.version``: the live embedded engine (on ``device``), or
     the server at ``url``, pushed the weights through ``/update_weights_from_disk`` when it serves
     another version (a trainer checkpoint is first written in the public layout,
@@ -68,7 +68,7 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: s
     from k3core.rollout.client import RolloutClient
 
     if url in (None, "", "local"):
-        return RolloutClient("local", engine=engine_for(run_id, weights, device))
+        return RolloutClient("local", engine=engine_for(run_id, weights, device, dtype))
     from k3core.config import K3Config
 
     config = K3Config.from_json_file(f"{weights.path}/config.json")
@@ -83,7 +83,7 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: s
 
     from k3core.transfer import write_disk
 
-    model = trainers.weights(run_id, weights, device)
+    model = trainers.weights(run_id, weights, device, dtype)
     tmp = tempfile.mkdtemp(prefix="k3rl-push-")
     try:
         write_disk(f"{tmp}/weights", model, model.config, weights.version, weights.info.get("quantized", True))
@@ -93,12 +93,13 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: s
     return client
 
 
-def serve_version(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu") -> None:
+def serve_version(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu",
+                  dtype: str = "float32") -> None:
     """Bring the engine (embedded, or the server at ``url``) to ``weights.version`` in the calling
     thread. The one-step-off-policy flow calls it before it submits the next rollout, so that rollout
     finds its engine ready and never reads the trainer's live model, which the train step running
     beside it changes in place."""
-    rollout_client(run_id, weights, url, device)
+    rollout_client(run_id, weights, url, device, dtype)
 
 
 def _rel(run: Run, iteration: int, refill: int = 0) -> str:
@@ -131,7 +132,7 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
     from k3core.tokenizer import ByteTokenizer
 
     def build(tmp):
-        client = rollout_client(run.run_id, weights, settings.url, device)
+        client = rollout_client(run.run_id, weights, settings.url, device, run.dtype)
         client.check_version(weights.version)
         tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
         n = settings.prompts_per_iteration

@@ -28,14 +28,15 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings, device: str = "c
     restored), or read from the trainer state (DCP), or a public-layout checkpoint with a fresh
     optimizer and the RNG seeded from the run's seed (the first iteration). The optimizer's state
     stays on the host (``StreamedAdamW``)."""
+    from k3core.device import torch_dtype
     from k3core.rl.trainer_state import QAT_KEY, make_optimizer, set_qat, set_rng_state
     from k3core.rl.weights import load_policy
 
     if state.kind != "dcp":
-        model = set_qat(load_policy(state.path, device=device), settings.qat)
+        model = set_qat(load_policy(state.path, torch_dtype(run.dtype), device=device), settings.qat)
         _seed_first_trainer(run)
         return model, make_optimizer(model, settings.lr)
-    trainers.weights(run.run_id, state, device)  # live, or read once from the DCP state
+    trainers.weights(run.run_id, state, device, run.dtype)  # live, or read once from the DCP state
     live = trainers.take(run.run_id, state.version)
     set_rng_state(live.rng)
     model, opt, extra = live.model, live.optimizer, live.extra

@@ -63,18 +63,27 @@ def _device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def weights(run_id: str, state: Artifact, device: str = "cpu"):
-    """The trainer's model at ``state`` on ``device`` for reading (the caller must not change it):
+def dtype_of(model) -> torch.dtype:
+    """The model's weight dtype: its embedding's (a few parameters, e.g. KDA's A_log, stay fp32
+    whatever the dtype, ``K3ForCausalLM.cast``)."""
+    return model.model.embed_tokens.weight.dtype
+
+
+def weights(run_id: str, state: Artifact, device: str = "cpu", dtype: str = "float32"):
+    """The trainer's model at ``state`` on ``device``, its weights in ``dtype``, for reading (the caller must not change it):
     the live one; or, for a DCP trainer state, the whole trainer read once onto ``device`` and kept
     live (the train step that follows takes it from here with its saved RNG states); or a
     public-layout checkpoint, loaded. A live trainer on another device is dropped and read again.
     The process's RNG states are left as they were."""
+    from k3core.device import torch_dtype
+
     if state.kind != "dcp":
         from k3core.rl.weights import load_policy
 
-        return load_policy(state.path, device=device)
+        return load_policy(state.path, torch_dtype(dtype), device=device)
     live = peek(run_id, state.version)
-    if live is not None and _device_of(live.model).type != torch.device(device).type:
+    if live is not None and (_device_of(live.model).type != torch.device(device).type
+                             or dtype_of(live.model) != torch_dtype(dtype)):
         take(run_id, state.version)
         live = None
     if live is None:
@@ -82,7 +91,7 @@ def weights(run_id: str, state: Artifact, device: str = "cpu"):
 
         mine = rng_state()
         try:  # loading restores the state's RNG: keep it with the trainer, give the process its own back
-            model, optimizer, extra = load_trainer_state(state.path, lr=0.0, device=device)  # lr: the saved groups win
+            model, optimizer, extra = load_trainer_state(state.path, lr=0.0, dtype=torch_dtype(dtype), device=device)  # lr: the saved groups win
             live = LiveTrainer(state.version, model, optimizer, extra, rng_state())
         finally:
             set_rng_state(mine)

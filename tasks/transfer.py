@@ -51,11 +51,11 @@ def transfer_weights(run: Run, iteration: int, checkpoint: Artifact, quantized: 
     from k3core.transfer import push_inprocess
 
     t0 = time.perf_counter()
-    model = trainers.weights(run.run_id, checkpoint, device)
+    model = trainers.weights(run.run_id, checkpoint, device, run.dtype)
     eng = engines.get(run.run_id)
     if (eng is None or eng.weight_version >= checkpoint.version or not _takes(eng, quantized)
             or eng.device.type != torch.device(device).type):
-        eng = _blank_engine(model.config, next(model.parameters()).dtype, quantized, device)
+        eng = _blank_engine(model.config, trainers.dtype_of(model), quantized, device)
         engines.put(run.run_id, eng)
     rep = push_inprocess(eng, model.state_dict(), checkpoint.version, quantize_experts=quantized)
     return Artifact(kind="engine", uri=run.engine_uri(checkpoint.version), path=rep.path,

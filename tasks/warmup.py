@@ -19,6 +19,7 @@ def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings, device: str
     """The supervised warm-up on ``device``; the published policy is the same public bf16 layout
     whatever the device."""
     from k3core.checkpoint.hf import save_hf
+    from k3core.device import torch_dtype
     from k3core.rl.envs import load_env
     from k3core.rl.warmup import supervised_warmup
     from k3core.rl.weights import load_policy
@@ -28,7 +29,7 @@ def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings, device: str
     metrics: dict = {"warmup_steps": settings.steps}
 
     def build(tmp):
-        model = load_policy(checkpoint.path, device=device)
+        model = load_policy(checkpoint.path, torch_dtype(run.dtype), device=device)
         metrics.update(supervised_warmup(model, load_env(run.env), run.env, ByteTokenizer(model.config),
                                          settings.steps, settings.batch, settings.lr, run.seed, log=log.info,
                                          progress=lambda done, total: progress_event(

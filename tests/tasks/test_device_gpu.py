@@ -6,9 +6,11 @@ CUDA). Run on the GPU machine: ``pytest -m gpu tests/tasks/test_device_gpu.py``.
   rounding and TF32 matmuls move logits by about 1e-3, enough to flip a tie and nothing else. The
   test measures the CPU engine's top-2 log-probability margin there, so a real divergence (a wrong
   device path) fails it.
+- Both runs compute in float32 (``Run.dtype``), so the comparison is of devices, not of dtypes.
 - The train step on CUDA, from the same checkpoint on the same scored batch (routing replayed, so
   both take the same experts), has the CPU's loss and gradient norm within rounding.
-- ``k3rl run --device cuda`` runs a whole iteration and records the per-stage device peaks."""
+- ``k3rl run --device cuda`` runs a whole iteration (in bfloat16: ``--dtype auto`` on CUDA) and
+  records the per-stage device peaks."""
 
 import json
 
@@ -40,7 +42,7 @@ def runs(tmp_path_factory):
     out = {}
     with disable_run_logger():
         for device in ("cpu", "cuda"):
-            run = Run(root, f"dev-{device}", env="reverse", seed=0)
+            run = Run(root, f"dev-{device}", env="reverse", seed=0, dtype="float32")
             ck = fetch_checkpoint.fn(run, "init:tiny:1")
             out[device] = dict(run=run, ck=ck, weights=quantize_mxfp4.fn(run, ck, device=device))
     return out
@@ -96,6 +98,7 @@ def test_k3rl_run_device_cuda_records_per_stage_device_peaks(tmp_path):
     (m,) = json.loads((tmp_path / "runs" / "gpu" / "metrics.json").read_text())
     summary = json.loads((tmp_path / "runs" / "gpu" / "summary.json").read_text())
     assert m["device"] == summary["device"] == "cuda"
+    assert m["dtype"] == summary["dtype"] == "bfloat16"  # --dtype auto on cuda
     ledger = device_ledger(K3Config.preset("tiny"))
     for stage in ("rollout", "mismatch", "train", "transfer"):
         assert m[f"memory_{stage}_device_peak_bytes"] >= m[f"memory_{stage}_device_bytes_after"] > 0, stage
