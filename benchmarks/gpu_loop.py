@@ -75,6 +75,11 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--warmup-steps", type=int, default=5)
+    ap.add_argument("--micro-batch-tokens", type=int, default=8192,
+                    help="train-step token budget per forward/backward (0: the whole batch at once, which the "
+                         "planner puts past an H200's memory at medium's 32k+ tokens: AttnRes mixes and fp32 logits)")
+    ap.add_argument("--keep-checkpoints", type=int, default=1,
+                    help="trainer states kept on disk (each is bf16 weights + fp32 master + moments: 22 GB at medium)")
     ap.add_argument("--env", default="reverse")
     ap.add_argument("--artifacts", default="build/gpu_loop_artifacts")
     ap.add_argument("--run-id", default=f"gpu-loop-{int(time.time())}")
@@ -90,6 +95,7 @@ def main() -> None:
     s = RLSettings.from_dict({"device": a.device, "dtype": a.dtype, "preset": a.preset, "iterations": a.iterations,
                               "prompts_per_iteration": a.prompts, "samples_per_prompt": a.samples,
                               "max_new_tokens": a.max_new_tokens, "warmup_steps": a.warmup_steps, "env": a.env,
+                              "micro_batch_tokens": a.micro_batch_tokens, "keep_checkpoints": a.keep_checkpoints,
                               "artifacts": a.artifacts, "run_id": a.run_id, "eval_every": 1, "eval_prompts": 32})
     device = run_device(s)
     if device.type == "cuda":
