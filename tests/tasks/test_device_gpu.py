@@ -12,7 +12,10 @@ CUDA). Run on the GPU machine: ``pytest -m gpu tests/tasks/test_device_gpu.py``.
 - ``k3rl run --device cuda`` runs a whole iteration (in bfloat16: ``--dtype auto`` on CUDA) and
   records the per-stage device peaks."""
 
+import dataclasses
 import json
+import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -32,6 +35,10 @@ from tasks.train import train_step
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 NEAR_TIE = 0.1  # nats between the CPU's top two candidates: a flip below it is rounding's
+ENV_MODULE = "even_bytes_env_for_device_tests"
+# tests/even_bytes_env.py under this file's module name: the tiny random policy's reward varies on it
+# (on "reverse" it scores 0 everywhere, and a batch of uniform groups trains nothing)
+ENV_SRC = (Path(__file__).resolve().parents[1] / "even_bytes_env.py").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +78,18 @@ def test_greedy_rollout_tokens_match_the_cpu(runs):
         f"{same} of {len(tables['cpu'])} greedy rollouts equal; CPU top-2 margins where they part: {ties}")
 
 
-def test_train_step_loss_matches_the_cpu(runs):
+def test_train_step_loss_matches_the_cpu(runs, tmp_path):
     sampled = RolloutSettings(prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens=6, temperature=1.0)
     cpu = runs["cpu"]
+    (tmp_path / f"{ENV_MODULE}.py").write_text(ENV_SRC)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with disable_run_logger():
+            ro = rollout.fn(cpu["run"], 1, cpu["weights"], sampled, device="cpu")
+            scored = score_rewards.fn(dataclasses.replace(cpu["run"], env=f"{ENV_MODULE}:make"), 1, ro, 4)
+    finally:
+        sys.path.remove(str(tmp_path))
     with disable_run_logger():
-        ro = rollout.fn(cpu["run"], 1, cpu["weights"], sampled, device="cpu")
-        scored = score_rewards.fn(cpu["run"], 1, ro, 4)
         assert scored.info["groups_informative"] > 0, "no group with differing rewards: nothing to train on"
         metrics = {d: train_step.fn(r["run"], 1, r["ck"], scored, GRPOSettings(lr=1e-3), sampled,
                                     device=d).info["metrics"] for d, r in runs.items()}
