@@ -209,23 +209,32 @@ def test_every_decode_mode_tracks_the_no_cache_forward_fp32(experts):
     """Every decode mode the engine has for these experts (dynamic, static, and graph where the
     experts can be captured) against the no-cache forward of the same model on the same tokens:
     greedy, fp32, a router with clear margins, seven requests of different lengths and budgets
-    through max_batch 4 (joins and leaves), every sampled-from logits row against the full forward's
-    row at that position.
+    through max_batch 4 (joins and leaves), every sampled-from logits row.
 
-    "bf16" experts and "mxfp4" (weight-only MXFP4: the same MXFP4 weights, activations unquantised)
-    are continuous functions of their input, so they agree to TF32 tolerance (fla's fp32 dots run in
-    TF32). "w4a8" rounds every activation row to FP8 (3 mantissa bits): a difference of one TF32 ulp
-    in the decode path's input moves an element across an FP8 rounding boundary, a step of up to
-    1/16 of it, so rows agree in the mean, not pointwise (on CPU, where no TF32 is involved, the
-    small preset's full forward of a prompt alone against the same prompt with tokens after it
-    differs by 0.09 at the prompt's last logits, the decode modes by at most 0.18, mean 0.011 on
-    logits of mean magnitude 0.69)."""
+    The yardstick is exact: the same model's no-cache forward on the CPU (torch's chunked KDA, fp32
+    matmuls, no TF32). On the GPU fla's fp32 dot products run in TF32 (10-bit mantissa) and cuDNN's
+    fp32 convolutions may too, so even the GPU's own no-cache forward is off that reference: measured
+    on the H200 at up to 0.019 on logits of mean magnitude 0.68 (a fixed 2e-3 bound failed every
+    mode there, the decode modes' max |diff| being 0.015-0.019). A decode mode passes when it is as
+    close to the CPU reference as the GPU's no-cache forward is, within a factor of 4 (decode runs
+    the recurrent kernel token by token, the forward the chunked one: different roundings, same
+    precision) plus 2e-3. A wrong decode state moves logits by O(1) (the bf16 graph failure in
+    docs/results/gpu_tests.md: 4.05), far past that.
+
+    "w4a8" rounds every activation row to FP8 (3 mantissa bits): a difference of one TF32 ulp in the
+    decode path's input moves an element across an FP8 rounding boundary, a step of up to 1/16 of
+    it, so rows agree in the mean, not pointwise (on CPU, where no TF32 is involved, the small
+    preset's full forward of a prompt alone against the same prompt with tokens after it differs by
+    0.09 at the prompt's last logits, the decode modes by at most 0.18, mean 0.011 on logits of mean
+    magnitude 0.69). Its bound is relative to the GPU forward's own mean distance from the CPU's."""
     from k3core.rollout.quantized import quantize_engine_model
 
     base = _model(7, torch.float32, separated=True)
     if experts != "bf16":
         quantize_engine_model(base, act_granularity=None if experts == "mxfp4" else "token")
         base.refresh_inference_caches()
+    on_cpu = copy.deepcopy(base).cpu()
+    on_cpu.refresh_inference_caches()
     modes = ("dynamic", "static") + (("graph",) if experts == "bf16" else ())
     lens, budgets = [6, 3, 40, 1, 12, 25, 2], [9, 24, 30, 8, 3, 12, 6]
     prompts = _prompts(lens, seed=8)
@@ -234,20 +243,23 @@ def test_every_decode_mode_tracks_the_no_cache_forward_fp32(experts):
         futures = [eng.submit(p, SamplingParams(max_new_tokens=k, temperature=0)) for p, k in zip(prompts, budgets)]
         while eng.step():
             pass
-        diffs, mags = [], []
+        got_d, fwd_d, mags = [], [], []
         for p, f in zip(prompts, futures):
             c = f.result()[0]
-            ids = torch.tensor([p + c.output_ids[:-1]], device="cuda")
+            ids = torch.tensor([p + c.output_ids[:-1]])
             with torch.no_grad():
-                ref = base(ids).logits[0, len(p) - 1:].float()
-            got = c.meta["logits"].float().to(ref.device)
-            if experts == "w4a8":
-                diffs.append((got - ref).abs().flatten())
-                mags.append(ref.abs().flatten())
-                continue
-            torch.testing.assert_close(got, ref, rtol=2e-3, atol=2e-3,
-                                       msg=lambda m, mode=mode, n=len(p): f"{experts} {mode}, prompt of {n}: {m}")
+                exact = on_cpu(ids).logits[0, len(p) - 1:].double()
+                gpu_fwd = base(ids.cuda()).logits[0, len(p) - 1:].double().cpu()
+            got = c.meta["logits"].double().cpu()
+            got_d.append((got - exact).abs().flatten())
+            fwd_d.append((gpu_fwd - exact).abs().flatten())
+            mags.append(exact.abs().flatten())
+        got_d, fwd_d, mag = torch.cat(got_d), torch.cat(fwd_d), torch.cat(mags).mean()
+        report = (f"{experts} {mode}: |decode - CPU forward| max {float(got_d.max()):.3g} mean {float(got_d.mean()):.3g}; "
+                  f"|GPU forward - CPU forward| max {float(fwd_d.max()):.3g} mean {float(fwd_d.mean()):.3g}; "
+                  f"mean |logit| {float(mag):.3g}")
+        print(report)
         if experts == "w4a8":
-            d, mag = torch.cat(diffs), torch.cat(mags).mean()
-            assert d.mean() <= 0.05 * mag and d.max() <= 0.5, \
-                f"w4a8 {mode}: mean |diff| {float(d.mean()):.3g}, max {float(d.max()):.3g}, mean |logit| {float(mag):.3g}"
+            assert got_d.mean() <= 4 * fwd_d.mean() + 0.02 * mag and got_d.max() <= 0.5, report
+        else:
+            assert got_d.max() <= 4 * fwd_d.max() + 2e-3, report
