@@ -81,6 +81,9 @@ def main() -> None:
     ap.add_argument("--keep-checkpoints", type=int, default=1,
                     help="trainer states kept on disk (each is bf16 weights + fp32 master + moments: 22 GB at medium)")
     ap.add_argument("--env", default="reverse")
+    ap.add_argument("--eval-every", type=int, default=1, help="held-out evaluation every N iterations (0: at the end)")
+    ap.add_argument("--mismatch-sequences", type=int, default=16,
+                    help="rollouts per iteration for the W4A8 mismatch metric (0: skip the stage)")
     ap.add_argument("--artifacts", default="build/gpu_loop_artifacts")
     ap.add_argument("--run-id", default=f"gpu-loop-{int(time.time())}")
     ap.add_argument("--json", default=None, help="also write the measurements and predictions here")
@@ -96,7 +99,8 @@ def main() -> None:
                               "prompts_per_iteration": a.prompts, "samples_per_prompt": a.samples,
                               "max_new_tokens": a.max_new_tokens, "warmup_steps": a.warmup_steps, "env": a.env,
                               "micro_batch_tokens": a.micro_batch_tokens, "keep_checkpoints": a.keep_checkpoints,
-                              "artifacts": a.artifacts, "run_id": a.run_id, "eval_every": 1, "eval_prompts": 32})
+                              "artifacts": a.artifacts, "run_id": a.run_id, "eval_every": a.eval_every, "eval_prompts": 32,
+                              "mismatch_sequences": a.mismatch_sequences})
     device = run_device(s)
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}, {torch.cuda.get_device_properties(device).total_memory / GiB:.1f} GiB")
