@@ -89,8 +89,10 @@ def result_root_for(artifact_root: str) -> str:
 
 @dataclass(frozen=True)
 class Run:
-    """A run's identity, fixed for its whole life: where its artifacts live, its id, its environment,
-    its seed and the dtype its models compute in. Every stage takes it first; the artifact layout under ``runs/<run_id>/`` is here."""
+    """A run's identity: where its artifacts live, its id, its environment and its seed, fixed for
+    its whole life; and the dtype its models compute in, resolved per invocation (``--dtype auto``
+    follows the device, which a deployment's ticks may change: trainer states read in either dtype).
+    Every stage takes it first; the artifact layout under ``runs/<run_id>/`` is here."""
 
     artifacts: str
     run_id: str
