@@ -34,9 +34,11 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FILE = PROJECT_ROOT / "prefect.yaml"
 DEFAULT_POOL = "k3rl-local"
 # Settings a continuation may change without changing what the finished iterations were.
-# The device is one of them, and a tick takes the one it is given: a run started on a GPU continues on
-# a CPU (or back) from its artifacts.
-_FREE_FIELDS = {("pipeline", "iterations"), ("pipeline", "run_id"), ("pipeline", "artifacts"), ("device", "type")}
+# The device and the dtype are among them, and a tick takes the ones it is given: a run started on a
+# GPU in bf16 continues on a CPU in fp32 (or back) from its artifacts (trainer states read in either
+# dtype: tests/tasks/test_dtype.py).
+_FREE_FIELDS = {("pipeline", "iterations"), ("pipeline", "run_id"), ("pipeline", "artifacts"), ("device", "type"),
+                ("device", "dtype")}
 
 
 # ----------------------------------------------------------------------------------------- continue
