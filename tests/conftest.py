@@ -12,6 +12,19 @@ os.environ.setdefault("K3RL_TASK_RETRIES", "1")
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for a module of tiny tensors: on a shared 2-core CPU, torch's intra-op
+    threads only add barrier waits (observed ~100x slower per op under load). Modules take it with
+    ``pytestmark = pytest.mark.usefixtures("single_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness

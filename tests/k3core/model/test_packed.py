@@ -18,18 +18,11 @@ from k3core.model.kda import KimiDeltaAttention, ShortConv
 from k3core.model.mla import GatedMLA
 from k3core.model.varlen import VarlenLayout
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 TINY = K3Config.preset("tiny")
 # lengths: one token, shorter than the conv kernel (4), longer than a KDA chunk (64), and in between
 LENGTHS = [9, 1, 70, 3, 25]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors on a shared CPU: intra-op threads only add barrier waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _cu(lengths):

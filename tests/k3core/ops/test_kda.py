@@ -14,18 +14,10 @@ from k3core.ops.kda import _fla, kda, kda_gate, kda_step, naive_kda
 from k3core.ops.kda.chunk import _decayed_grams_blocked, _decayed_grams_halving, chunk_kda_torch
 from k3core.ops.kda.fla_tune import packed_lengths
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 F64 = torch.float64
 GATES = ("lower", "near0", "mixed", "steep")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: on a shared 2-core CPU, intra-op threads only add barrier waits
-    (observed ~100x slower per op under load), so run this module single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_inputs(B=2, T=150, H=3, K=16, V=8, dtype=F64, gate="mixed", seed=0, device="cpu"):

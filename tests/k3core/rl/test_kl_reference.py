@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 ITERATIONS, PROMPTS, GROUP, MAX_NEW = 8, 8, 8, 6
 
 
@@ -20,14 +22,6 @@ class LowercaseShare:
 
     def reward(self, prompt, completion):
         return sum("a" <= c <= "z" for c in completion) / len(completion) if completion else 0.0
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _exact_kl(policy, reference, config) -> float:

@@ -21,6 +21,8 @@ import time
 import pytest
 import torch
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 ITERATIONS, PROMPTS, GROUP, MAX_NEW = 10, 8, 8, 6
 
 
@@ -47,15 +49,6 @@ def learn(seed: int, iterations: int = ITERATIONS) -> dict:
                       PROMPTS, GROUP, MAX_NEW)
     return dict(start=r["heldout"][0], end=r["heldout"][iterations], train_reward=r["train_reward"],
                 metrics=r["metrics"], seconds=time.perf_counter() - t0)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: intra-op threads only add barrier waits on a shared 2-core CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_rl_raises_heldout_reward_from_a_fresh_tiny_model():

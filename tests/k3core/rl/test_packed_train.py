@@ -19,17 +19,11 @@ from k3core.rl.grpo import grpo_loss, loss_weights
 from k3core.settings import GRPOSettings
 from tests.k3core.rl.test_train_step import _model, _routing  # the same seeded tiny model and routing
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 TINY = K3Config.preset("tiny")
 PAD = TINY.pad_token_id
 N_MOE, K, E = len(TINY.moe_layers), TINY.num_experts_per_token, TINY.num_experts
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _batch(n=7, seed=0):

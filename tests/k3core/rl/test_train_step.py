@@ -16,6 +16,8 @@ import torch
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 TINY = K3Config.preset("tiny")
 PAD = TINY.pad_token_id
 N_MOE, K, E = len(TINY.moe_layers), TINY.num_experts_per_token, TINY.num_experts
@@ -29,16 +31,6 @@ ADV_A, ADV_B = 1.5, -0.5
 # e, 0.67, 1.22, 1 for A and 0.50, 3.67, 0.90 for B; with cap 2, two of seven tokens are truncated.
 DELTA_A = [-1.0, 0.4, -0.2, 0.0]
 DELTA_B = [0.7, -1.3, 0.1]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: on a shared 2-core CPU intra-op threads only add barrier waits (~100x slower per
-    op under load), so this module runs single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _train():
