@@ -29,7 +29,9 @@ import hashlib
 import os
 import shutil
 import socket
+import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -37,6 +39,8 @@ from collections.abc import Callable
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from k3core.checkpoint.files import sha256_file  # noqa: F401  (public here too: artifacts hash with it)
 
 from k3core import faults
 from k3core.storage import StorageError, storage_call
@@ -71,20 +75,46 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
+# digests of published files by identity (device, inode, size, mtime): published artifacts are never
+# changed in place, so a hard link of one (the checkpoint commit links the trainer state's files) or a
+# second handle of it costs a stat, not a read of its bytes
+_published_digests: dict[tuple[int, int, int, int], str] = {}
+_digests_lock = threading.Lock()
+HASH_WORKERS = min(8, os.cpu_count() or 1)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def published_sha256(paths: list[str | os.PathLike], workers: int = HASH_WORKERS) -> list[str]:
+    """sha256 of each of ``paths`` (files of published artifacts), ``workers`` files at a time
+    (hashlib releases the GIL while it hashes a buffer: a 22 GB trainer state hashes at the disk's
+    or the cores' speed, not one core's), each file's bytes read at most once per process: a digest
+    is kept by the file's identity (``_identity``). Not for integrity checks, which must read the
+    bytes every time (``k3core.checkpoint.manifest.verify_manifest``)."""
+    paths = [Path(p) for p in paths]
+    ids = [_identity(p) for p in paths]
+    with _digests_lock:
+        known = [_published_digests.get(i) for i in ids]
+    todo = [k for k, d in enumerate(known) if d is None]
+    if todo:
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo)))) as pool:
+            for k, digest in zip(todo, pool.map(lambda k: sha256_file(paths[k]), todo)):
+                known[k] = digest
+        with _digests_lock:
+            _published_digests.update((ids[k], known[k]) for k in todo)
+    return known
 
 
 def sha256_tree(path: str | os.PathLike) -> str:
-    """One hash over a directory: sorted relative names and their file hashes."""
+    """One hash over a directory: sorted relative names and their file hashes (``published_sha256``)."""
     root = Path(path)
+    files = sorted(x for x in root.rglob("*") if x.is_file() and x.name != COMPLETE)
     h = hashlib.sha256()
-    for p in sorted(x for x in root.rglob("*") if x.is_file() and x.name != COMPLETE):
-        h.update(str(p.relative_to(root)).encode() + b"\0" + sha256_file(p).encode() + b"\n")
+    for p, digest in zip(files, published_sha256(files)):
+        h.update(str(p.relative_to(root)).encode() + b"\0" + digest.encode() + b"\n")
     return h.hexdigest()
 
 
@@ -324,7 +354,7 @@ class ArtifactStore:
         checkpoint directory inside a published directory); sha256 of the file or the whole tree."""
         local = self.open_local(rel)
         path = local / inner if inner else local
-        sha = sha256_file(path) if path.is_file() else sha256_tree(path)
+        sha = published_sha256([path])[0] if path.is_file() else sha256_tree(path)
         return Artifact(kind=kind, uri=self.uri(rel), path=str(path), sha256=sha, version=version, info=info)
 
     def write_text(self, rel: str, text: str) -> str:

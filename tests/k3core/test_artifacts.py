@@ -81,3 +81,48 @@ def test_staging_of_a_dead_writer_is_removed_and_a_live_writers_is_kept(tmp_path
         assert live.exists() and foreign.exists() and not dead[0].exists()
     assert store.read_text("runs/r/live.txt") == "y"
     assert not store.exists("runs/r/iter-0000/t")
+
+
+# --------------------------------------------------------------------------- published digests
+
+def test_published_sha256_is_hashlib_s_and_reads_a_file_once_per_identity(tmp_path, monkeypatch):
+    """Against hashlib over the bytes (the independent reference), for files hashed in parallel; a
+    hard link of a hashed file and a second call cost no read; a file rewritten (new mtime or size)
+    is read again, so a changed file never keeps an old digest."""
+    import hashlib
+    import time
+
+    from k3core import artifacts
+
+    blobs = {f"f{i}": os.urandom(1000 * i + 7) for i in range(6)}
+    for name, data in blobs.items():
+        (tmp_path / name).write_bytes(data)
+    reads = []
+    real = artifacts.sha256_file
+    monkeypatch.setattr(artifacts, "sha256_file", lambda p: reads.append(str(p)) or real(p))
+    paths = [tmp_path / n for n in blobs]
+    assert artifacts.published_sha256(paths, workers=3) == [hashlib.sha256(d).hexdigest() for d in blobs.values()]
+    assert len(reads) == 6
+    os.link(tmp_path / "f3", tmp_path / "link")
+    assert artifacts.published_sha256([tmp_path / "link", tmp_path / "f0"]) == [
+        hashlib.sha256(blobs["f3"]).hexdigest(), hashlib.sha256(blobs["f0"]).hexdigest()]
+    assert len(reads) == 6  # a stat each
+    time.sleep(0.01)
+    (tmp_path / "f0").write_bytes(b"changed")
+    assert artifacts.published_sha256([tmp_path / "f0"]) == [hashlib.sha256(b"changed").hexdigest()]
+    assert reads[-1] == str(tmp_path / "f0") and len(reads) == 7
+
+
+def test_sha256_tree_names_each_file_with_its_digest(tmp_path):
+    import hashlib
+
+    from k3core.artifacts import sha256_tree
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "b").write_bytes(b"bee")
+    (tmp_path / "a").write_bytes(b"ay")
+    (tmp_path / COMPLETE).write_bytes(b"")  # the publish marker is not content
+    want = hashlib.sha256()
+    for rel, data in (("a", b"ay"), ("d/b", b"bee")):
+        want.update(rel.encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\n")
+    assert sha256_tree(tmp_path) == want.hexdigest()

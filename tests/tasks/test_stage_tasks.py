@@ -81,6 +81,12 @@ def test_save_publishes_manifest_and_latest(pipeline):
     sv = pipeline["sv"]
     man = json.loads(Path(sv.info["manifest"].removeprefix("file://")).read_text())
     assert man["iteration"] == 1 and man["files"]
+    # each file's digest is its bytes' (hashlib, read here), though the commit took them from the
+    # trained state's handle by inode (k3core.artifacts.published_sha256)
+    import hashlib
+
+    for rel, digest in man["files"].items():
+        assert hashlib.sha256((Path(sv.path) / rel).read_bytes()).hexdigest() == digest, rel
     latest = json.loads(Path(pipeline["root"], "runs/t/latest.json").read_text())
     assert latest["checkpoint"] == sv.uri
 
