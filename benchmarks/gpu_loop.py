@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=1, help="held-out evaluation every N iterations (0: at the end)")
     ap.add_argument("--mismatch-sequences", type=int, default=16,
                     help="rollouts per iteration for the W4A8 mismatch metric (0: skip the stage)")
+    ap.add_argument("--mismatch-every", type=int, default=1, help="the mismatch metric every N iterations")
     ap.add_argument("--artifacts", default="build/gpu_loop_artifacts")
     ap.add_argument("--run-id", default=f"gpu-loop-{int(time.time())}")
     ap.add_argument("--json", default=None, help="also write the measurements and predictions here")
@@ -100,7 +101,7 @@ def main() -> None:
                               "max_new_tokens": a.max_new_tokens, "warmup_steps": a.warmup_steps, "env": a.env,
                               "micro_batch_tokens": a.micro_batch_tokens, "keep_checkpoints": a.keep_checkpoints,
                               "artifacts": a.artifacts, "run_id": a.run_id, "eval_every": a.eval_every, "eval_prompts": 32,
-                              "mismatch_sequences": a.mismatch_sequences})
+                              "mismatch_sequences": a.mismatch_sequences, "mismatch_every": a.mismatch_every})
     device = run_device(s)
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}, {torch.cuda.get_device_properties(device).total_memory / GiB:.1f} GiB")

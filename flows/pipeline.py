@@ -149,7 +149,7 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                                      device=device)
         mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
                                      s.rollout.temperature, device=device)
-                    if s.rollout.quantized and s.evaluation.mismatch_sequences else {})
+                    if s.rollout.quantized and s.evaluation.mismatch_due(iteration) else {})
         batch = (scored, *(sc for _, sc in refills))
         ref = (reference_logprobs(run, iteration, reference, batch, s.grpo, s.rollout, device=device)
                if s.grpo.kl_coef else None)
