@@ -205,7 +205,7 @@ def sparse_dispatch(experts: RoutedExperts, xl: torch.Tensor, ids: torch.Tensor,
     x_sorted = xl.index_select(0, token)
     if sync_free and isinstance(experts, RoutedExperts):
         out = experts.grouped_forward(x_sorted, counts, max_rows=N)
-    else:  # W4A8 experts tile on the host (their engine decodes eagerly)
+    else:  # W4A8 experts: their CUDA kernel builds its tile table on the device (sync-free); the CPU path reads counts
         out = experts.grouped_forward(x_sorted, counts)
     weighted = out * w.reshape(-1).index_select(0, order).unsqueeze(-1).to(out.dtype)
     return torch.zeros_like(xl).index_add_(0, token, weighted.to(xl.dtype))

@@ -33,7 +33,10 @@ which is either a state bug or a near-tie flipped by run-to-run rounding (the Mo
 ``index_add_`` is atomic on CUDA, so two eager runs of one step differ too). The test compares the
 modes pairwise and reports the top-2 margin at the first differing token and where routing first
 parts, which tells the two apart. Speeds and the test's GPU outcomes: docs/results/rollout_decode.md.
-W4A8 experts tile on the host and cannot be captured. Prefill is the same eager forward in every mode.
+W4A8 experts are captured too where their Triton kernel runs (CUDA): it builds its tile table on the
+device from the expert counts, sized by the step's shapes (``k3core.ops.w4a8.grouped_mm_triton.device_tiles``);
+not yet run on a GPU in graph mode. Weight-only MXFP4 experts (the torch path) read the counts on the
+host and cannot be captured. Prefill is the same eager forward in every mode.
 
 Sampling. ``logprobs`` are ``log softmax(logits / temperature)`` of the sampled token, before top-k /
 top-p truncation: the distribution the trainer re-computes (temperature 0: greedy, log-probs at
@@ -87,6 +90,12 @@ _MASK63 = (1 << 63) - 1
 _MASK64 = (1 << 64) - 1
 
 StopChecker = Callable[[list[int]], "str | None"]
+
+
+def _w4a8_triton() -> bool:
+    from k3core.ops.w4a8 import triton_available
+
+    return triton_available()
 
 
 def derive_seed(base: int, index: int) -> int:
@@ -341,13 +350,17 @@ class RolloutEngine:
     def _resolve_decode(self, decode: str) -> str:
         from k3core.rollout.quantized import expert_format
 
-        capturable = expert_format(self.model) in ("bf16", "none")
+        fmt = expert_format(self.model)
+        # W4A8 experts: the Triton kernel's tile table is built on the device (no host read of the
+        # counts); weight-only MXFP4 (w4a16) runs the torch path, which reads them
+        capturable = fmt in ("bf16", "none") or (fmt == "w4a8" and self.device.type == "cuda" and _w4a8_triton())
         if decode == "auto":  # "graph" once its engine-level GPU test passes (module docstring)
             return "dynamic"
         if decode == "graph" and self.device.type != "cuda":
             raise ValueError(f"decode='graph' needs a CUDA model (this one is on {self.device}); use 'static' or 'dynamic'")
         if decode == "graph" and not capturable:
-            raise ValueError("decode='graph' cannot capture W4A8 experts (they tile on the host); use 'static' or 'dynamic'")
+            raise ValueError(f"decode='graph' cannot capture {fmt} experts here (they need the W4A8 Triton kernel on "
+                             "CUDA, which tiles on the device); use 'static' or 'dynamic'")
         return decode
 
     def _drain(self) -> None:

@@ -74,6 +74,8 @@ def _w4a8_grouped_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_ptr, M, K: t
     e = tl.load(tile_ptr + t * 3).to(tl.int64)
     r0 = tl.load(tile_ptr + t * 3 + 1)
     r1 = tl.load(tile_ptr + t * 3 + 2)
+    if r0 >= r1:  # a spare tile of the fixed-size table (``device_tiles``): nothing to compute
+        return
     rows = r0 + tl.arange(0, BN)
     rmask = rows < r1
     rows64 = rows.to(tl.int64)
@@ -107,7 +109,8 @@ def _w4a8_grouped_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_ptr, M, K: t
 
 
 def _tiles(counts: list[int], bn: int, device) -> torch.Tensor:
-    """[T, 3] int32 (expert, first row, end row) of every BN-row tile of the sorted rows."""
+    """[T, 3] int32 (expert, first row, end row) of every BN-row tile of the sorted rows, built on
+    the host from the counts: the reference ``device_tiles`` is held to."""
     tiles, start = [], 0
     for e, c in enumerate(counts):
         for r in range(start, start + c, bn):
@@ -116,21 +119,54 @@ def _tiles(counts: list[int], bn: int, device) -> torch.Tensor:
     return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).to(device)
 
 
+def max_tiles(n: int, experts: int, bn: int) -> int:
+    """An upper bound on the BN-row tiles of ``n`` rows over ``experts`` experts, from shapes alone:
+    sum_e ceil(c_e / bn) <= sum_e (c_e / bn + 1) rounded, at most ceil(n / bn) + experts."""
+    return -(-n // bn) + experts
+
+
+def device_tiles(counts: torch.Tensor, n: int, bn: int) -> torch.Tensor:
+    """``_tiles`` computed where ``counts`` lives, with no read back to the host: ``[max_tiles, 3]``
+    int32, the real tiles first in ``_tiles``' order, then spare tiles ``(E - 1, 0, 0)`` (empty: the
+    kernel returns at once). Its shape depends on ``n`` and ``E`` only, so a CUDA graph can capture
+    the matmul and replay it on other counts."""
+    E = counts.numel()
+    c = counts.to(torch.int64)
+    per = (c + bn - 1) // bn  # tiles of each expert
+    last = torch.cumsum(per, 0)  # one past each expert's last tile
+    starts = torch.cumsum(c, 0) - c  # each expert's first row
+    t = torch.arange(max_tiles(n, E, bn), device=counts.device)
+    e = torch.searchsorted(last, t, right=True)  # the expert whose tiles hold t; E past the last tile
+    real = e < E
+    e = e.clamp(max=E - 1)
+    r0 = starts[e] + (t - (last[e] - per[e])) * bn
+    r1 = starts[e] + c[e]
+    zero = torch.zeros_like(r0)
+    return torch.stack((e, torch.where(real, r0, zero), torch.where(real, r1, zero)), 1).to(torch.int32)
+
+
+def tile_rows(n: int, experts: int) -> int:
+    """Rows per tile from shapes alone: 16-row tiles (the smallest ``tl.dot`` takes) while experts
+    average at most 16 rows (decode steps), else 64."""
+    return BLOCK_N_SMALL if n <= BLOCK_N_SMALL * experts else BLOCK_N
+
+
 def w4a8_grouped_mm_triton(q: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
                            wscale: torch.Tensor, out_dtype: torch.dtype, dot_bf16: bool | None = None) -> torch.Tensor:
     """q fp8 ``[n, K]`` with its scale (fp32 ``[n, 1]`` per token or uint8 ``[n, K/32]``), rows sorted by
-    expert (``counts [E]``), packed ``[E, M, K/2]``, wscale ``[E, M, K/32]`` -> ``[n, M]`` ``out_dtype``."""
+    expert (``counts [E]``, summing to n), packed ``[E, M, K/2]``, wscale ``[E, M, K/32]`` -> ``[n, M]``
+    ``out_dtype``. Nothing reads ``counts`` on the host: the tile table is built on the device, sized
+    by ``n`` and ``E`` (``device_tiles``), so the call is capturable in a CUDA graph."""
     n, K = q.shape
     M = packed.shape[1]
     if K % 32:
         raise ValueError(f"w4a8: K={K} is not a multiple of 32")
     q, s, packed, wscale = q.contiguous().view(torch.uint8), s.contiguous(), packed.contiguous(), wscale.contiguous()
     out = torch.empty(n, M, dtype=out_dtype, device=q.device)
-    cl = counts.tolist()
-    bn = BLOCK_N_SMALL if max(cl, default=0) <= BLOCK_N_SMALL else BLOCK_N
-    tiles = _tiles(cl, bn, q.device)
-    if n == 0 or tiles.shape[0] == 0:
-        return out.zero_()
+    if n == 0:
+        return out
+    bn = tile_rows(n, counts.numel())
+    tiles = device_tiles(counts.to(q.device), n, bn)  # no host read: a CUDA graph can capture this call
     if dot_bf16 is None:
         dot_bf16 = os.environ.get("TRITON_INTERPRET", "0") != "1"
     block32 = s.dtype == torch.uint8

@@ -133,6 +133,27 @@ def test_bad_inputs_are_refused():
         dequantize_fp8(torch.randn(2, 64), torch.ones(2, 1))
 
 
+@pytest.mark.parametrize("bn", [16, 64])
+def test_device_tiles_are_the_host_tiles_then_spares(bn):
+    """The tile table built on the device equals the host-built reference (``_tiles``) row for row,
+    over random counts with empty experts, and pads to a size fixed by n and E with empty tiles."""
+    pytest.importorskip("triton")  # the module defines its kernel at import; the tables are plain torch
+    from k3core.ops.w4a8 import grouped_mm_triton as T
+
+    g = torch.Generator().manual_seed(bn)
+    for _ in range(200):
+        E = int(torch.randint(1, 12, (1,), generator=g))
+        counts = torch.randint(0, 3 * bn, (E,), generator=g) * (torch.rand(E, generator=g) > 0.3)
+        n = int(counts.sum())
+        ref = T._tiles(counts.tolist(), bn, "cpu")
+        got = T.device_tiles(counts, n, bn)
+        assert got.dtype == torch.int32 and got.shape == (T.max_tiles(n, E, bn), 3)
+        assert torch.equal(got[: ref.shape[0]], ref), (counts, got, ref)
+        spare = got[ref.shape[0]:]
+        assert (spare[:, 1] == spare[:, 2]).all() and (spare[:, 0] < E).all()
+    assert T.tile_rows(16 * 64, 64) == 16 and T.tile_rows(16 * 64 + 1, 64) == 64
+
+
 def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
@@ -174,6 +195,20 @@ def test_fused_kernel_logic_under_the_triton_interpreter():
         got = w4a8_grouped_mm_triton(nan.view(torch.float8_e4m3fn), torch.ones(2, 1), torch.tensor([2]), *eye,
                                      torch.float32)
         assert torch.isnan(got).all()
+        # nothing reads the counts on the host (a CUDA graph can capture the call): with tolist and item
+        # refused, other counts of the same 45 rows (other tiles, other spares in the fixed-size table) match
+        real_tolist, real_item = torch.Tensor.tolist, torch.Tensor.item
+        for counts in (torch.tensor([15, 15, 15]), torch.tensor([1, 0, 44]), torch.tensor([0, 0, 45])):
+            q, qs = quantize_fp8(x, "token")
+            ref = w4a8_grouped_mm(x, counts, p, s, "token", use_triton=False)
+            def refuse(*a, **k):
+                raise AssertionError("a host read of the counts")
+            torch.Tensor.tolist, torch.Tensor.item = refuse, refuse
+            try:
+                got = w4a8_grouped_mm_triton(q, qs, counts, p, s, torch.float32)
+            finally:
+                torch.Tensor.tolist, torch.Tensor.item = real_tolist, real_item
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         print("ok")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
