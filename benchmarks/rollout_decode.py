@@ -22,7 +22,7 @@ Same run, same weights and prompts (greedy):
     in the same run.
 
     python benchmarks/rollout_decode.py [--preset small] [--batches 1,16,64] [--quick]
-    python benchmarks/rollout_decode.py --device cuda --preset medium --batches 1,64 [--experts w4a8]
+    python benchmarks/rollout_decode.py --device cuda --preset medium --batches 1,64,256 --experts w4a8   # issue 16
     python benchmarks/rollout_decode.py --device cuda --preset medium --batches 64 --profile
 
 ``--profile``: torch.profiler over a few engine steps (decode + sampling) of each mode at the largest
@@ -211,8 +211,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--roofline", action="store_true", help="print the roofline comparison (always on with CUDA)")
     ap.add_argument("--modes", default=None,
-                    help="engine decode modes, comma-separated (default dynamic,static,graph on CUDA, without graph for "
-                         "w4a8 experts; dynamic on CPU)")
+                    help="engine decode modes, comma-separated (default dynamic,static,graph on CUDA; dynamic on CPU)")
     ap.add_argument("--profile", action="store_true", help="profile a few decode steps of each mode at the largest batch")
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="batches 1,16, 8 new tokens, short prompts and lengths")
@@ -223,7 +222,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if a.device == "cuda" else torch.float32)
     batches = [int(b) for b in a.batches.split(",")]
-    cuda_modes = "dynamic,static" if a.experts == "w4a8" else "dynamic,static,graph"  # W4A8 tiles on the host
+    cuda_modes = "dynamic,static,graph"  # W4A8 experts too: their Triton kernel tiles on the device
     modes = (a.modes or (cuda_modes if a.device == "cuda" else "dynamic")).split(",")
     model = build_model(a.preset, a.device, dtype, a.experts).eval()
     cfg = model.config
