@@ -2,7 +2,8 @@
 
 Owns: resolving the ``--device`` setting (``cpu``, ``cuda``, ``auto``) to a ``torch.device``, refusing
 ``cuda`` where torch sees no GPU; the decode mode a rollout engine uses on that device; and
-``MemoryProbe``, which measures one stage's peak device memory and peak host RSS. Does not own: what
+``MemoryProbe``, which measures one stage's peak device memory and peak host RSS; ``to_device``, the
+host-to-device copy that does not wait for the GPU. Does not own: what
 runs where (every stage passes the device on to the k3core functions it calls), the predicted
 figures (``k3core.plan.device_ledger``).
 
@@ -30,7 +31,7 @@ import torch
 from k3core.settings import DEVICES, DTYPES, RLSettings
 
 __all__ = ["DEVICES", "DTYPES", "DeviceUnavailable", "MemoryProbe", "StagePeak", "compute_dtype", "decode_mode",
-           "resolve_device", "run_device", "run_dtype", "torch_dtype"]
+           "resolve_device", "run_device", "run_dtype", "to_device", "torch_dtype"]
 
 
 class DeviceUnavailable(ValueError):
@@ -85,6 +86,18 @@ def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES[1:]:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES[1:])}, got {name!r}")
     return getattr(torch, name)
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``, queued without a host sync. torch's ordinary host -> CUDA copy
+    (``non_blocking=False``) ends by synchronising the stream, so the host waits until every queued
+    kernel has run; a copy from page-locked memory with ``non_blocking=True`` is queued like a kernel
+    (torch's pinned-memory cache keeps the staging block until the copy has run, so ``t`` may be
+    freed or changed at once). A host ``device``: ``t.to(device)``."""
+    device = torch.device(device)
+    if device.type == "cpu" or t.device.type != "cpu":
+        return t.to(device)
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def decode_mode(device: torch.device | str) -> str:

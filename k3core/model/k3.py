@@ -85,9 +85,11 @@ class K3DecoderLayer(nn.Module):
             wg = w_gamma(proj, norm)
         return attn_res_mix(p, blocks, wg, self.eps)
 
-    def forward(self, p, blocks, attention_mask=None, cache=None, forced_ids=None, use_cache=False, varlen=None):
+    def forward(self, p, blocks, attention_mask=None, cache=None, forced_ids=None, use_cache=False, varlen=None,
+                forced_checked=False):
         """p ``[B, T, D]`` partial sum, blocks list of ``[B, T, D]`` -> (p, blocks, expert ids or None).
-        ``varlen`` (packed sequences) reaches the attention only: the mixes, norms and MoE act per token."""
+        ``varlen`` (packed sequences) reaches the attention only: the mixes, norms and MoE act per token.
+        ``forced_checked``: the forced ids' range was checked once for every layer (``check_inputs``)."""
         h = self._mix(p, blocks, self.self_attention_res_proj, self.self_attention_res_norm,
                       self._attn_site, use_cache) if blocks else p
         if self.starts_block:
@@ -98,7 +100,7 @@ class K3DecoderLayer(nn.Module):
         m = self._mix(p, blocks, self.mlp_res_proj, self.mlp_res_norm, self._mlp_site, use_cache)
         if self.is_moe:
             out, ids = self.block_sparse_moe(self.post_attention_layernorm(m), forced_ids,
-                                             sync_free=isinstance(cache, StaticLayerCache))
+                                             sync_free=isinstance(cache, StaticLayerCache), forced_checked=forced_checked)
         else:
             out, ids = self.mlp(self.post_attention_layernorm(m)), None
         return p + out, blocks, ids
@@ -198,15 +200,28 @@ class K3ForCausalLM(nn.Module):
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be an integer tensor [batch, seq], got {input_ids.dtype} {tuple(input_ids.shape)}")
+
+    def check_inputs(self, input_ids: torch.Tensor, forced_routing: torch.Tensor | None = None) -> None:
+        """The value checks of ``forward``'s inputs: token ids in the vocabulary, forced expert ids in
+        ``[0, num_experts)``. Each reads the tensor's range: free on the host, one device -> host read
+        (a wait for the GPU queue) per tensor on a GPU. ``forward`` runs them unless told
+        (``inputs_checked``) that its caller ran them on the host tensors it built the batch from."""
+        self._check_ids(input_ids)
+        V = self.config.vocab_size
         if input_ids.numel():
-            lo, hi = int(input_ids.min()), int(input_ids.max())
-            V = self.config.vocab_size
+            lo, hi = torch.stack([input_ids.min(), input_ids.max()]).tolist()
             if lo < 0 or hi >= V:
                 bad = ((input_ids < 0) | (input_ids >= V)).nonzero()[0].tolist()
                 raise ValueError(f"token id {int(input_ids[bad[0], bad[1]])} at position {tuple(bad)} is outside the "
                                  f"vocabulary [0, {V}): tokenize with this model's tokenizer (vocab_size={V})")
+        if forced_routing is not None and forced_routing.numel():
+            E = self.config.num_experts
+            lo, hi = torch.stack([forced_routing.min(), forced_routing.max()]).tolist()
+            if lo < 0 or hi >= E:
+                raise ValueError(f"forced expert ids must lie in [0, {E})")
 
-    def _trunk(self, input_ids, attention_mask, layer_caches, forced_routing, varlen=None) -> tuple[torch.Tensor, list]:
+    def _trunk(self, input_ids, attention_mask, layer_caches, forced_routing, varlen=None,
+               forced_checked=False) -> tuple[torch.Tensor, list]:
         """Embedding, layers, output mix and head -> (logits ``[B, T, V]``, routed ids per MoE layer)."""
         use_cache = self.use_inference_caches
         p = self.model.embed_tokens(input_ids)
@@ -217,7 +232,7 @@ class K3ForCausalLM(nn.Module):
             if forced_routing is not None and layer.is_moe:
                 forced = forced_routing[:, :, len(routing)]
             cache = layer_caches[i] if layer_caches is not None else None
-            p, blocks, ids = layer(p, blocks, attention_mask, cache, forced, use_cache, varlen)
+            p, blocks, ids = layer(p, blocks, attention_mask, cache, forced, use_cache, varlen, forced_checked)
             if ids is not None:
                 routing.append(ids)
         m = self.model
@@ -247,7 +262,11 @@ class K3ForCausalLM(nn.Module):
                 targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 return_logits: bool = True, return_logprobs: bool = False, return_routing: bool = False,
                 forced_routing: torch.Tensor | None = None, cache: K3Cache | None = None,
-                cu_seqlens: torch.Tensor | None = None, pixel_values=None, **kwargs) -> K3Output:
+                cu_seqlens: torch.Tensor | None = None, inputs_checked: bool = False, pixel_values=None,
+                **kwargs) -> K3Output:
+        """``inputs_checked``: the caller ran ``check_inputs`` on the host tensors it built
+        ``input_ids`` and ``forced_routing`` from, so the range checks, which read device values
+        back, are skipped (shapes and dtypes are checked always)."""
         if pixel_values is not None or any(k in kwargs for k in ("image_grid_thw", "pixel_values_videos", "images")):
             raise NotImplementedError("multimodal (MoonViT) inputs are not supported: k3rl trains the K3 text "
                                       "backbone only; pass token ids without images")
@@ -260,6 +279,8 @@ class K3ForCausalLM(nn.Module):
         n_moe, k = len(self.moe_layer_ids), self.config.num_experts_per_token
         if forced_routing is not None and tuple(forced_routing.shape) != (B, T, n_moe, k):
             raise ValueError(f"forced_routing has shape {tuple(forced_routing.shape)}, expected {(B, T, n_moe, k)}")
+        if not inputs_checked:
+            self.check_inputs(input_ids, forced_routing)
         varlen = None
         if cu_seqlens is not None:
             if B != 1 or attention_mask is not None or cache is not None:
@@ -270,7 +291,7 @@ class K3ForCausalLM(nn.Module):
                                  f"{'given' if cache is not None else 'None'}")
             varlen = VarlenLayout.from_cu_seqlens(cu_seqlens, T, input_ids.device)
         logits, routing = self._trunk(input_ids, attention_mask, cache.layers if cache is not None else None,
-                                      forced_routing, varlen)
+                                      forced_routing, varlen, forced_checked=True)
         out = K3Output(cache=cache)
         if cache is not None:
             cache.seen_tokens += T

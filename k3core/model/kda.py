@@ -142,6 +142,8 @@ class KimiDeltaAttention(nn.Module):
                    ((self.q_conv1d, self.q_proj), (self.k_conv1d, self.k_proj), (self.v_conv1d, self.v_proj)))
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(at_least_fp32(self.b_proj(x)))
-        o, _ = kda(q, k, v, g, beta, cu_seqlens=varlen.cu_seqlens, lower_bound=self.lower_bound)
+        # the offsets on the device, copied once per forward for every layer, and on the host
+        o, _ = kda(q, k, v, g, beta, cu_seqlens=varlen.cu_seqlens_device, cu_seqlens_cpu=varlen.cu_seqlens,
+                   lower_bound=self.lower_bound)
         o = rms_norm(o.to(x.dtype), self.o_norm.weight, self.eps).reshape(B, T, H * K)
         return self.o_proj(o * torch.sigmoid(self.g_proj(x)))

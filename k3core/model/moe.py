@@ -160,8 +160,12 @@ class LatentMoE(nn.Module):
         self.shared_experts = (SiTUMLP(D, config.shared_expert_intermediate_size, config.activation_situ_beta,
                                        config.activation_situ_linear_beta) if config.num_shared_experts else None)
 
-    def route(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x ``[N, D]`` -> (expert ids ``[N, k]`` int64, weights ``[N, k]`` fp32, differentiable)."""
+    def route(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None,
+              forced_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[N, D]`` -> (expert ids ``[N, k]`` int64, weights ``[N, k]`` fp32, differentiable).
+        ``forced_checked``: the caller checked the forced ids' range (``K3ForCausalLM.check_inputs``,
+        once for every layer, on the host); otherwise it is checked here, which reads device values
+        back (a host sync) when they live on a GPU."""
         scores = self.gate(x)
         if forced_ids is None:
             with torch.no_grad():
@@ -171,20 +175,23 @@ class LatentMoE(nn.Module):
             ids = forced_ids.to(device=x.device, dtype=torch.long)
             if ids.shape != (x.shape[0], self.top_k):
                 raise ValueError(f"forced expert ids have shape {tuple(ids.shape)}, expected {(x.shape[0], self.top_k)}")
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_experts):
-                raise ValueError(f"forced expert ids must lie in [0, {self.num_experts})")
+            if not forced_checked and ids.numel():
+                lo, hi = torch.stack([ids.min(), ids.max()]).tolist()
+                if lo < 0 or hi >= self.num_experts:
+                    raise ValueError(f"forced expert ids must lie in [0, {self.num_experts})")
         w = scores.gather(1, ids)
         if self.renormalize:
             w = w / w.sum(-1, keepdim=True).clamp_min(1e-20)
         return ids, w * self.scaling
 
     def forward(self, x: torch.Tensor, forced_ids: torch.Tensor | None = None,
-                sync_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                sync_free: bool = False, forced_checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[..., D]`` -> (y ``[..., D]``, expert ids ``[..., k]``). ``sync_free``: no host sync
-        in dispatch (see the module docstring; ``forced_ids`` are range-checked on the host)."""
+        in dispatch (see the module docstring; ``forced_ids`` are range-checked on the host).
+        ``forced_checked``: see ``route``."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        ids, w = self.route(x2, None if forced_ids is None else forced_ids.reshape(-1, self.top_k))
+        ids, w = self.route(x2, None if forced_ids is None else forced_ids.reshape(-1, self.top_k), forced_checked)
         xl = self.routed_expert_down_proj(x2)
         yl = sparse_dispatch(self.experts, xl, ids, w, sync_free)
         y = self.routed_expert_up_proj(self.routed_expert_norm(yl))

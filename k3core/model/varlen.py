@@ -22,14 +22,18 @@ from dataclasses import dataclass
 
 import torch
 
+from k3core.device import to_device
+
 
 @dataclass(frozen=True)
 class VarlenLayout:
     """N sequences packed along one row of T tokens.
 
     cu_seqlens ``[N + 1]`` int32 on the host (fla's kernels take it with a host copy, which spares
-    them a device-to-host read; the torch paths read it on the host anyway); position_ids ``[1, T]``
-    and seq_ids ``[T]`` int64 on the activations' device; lengths and max_len on the host.
+    them a device-to-host read; the torch paths read it on the host anyway) and
+    ``cu_seqlens_device``, the same offsets int64 on the activations' device (what fla's kernels
+    index), copied once per forward for every KDA layer; position_ids ``[1, T]`` and seq_ids ``[T]``
+    int64 on the activations' device; lengths and max_len on the host.
     """
 
     cu_seqlens: torch.Tensor
@@ -37,6 +41,7 @@ class VarlenLayout:
     seq_ids: torch.Tensor
     lengths: tuple[int, ...]
     max_len: int
+    cu_seqlens_device: torch.Tensor
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor | list[int], total: int,
@@ -54,9 +59,11 @@ class VarlenLayout:
         lens = torch.tensor(lengths)
         seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), lens)
         starts = torch.tensor(cu[:-1])
-        position_ids = (torch.arange(total) - starts[seq_ids]).unsqueeze(0)
-        return cls(torch.tensor(cu, dtype=torch.int32), position_ids.to(device), seq_ids.to(device), lengths,
-                   max(lengths))
+        position_ids = torch.arange(total) - starts[seq_ids]
+        # the three device tensors travel in one host -> device copy (``to_device``: no host sync)
+        on_device = to_device(torch.cat([position_ids, seq_ids, torch.tensor(cu)]), device)
+        return cls(torch.tensor(cu, dtype=torch.int32), on_device[:total].unsqueeze(0), on_device[total:2 * total],
+                   lengths, max(lengths), on_device[2 * total:])
 
     @property
     def num_sequences(self) -> int:

@@ -3,7 +3,8 @@
 Errors name the argument, its shape and the expected shape, e.g.
 ``kda: argument `beta` has shape (2, 64, 4, 1); expected [B, T, H] = (2, 64, 4)``.
 Only shapes, dtypes and devices are checked, never values of device tensors (that would force a
-host sync); ``cu_seqlens`` values are checked when it lives on the CPU.
+host sync); ``cu_seqlens`` values are checked on the host: ``cu_seqlens`` itself when it lives
+there, else its host copy ``cu_seqlens_cpu`` when given.
 """
 
 from __future__ import annotations
@@ -57,12 +58,15 @@ def _check_common(fn, q, k, v, g, beta, desc):
 _DENSE = {"q": "[B, T, H, K]", "v": "[B, T, H, V]", "beta": "[B, T, H]"}
 
 
-def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, lower_bound) -> None:
+def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, lower_bound,
+                     cu_seqlens_cpu=None) -> None:
     fn = "kda"
     _check_common(fn, q, k, v, g, beta, _DENSE)
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = B
+    if cu_seqlens is None and cu_seqlens_cpu is not None:
+        raise ValueError(f"{fn}: argument `cu_seqlens_cpu` is the host copy of `cu_seqlens`; pass both")
     if cu_seqlens is not None:
         _is_tensor(fn, "cu_seqlens", cu_seqlens)
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
@@ -72,8 +76,17 @@ def check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias
             raise ValueError(f"{fn}: with `cu_seqlens` the sequences are packed along T, so q must have "
                              f"B == 1; q has shape {tuple(q.shape)}")
         N = cu_seqlens.numel() - 1
-        if cu_seqlens.device.type == "cpu":
-            cu = cu_seqlens.tolist()
+        host = cu_seqlens if cu_seqlens.device.type == "cpu" else cu_seqlens_cpu
+        if cu_seqlens_cpu is not None:
+            _is_tensor(fn, "cu_seqlens_cpu", cu_seqlens_cpu)
+            if (cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.shape != cu_seqlens.shape
+                    or cu_seqlens_cpu.is_floating_point()):
+                raise ValueError(f"{fn}: argument `cu_seqlens_cpu` must be `cu_seqlens` on the host, got "
+                                 f"{cu_seqlens_cpu.dtype} {tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}"
+                                 f" for `cu_seqlens` {tuple(cu_seqlens.shape)}")
+            host = cu_seqlens_cpu
+        if host is not None:
+            cu = host.tolist()
             if cu[0] != 0 or cu[-1] != T or any(a > b for a, b in zip(cu[:-1], cu[1:])):
                 raise ValueError(f"{fn}: `cu_seqlens` must rise from 0 to T = {T} without decreasing, got {cu}")
     if initial_state is not None:

@@ -166,12 +166,16 @@ def _gate_kwargs(A_log, dt_bias, lower_bound) -> dict:
     return dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=float(lower_bound))
 
 
-def _varlen_kwargs(cu_seqlens, device) -> dict:
+def _varlen_kwargs(cu_seqlens, device, cu_seqlens_cpu=None) -> dict:
+    """fla's ``cu_seqlens`` (int64 on the device: no copy when the caller passes it so, else one
+    host -> device copy, which waits for the GPU queue) and ``cu_seqlens_cpu`` (its host copy: lets
+    fla skip a device -> host read)."""
     if cu_seqlens is None:
         return {}
     kw = {"cu_seqlens": cu_seqlens.to(device=device, dtype=torch.long)}
-    if cu_seqlens.device.type == "cpu":  # lets fla skip a device -> host copy
-        kw["cu_seqlens_cpu"] = cu_seqlens.to(torch.long)
+    host = cu_seqlens if cu_seqlens.device.type == "cpu" else cu_seqlens_cpu
+    if host is not None:
+        kw["cu_seqlens_cpu"] = host.to(torch.long)
     return kw
 
 
@@ -180,15 +184,16 @@ def _state(initial_state):
 
 
 def chunk(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm,
-          cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None):
+          cu_seqlens=None, cu_seqlens_cpu=None, A_log=None, dt_bias=None, lower_bound=None):
     """``fla.ops.kda.chunk_kda`` with our argument names. With ``A_log``/``dt_bias``, g is the raw
-    gate input f; with only ``lower_bound``, g is already gated and promised >= lower_bound."""
+    gate input f; with only ``lower_bound``, g is already gated and promised >= lower_bound.
+    ``cu_seqlens_cpu``: the host copy of a device ``cu_seqlens`` (``kda``)."""
     module = require("kda")
     return module.chunk_kda(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale,
         initial_state=_state(initial_state), output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm, safe_gate=_safe_gate(lower_bound),
-        **_gate_kwargs(A_log, dt_bias, lower_bound), **_varlen_kwargs(cu_seqlens, q.device))
+        **_gate_kwargs(A_log, dt_bias, lower_bound), **_varlen_kwargs(cu_seqlens, q.device, cu_seqlens_cpu))
 
 
 def fused_recurrent(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm,

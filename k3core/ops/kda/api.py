@@ -28,6 +28,7 @@ def kda(
     output_final_state: bool = False,
     use_qk_l2norm: bool = True,
     cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_cpu: torch.Tensor | None = None,
     backend: str = "auto",
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
@@ -48,6 +49,9 @@ def kda(
         output_final_state: return the state after the last token of each sequence.
         cu_seqlens: int ``[N + 1]``, sequences packed along T with B == 1 (as in fla); each
             sequence starts from its own initial state (zeros when ``initial_state`` is None).
+        cu_seqlens_cpu: the same offsets on the host, when ``cu_seqlens`` lives on the device (as
+            fla takes them): the checks and the kernels read the offsets there, with no host sync;
+            the caller copies ``cu_seqlens`` to the device once for all its calls.
         backend: "auto" (fla for CUDA tensors, torch chunked otherwise), "torch" (chunked, any
             device), "naive" (token loop reference), "fla" (CUDA only). A CUDA tensor with "auto"
             and no importable fla raises (pass backend="torch" to opt into the slow path).
@@ -60,7 +64,7 @@ def kda(
         o ``[B, T, H, V]`` in q's dtype; final_state ``[N, H, K, V]`` (fp32; fp64 for fp64 inputs
         on the torch paths) or None. Computation is fp32 (fp64 for fp64 inputs).
     """
-    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, lower_bound)
+    check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens, A_log, dt_bias, lower_bound, cu_seqlens_cpu)
     backend = resolve_backend("kda", backend, q, allow_naive=True)
     common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens)
@@ -68,8 +72,13 @@ def kda(
         needs_grad = torch.is_grad_enabled() and any(
             x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
         # one-token decode: the fused recurrent kernel (forward only) beats the chunked one
-        run = fla_fused_recurrent if q.shape[1] == 1 and not needs_grad else fla_chunk
-        return run(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, **common)
+        if q.shape[1] == 1 and not needs_grad:
+            return fla_fused_recurrent(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                       **common)
+        return fla_chunk(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                         cu_seqlens_cpu=cu_seqlens_cpu, **common)
+    if cu_seqlens_cpu is not None:  # the torch paths read the offsets on the host
+        common["cu_seqlens"] = cu_seqlens = cu_seqlens_cpu
     if A_log is not None:
         g = kda_gate(g, A_log, dt_bias, lower_bound)
     if backend == "naive":

@@ -127,6 +127,32 @@ def test_bad_inputs():
         m(torch.tensor([[1, 2]]), forced_routing=torch.zeros(1, 2, 1, 1, dtype=torch.long))
 
 
+def test_forced_expert_ids_are_range_checked_once_or_by_the_caller():
+    """Out-of-range forced experts fail with one message whether the model checks them (once per
+    forward, for every MoE layer), the caller does (``check_inputs`` on its host tensors, then
+    ``inputs_checked``), or a lone MoE layer does; ``inputs_checked`` skips only the value checks."""
+    m = _model()
+    n_moe, k = len(TINY.moe_layers), TINY.num_experts_per_token
+    ids = torch.tensor([[1, 2, 3]])
+    bad = torch.zeros(1, 3, n_moe, k, dtype=torch.long)
+    bad[0, 2, n_moe - 1, 1] = TINY.num_experts
+    pattern = rf"forced expert ids must lie in \[0, {TINY.num_experts}\)"
+    with pytest.raises(ValueError, match=pattern):
+        m(ids, forced_routing=bad)
+    with pytest.raises(ValueError, match=pattern):
+        m.check_inputs(ids, bad)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        m.check_inputs(torch.tensor([[1, TINY.vocab_size]]))
+    with pytest.raises(ValueError, match=pattern):
+        m.model.layers[TINY.moe_layers[0]].block_sparse_moe(torch.randn(3, TINY.hidden_size), bad[0, :, n_moe - 1])
+    good = bad.clamp(max=TINY.num_experts - 1)
+    m.check_inputs(ids, good)
+    torch.testing.assert_close(m(ids, forced_routing=good, inputs_checked=True).logits,
+                               m(ids, forced_routing=good).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="integer tensor"):  # dtype and shape checks stay
+        m(ids.float(), inputs_checked=True)
+
+
 def test_bf16_keeps_fp32_parameters():
     m = _model().cast(torch.bfloat16)
     dt = {n: p.dtype for n, p in m.named_parameters()}

@@ -290,6 +290,34 @@ def test_kda_rejects_bad_cu_seqlens_and_state_counts():
         kda(**packed, cu_seqlens=torch.tensor([0, 4, 10]), initial_state=torch.zeros(1, 3, 4, 5, dtype=F64))
 
 
+def test_kda_checks_the_host_copy_of_device_offsets():
+    """``cu_seqlens`` on the device comes with its host copy ``cu_seqlens_cpu``: the values are checked
+    there (no device read), a copy that does not match ``cu_seqlens`` is refused, and the torch path
+    computes from it exactly as from host offsets."""
+    args, _ = _base()
+    packed = {n: x[:1] for n, x in args.items()}
+    cu = torch.tensor([0, 4, 10])
+    with pytest.raises(ValueError, match=r"rise from 0 to T = 10"):
+        kda(**packed, cu_seqlens=cu.to("meta"), cu_seqlens_cpu=torch.tensor([0, 6, 4]))
+    with pytest.raises(ValueError, match=r"`cu_seqlens_cpu` must be `cu_seqlens` on the host"):
+        kda(**packed, cu_seqlens=cu.to("meta"), cu_seqlens_cpu=torch.tensor([0, 10]))
+    with pytest.raises(ValueError, match=r"`cu_seqlens_cpu` is the host copy of `cu_seqlens`; pass both"):
+        kda(**packed, cu_seqlens_cpu=cu)
+    assert torch.equal(kda(**packed, cu_seqlens=cu.long(), cu_seqlens_cpu=cu.int())[0], kda(**packed, cu_seqlens=cu)[0])
+
+
+def test_fla_varlen_kwargs_copy_nothing_for_device_offsets():
+    """fla gets a device int64 ``cu_seqlens`` as it is (no per-call host -> device copy) and the host copy
+    beside it."""
+    from k3core.ops.kda._fla import _varlen_kwargs
+
+    dev, host = torch.tensor([0, 4, 10]).to("meta"), torch.tensor([0, 4, 10], dtype=torch.int32)
+    kw = _varlen_kwargs(dev, torch.device("meta"), host)
+    assert kw["cu_seqlens"] is dev and kw["cu_seqlens_cpu"].tolist() == [0, 4, 10]
+    kw = _varlen_kwargs(host, torch.device("meta"))  # host offsets only: one copy, and the host copy
+    assert kw["cu_seqlens"].device.type == "meta" and kw["cu_seqlens_cpu"].dtype == torch.long
+
+
 def test_kda_step_rejects_bad_inputs():
     args, h0 = _base()
     one = {n: x[:, 0] for n, x in args.items()}
