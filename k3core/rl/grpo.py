@@ -43,6 +43,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from k3core.device import to_device
 from k3core.settings import LOSS_AGGREGATIONS
 
 
@@ -81,12 +82,16 @@ def loss_weights(mask: torch.Tensor, mode: str = "token-mean", *, tokens: int | 
     if seq_ids is not None and seq_ids.shape != mask.shape:
         raise ValueError(f"seq_ids have shape {tuple(seq_ids.shape)}, the mask {tuple(mask.shape)}")
     if seq_ids is None:
+        n_ids = m.shape[0] if m.numel() else 0
         seq_ids = torch.arange(m.shape[0], device=m.device).unsqueeze(1).expand_as(m)
-    per_seq = torch.zeros(int(seq_ids.max()) + 1 if seq_ids.numel() else 0, device=m.device)
-    per_seq = per_seq.index_add(0, seq_ids.reshape(-1).to(m.device), m.reshape(-1))  # generated tokens of each
+    else:  # the largest id, read where seq_ids live (free on the host; a host sync on a GPU)
+        n_ids = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
+        seq_ids = to_device(seq_ids, m.device)
+    per_seq = torch.zeros(n_ids, device=m.device)
+    per_seq = per_seq.index_add(0, seq_ids.reshape(-1), m.reshape(-1))  # generated tokens of each
     n_seq = float(per_seq.numel() if sequences is None else sequences)
     if mode == "seq-mean-token-mean":
-        return m / per_seq[seq_ids.to(m.device)].clamp_min(1.0) / max(n_seq, 1.0)
+        return m / per_seq[seq_ids].clamp_min(1.0) / max(n_seq, 1.0)
     if mode == "seq-sum":
         if norm is None or not norm > 0:
             raise ValueError(f"seq-sum aggregation needs a positive constant norm (the completion length cap), got {norm!r}")
@@ -185,21 +190,36 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Te
         r_mean = (r * m).sum() / n
         r_std = ((((r - r_mean) ** 2) * m).sum() / n).sqrt()
         on = m > 0
-        any_on = bool(on.any())
-        stats = GRPOStats(loss=float(loss), clip_fraction=float(clip_frac), kl_rollout_trainer_k3=float(k3),
-                          kl_rollout_trainer_k1=float(k1), tis_weight_mean=float((w * m).sum() / n),
-                          tis_truncated_fraction=float(trunc), tokens=int(m.sum()), approx_kl=float(approx_kl),
-                          ratio_mean=float(r_mean) if any_on else 1.0, ratio_std=float(r_std),
-                          ratio_min=float(r[on].min()) if any_on else 1.0,
-                          ratio_max=float(r[on].max()) if any_on else 1.0,
-                          kl_ref=float((kl_tok.detach() * m).sum() / n) if kl_tok is not None else 0.0)
+        # one device -> host read for every statistic (each float() would wait for the GPU queue):
+        # stacked in fp64, which holds each fp32 value exactly, as float() would return it
+        values = {"loss": loss, "clip_fraction": clip_frac, "kl_rollout_trainer_k3": k3, "kl_rollout_trainer_k1": k1,
+                  "tis_weight_mean": (w * m).sum() / n, "tis_truncated_fraction": trunc, "tokens": m.sum(),
+                  "approx_kl": approx_kl, "ratio_mean": r_mean, "ratio_std": r_std,
+                  "ratio_min": r.masked_fill(~on, math.inf).min(), "ratio_max": r.masked_fill(~on, -math.inf).max(),
+                  "kl_ref": (kl_tok.detach() * m).sum() / n if kl_tok is not None else torch.zeros_like(n),
+                  "n_on": on.sum()}
+        got = dict(zip(values, torch.stack([v.detach().double() for v in values.values()]).tolist()))
+    any_on = got.pop("n_on") > 0
+    if not any_on:
+        got.update(ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0)
+    stats = GRPOStats(**{**got, "tokens": int(got["tokens"])})
     return loss, stats
 
 
-def masked_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
-    """Mean token entropy (nats) of ``softmax(logits)`` over masked positions; logits ``[B, T, V]``."""
+# Row chunks of ``mean_entropy`` hold at most this many elements (fp32: 256 MiB per temporary).
+ENTROPY_CHUNK_ELEMENTS = 1 << 26
+
+
+def mean_entropy(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean token entropy (nats) ``-sum_v p log p`` over the masked positions of the distributions
+    given by log-probabilities ``logp`` ``[B, T, V]`` (a ``log_softmax`` output), mask ``[B, T]`` ->
+    0-d fp32 tensor on ``logp``'s device: no host read, no gradient. Computed over row chunks of at
+    most ``ENTROPY_CHUNK_ELEMENTS``, so its temporaries are two ``[rows, V]`` tensors, not two
+    ``[B, T, V]``; each row's sum is the same as over the whole tensor."""
     with torch.no_grad():
-        lp = torch.log_softmax(logits.float(), -1)
-        ent = -(lp.exp() * lp).sum(-1)
+        rows = logp.reshape(-1, logp.shape[-1])
+        step = max(1, ENTROPY_CHUNK_ELEMENTS // max(rows.shape[1], 1))
+        parts = [-(c.exp() * c).sum(-1) for c in (c.float() for c in rows.split(step))]
+        ent = (torch.cat(parts) if parts else rows.new_zeros(0, dtype=torch.float32)).view(logp.shape[:-1])
         m = mask.float()
-        return float((ent * m).sum() / m.sum().clamp_min(1.0))
+        return (ent * m).sum() / m.sum().clamp_min(1.0)

@@ -33,8 +33,9 @@ from dataclasses import asdict, dataclass
 import pyarrow as pa
 import torch
 
+from k3core.device import to_device
 from k3core.model import K3ForCausalLM
-from k3core.rl.grpo import grpo_loss, masked_entropy
+from k3core.rl.grpo import grpo_loss, mean_entropy
 from k3core.settings import GRPOSettings
 
 
@@ -235,14 +236,21 @@ def _generated_per_sequence(x: torch.Tensor, batch: dict, seqs: list[RLSequence]
 
 
 def _forward_logp(model: K3ForCausalLM, batch: dict, temperature: float, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trainer log-probabilities of the targets ``[b, L]`` (``[1, T]`` packed) and the tempered logits."""
+    """Trainer log-probabilities of the targets ``[b, L]`` (``[1, T]`` packed) and the log-softmax of
+    the tempered logits ``[b, L, V]`` fp32. The logits are not kept: the log-softmax is what autograd
+    saves for backward, so holding it costs nothing until backward, which frees its saved copy early;
+    a caller drops it before ``backward()``, or the peak holds one ``[b, L, V]`` fp32 more.
+    Token and expert ids are range-checked here on the host tensors the batch was built in, and the
+    model skips its device-side checks (each would wait for the GPU queue to drain)."""
     packed = batch["cu_seqlens"] is not None
-    out = model(batch["input_ids"].to(dev), None if packed else batch["valid"].to(dev),
-                forced_routing=None if batch["routing"] is None else batch["routing"].to(dev),
-                cu_seqlens=batch["cu_seqlens"])
-    logits = out.logits.float() / temperature
-    logp = torch.log_softmax(logits, -1).gather(-1, batch["targets"].to(dev).unsqueeze(-1)).squeeze(-1)
-    return logp, logits
+    routing = batch["routing"]
+    model.check_inputs(batch["input_ids"], routing)
+    out = model(to_device(batch["input_ids"], dev), None if packed else to_device(batch["valid"], dev),
+                forced_routing=None if routing is None else to_device(routing, dev),
+                cu_seqlens=batch["cu_seqlens"], inputs_checked=True)
+    log_probs = torch.log_softmax(out.logits.float() / temperature, -1)
+    logp = log_probs.gather(-1, to_device(batch["targets"], dev).unsqueeze(-1)).squeeze(-1)
+    return logp, log_probs
 
 
 @torch.no_grad()
@@ -261,8 +269,9 @@ def old_logprobs(model: K3ForCausalLM, seqs: list[RLSequence], cfg: GRPOSettings
         mseqs = [seqs[i] for i in mine]
         batch = make_batch(mseqs, pad_id, cfg.packing, with_routing=cfg.routing_replay)
         logp, _ = _forward_logp(model, batch, temperature, dev)
-        for i, lp in zip([] if stand_in else mine, _generated_per_sequence(logp, batch, mseqs)):
-            out[i] = lp.float().cpu()
+        # one device -> host read per micro-batch; the generated positions are picked on the host
+        for i, lp in zip([] if stand_in else mine, _generated_per_sequence(logp.float().cpu(), batch, mseqs)):
+            out[i] = lp.clone()
     if dp is not None:
         for part in dp.gather({i: t for i, t in enumerate(out) if t.numel()}):
             for i, t in part.items():
@@ -327,33 +336,37 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
             for idx in micro:
                 idx, stand_in = _share(dp, idx)
                 batch = make_batch([mseqs[j] for j in idx], pad_id, cfg.packing, with_routing=cfg.routing_replay)
-                logp, logits = _forward_logp(model, batch, temperature, dev)
-                mask = batch["gen_mask"].to(dev)
+                logp, log_probs = _forward_logp(model, batch, temperature, dev)
+                mask = to_device(batch["gen_mask"], dev)
                 if old is None:
                     logp_old = logp.detach()
-                else:
-                    logp_old = torch.zeros_like(logp)
-                    logp_old[mask] = torch.cat([old[mb[j]] for j in idx]).to(dev)
+                else:  # filled on the host: a boolean-mask assignment on a GPU sizes itself by a host read
+                    host = torch.zeros(logp.shape, dtype=logp.dtype)
+                    host[batch["gen_mask"]] = torch.cat([old[mb[j]] for j in idx])
+                    logp_old = to_device(host, dev)
                 w = loss_weights(mask, cfg.loss_aggregation, tokens=tokens, sequences=len(mseqs), norm=seq_sum_norm,
-                                 seq_ids=None if batch["seq_ids"] is None else batch["seq_ids"].to(dev))
+                                 seq_ids=batch["seq_ids"])  # on the host: its largest id is read there
                 ref = batch["ref_logprobs"]
-                loss, st = grpo_loss(logp, logp_old, batch["rollout_logprobs"].to(dev), batch["advantages"].to(dev),
-                                     mask, cfg.clip_eps_low, cfg.clip_eps_high, cfg.tis_cap, weights=w,
-                                     logp_ref=None if ref is None else ref.to(dev), kl_coef=cfg.kl_coef)
+                loss, st = grpo_loss(logp, logp_old, to_device(batch["rollout_logprobs"], dev),
+                                     to_device(batch["advantages"], dev), mask, cfg.clip_eps_low, cfg.clip_eps_high,
+                                     cfg.tis_cap, weights=w, logp_ref=None if ref is None else to_device(ref, dev),
+                                     kl_coef=cfg.kl_coef)
                 if dp is not None:  # FSDP2 averages the ranks' gradients: scale back to their sum
                     loss = loss * (0.0 if stand_in else dp.world)
+                if epoch == 0 and not stand_in:  # the statistic stays on the device until the step's end
+                    ent_sum = ent_sum + mean_entropy(log_probs, mask).double() * st.tokens
+                    ent_n += st.tokens
+                del log_probs  # before backward: see _forward_logp
                 loss.backward()
                 del logp_old
                 if stand_in:
-                    del logits, logp, loss
+                    del logp, loss
                     continue
                 parts.append(st)
                 forwarded += int(batch["valid"].sum())
                 if epoch == 0:
                     first_pass.append(st)
-                    ent_sum += masked_entropy(logits, mask) * st.tokens
-                    ent_n += st.tokens
-                del logits, logp, loss
+                del logp, loss
             if dp is not None:
                 parts = [st for rank_parts in dp.gather(parts) for st in rank_parts]
             grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
@@ -366,6 +379,7 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
             u = asdict(merge_stats(parts))
             u.update(grad_norm=grad_norm, sequences=len(mseqs), micro_batches=len(micro))
             updates.append({k: u[k] for k in _PER_UPDATE})
+    ent_sum = float(ent_sum)  # the one read of the entropy statistic
     if dp is not None:
         gathered = dp.gather((first_pass, ent_sum, ent_n, forwarded))
         first_pass = [st for g in gathered for st in g[0]]
