@@ -28,6 +28,8 @@ from k3core.ops.situ import situ_glu
 from k3core.rl import train as tr
 from k3core.settings import GRPOSettings
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 TINY = K3Config.preset("tiny")
 N_MOE, K, E = len(TINY.moe_layers), TINY.num_experts_per_token, TINY.num_experts
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy")

@@ -16,15 +16,9 @@ from k3core.rl import train as tr
 from k3core.settings import GRPOSettings
 from tests.k3core.rl.test_train_step import _batch, _model
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 TINY = K3Config.preset("tiny")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _naive_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
