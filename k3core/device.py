@@ -103,8 +103,9 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 def decode_mode(device: torch.device | str) -> str:
     """The rollout engine's decode mode on ``device`` (``k3core.rollout.engine``). CUDA: "static"
     (fixed-shape decode state, no host sync per step); "graph" (float and W4A8 experts) stays opt-in
-    until its engine-level GPU tests pass in bf16 (docs/results/gpu_tests.md). CPU: "dynamic" (the cache grows with the batch, nothing padded
-    to a bucket), which a CPU runs faster than padded static steps."""
+    until its engine-level GPU tests pass in bf16 (docs/results/gpu_tests.md). CPU: "dynamic" (the
+    cache grows with the batch, nothing padded to a bucket), which a CPU runs faster than padded
+    static steps."""
     return "static" if torch.device(device).type == "cuda" else "dynamic"
 
 
