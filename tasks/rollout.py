@@ -205,7 +205,8 @@ def rollout_shard(run: Run, iteration: int, weights: Artifact, settings: Rollout
         tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
         req = ShardRequest(run.run_id, str(weights.path), weights.kind, weights.version,
                            weights.info.get("quantized", True), tuple(prompts), bounds,
-                           _sampling(run, iteration, refill, settings, tok.eos_id), iteration, refill * len(prompts))
+                           _sampling(run, iteration, refill, settings, tok.eos_id), iteration, refill * len(prompts),
+                           run.dtype)
         table, made_by["worker"] = engines.shard_rows(req, shard, shards)
         pq.write_table(table, tmp)
 

@@ -63,7 +63,8 @@ class ShardRequest:
     actor): the weights to serve (``path`` of a public-layout checkpoint, or of a DCP trainer state:
     ``kind`` "dcp"; ``version``; ``quantized``: MXFP4 routed experts on the W4A8 engine), all of the
     rollout's ``prompts`` and this shard's ``bounds`` in them, and the rollout's sampling ``params``
-    (a ``SamplingParams``), ``iteration`` and ``first_prompt_index``."""
+    (a ``SamplingParams``), ``iteration`` and ``first_prompt_index``; ``dtype``: the engine's weights
+    (the run's ``--dtype``, as the trainer's)."""
 
     run_id: str
     path: str
@@ -75,6 +76,7 @@ class ShardRequest:
     params: object
     iteration: int
     first_prompt_index: int = 0
+    dtype: str = "float32"
 
 
 def merge_shards(tables: list[pa.Table], prompts: int, samples: int, first_prompt_index: int = 0) -> pa.Table:
@@ -106,7 +108,8 @@ class ResidentEngines:
         self.builds = 0
         self.pushes = 0
 
-    def engine(self, run_id: str, path: str | Path, kind: str, version: int, quantized: bool):
+    def engine(self, run_id: str, path: str | Path, kind: str, version: int, quantized: bool,
+               dtype: str = "float32"):
         with self._lock:
             eng = self._engines.get(run_id)
             if eng is not None and eng.weight_version == version:
@@ -116,26 +119,29 @@ class ResidentEngines:
                                          f"{eng.weight_version}, a rollout asked for the older version {version}; "
                                          "rerun the rollout on a fresh worker (or a new run id)")
             if eng is not None and kind == "dcp":
+                from k3core.device import torch_dtype
                 from k3core.rl.trainer_state import load_trainer_model
                 from k3core.transfer import push_inprocess
 
-                push_inprocess(eng, load_trainer_model(path).state_dict(), version, quantize_experts=quantized)
+                push_inprocess(eng, load_trainer_model(path, torch_dtype(dtype)).state_dict(), version,
+                               quantize_experts=quantized)
                 self.pushes += 1
                 return eng
-            eng = self._build(path, kind, version, quantized)
+            eng = self._build(path, kind, version, quantized, dtype)
             self._engines[run_id] = eng
             self.builds += 1
             return eng
 
     @staticmethod
-    def _build(path, kind: str, version: int, quantized: bool):
+    def _build(path, kind: str, version: int, quantized: bool, dtype: str = "float32"):
+        from k3core.device import torch_dtype
         from k3core.rl.weights import build_engine, engine_from_model
 
         if kind == "dcp":
             from k3core.rl.trainer_state import load_trainer_model
 
-            return engine_from_model(load_trainer_model(path), version, quantized=quantized)
-        return build_engine(path, version)
+            return engine_from_model(load_trainer_model(path, torch_dtype(dtype)), version, quantized=quantized)
+        return build_engine(path, version, torch_dtype(dtype))
 
     def rollout(self, req: ShardRequest, worker: str) -> pa.Table:
         """The rows of shard ``req`` on this holder's engine for ``req.run_id`` at ``req.version``
@@ -144,7 +150,7 @@ class ResidentEngines:
         from k3core.rollout.client import WeightVersionMismatch
         from k3core.tokenizer import ByteTokenizer
 
-        eng = self.engine(req.run_id, req.path, req.kind, req.version, req.quantized)
+        eng = self.engine(req.run_id, req.path, req.kind, req.version, req.quantized, req.dtype)
         tok = ByteTokenizer(eng.model.config)
         table = shard_table(eng, tok, list(req.prompts), req.bounds, req.params, req.iteration, req.first_prompt_index,
                             worker)

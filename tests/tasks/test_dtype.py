@@ -114,3 +114,21 @@ def test_the_bf16_train_step_matches_fp32_to_bf16_rounding(scored):
     # 4.1196 (fp32) against 4.1297 (bf16), 2.5e-3 apart; bf16 rounds weights and activations at 2^-9
     assert abs(metrics["bfloat16"]["loss"] - metrics["float32"]["loss"]) < 1e-3
     assert metrics["bfloat16"]["grad_norm"] == pytest.approx(metrics["float32"]["grad_norm"], rel=1e-2)
+
+
+def test_a_worker_engine_takes_the_runs_dtype(scored):
+    """Dask and Ray workers build their resident engines in the run's dtype (``ShardRequest.dtype``),
+    as the embedded engine does: from a public checkpoint, and pushed from a trainer state."""
+    from k3core.rl.shards import ResidentEngines
+    from tasks.train import train_step
+
+    holder = ResidentEngines()
+    ck = scored["ck"]
+    eng = holder.engine("w", ck.path, ck.kind, 0, False, "bfloat16")
+    assert trainers.dtype_of(eng.model) == torch.bfloat16
+    with disable_run_logger():
+        run = dataclasses.replace(scored["run"], run_id="worker-bf16", dtype="bfloat16")
+        state = train_step.fn(run, 0, ck, scored["scored"], GRPOSettings(lr=1e-3), scored["sampling"])
+    pushed = holder.engine("w", state.path, state.kind, 1, False, "bfloat16")
+    assert pushed is eng and eng.weight_version == 1 and trainers.dtype_of(eng.model) == torch.bfloat16
+    assert trainers.dtype_of(ResidentEngines().engine("w", ck.path, ck.kind, 0, False).model) == torch.float32
