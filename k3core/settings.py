@@ -398,6 +398,9 @@ class RLSettings:
         if self.device.type == "cuda" and self.scale_out.train_procs > 1:
             cross.append("--device cuda with --train-procs > 1: the FSDP2 train job runs on gloo (CPU) only; "
                          "use --train-procs 1 on one GPU")
+        if self.device.dtype == "bfloat16" and self.scale_out.train_procs > 1:
+            cross.append("--dtype bfloat16 with --train-procs > 1: FSDP2 shards parameters of one dtype, and the bf16 "
+                         "model keeps KDA's A_log and dt_bias in fp32; use --dtype float32 (or auto on the CPU)")
         if cross:
             raise SettingsError("RLSettings", cross)
         if not self.model.source:

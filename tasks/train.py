@@ -162,7 +162,7 @@ def _train_distributed(run: Run, iteration: int, state: Artifact, scored: Artifa
         job = TrainJob(state=str(state.path), state_kind="dcp" if state.kind == "dcp" else "public",
                        tables=[str(a.path) for a in (scored, *refills)], grpo=dataclasses.asdict(settings),
                        out=str(tmp / "state"), temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
-                       max_groups=sampling.prompts_per_iteration, rng=rng,
+                       max_groups=sampling.prompts_per_iteration, rng=rng, dtype=run.dtype,
                        extra={"iteration": iteration + 1,
                               "data_cursor": {"next_iteration": iteration + 1, "position": position},
                               "parent": state.uri, "scored": scored.uri, "refills": [a.uri for a in refills]})

@@ -43,7 +43,8 @@ class TrainJob:
     a public-layout checkpoint ("public": fresh optimizer, RNG from ``rng``, a file of
     ``torch.save((torch_rng_state, python_random_state))``). ``grpo``: ``GRPOSettings`` as a dict.
     ``out``: the directory the new trainer state is saved into (``extra`` plus the step's
-    ``metrics`` go into its ``extra.json``)."""
+    ``metrics`` go into its ``extra.json``). ``dtype``: the model's weights (the run's ``--dtype``;
+    the optimizer's masters stay fp32)."""
 
     state: str
     state_kind: str
@@ -56,6 +57,7 @@ class TrainJob:
     extra: dict = field(default_factory=dict)
     rng: str | None = None
     odirect: bool = True
+    dtype: str = "float32"
 
     def write(self, path: str | Path) -> Path:
         path = Path(path)
@@ -93,11 +95,12 @@ def _load(job: TrainJob):
 
     lr = job.grpo["lr"]
     if job.state_kind == "dcp":
-        model, opt, extra = load_trainer_state(job.state, lr=0.0, shard=shard_model)  # lr: the saved groups win
+        model, opt, extra = load_trainer_state(job.state, lr=0.0, dtype=getattr(torch, job.dtype),
+                                               shard=shard_model)  # lr: the saved groups win
         return model, opt, extra
     if job.state_kind != "public":
         raise ValueError(f"state_kind {job.state_kind!r}: expected 'dcp' or 'public'")
-    model = set_qat(load_policy(job.state), job.grpo["qat"])
+    model = set_qat(load_policy(job.state, getattr(torch, job.dtype)), job.grpo["qat"])
     shard_model(model)
     if job.rng:
         set_rng_state(torch.load(job.rng, weights_only=False))

@@ -38,6 +38,10 @@ def test_auto_is_bf16_on_cuda_and_fp32_on_the_cpu_and_bad_names_are_refused(monk
     assert D.run_dtype(RLSettings()) == "float32"
     assert D.run_dtype(RLSettings.from_dict({"dtype": "bfloat16"})) == "bfloat16"
     assert RLSettings.from_dict({"device": {"type": "cpu", "dtype": "bfloat16"}}).device.dtype == "bfloat16"
+    # FSDP2 refuses mixed parameter dtypes ("FSDP expects uniform original parameter dtype"), and bf16
+    # keeps A_log/dt_bias in fp32: refused before any work, with the fix
+    with pytest.raises(SettingsError, match="--dtype bfloat16 with --train-procs > 1.*use --dtype float32"):
+        RLSettings.from_dict({"dtype": "bfloat16", "train_procs": 2})
 
 
 def test_an_fp32_trainer_state_reads_as_bf16_and_back(tmp_path):
