@@ -49,8 +49,9 @@ def engine_logprobs(model: K3ForCausalLM, seqs: list[tuple[list[int], list[int]]
     ``RolloutEngine`` sets it). Prompts are left-padded and prefilled, then completion tokens are fed
     one per step with the ``K3Cache`` (finished sequences are fed ``pad_id``; causal, so earlier
     positions do not see it). Returns per sequence fp64 log-probabilities ``[len(completion), V]``
-    and the routed expert ids of its input positions ``[len(prompt) + len(completion) - 1, n_moe, k]``
-    (what routing replay would send the trainer)."""
+    on the model's device, and the routed expert ids of its input positions
+    ``[len(prompt) + len(completion) - 1, n_moe, k]`` on the host (what routing replay would send the
+    trainer; read back once, after the last step, not once per step)."""
     if not model.use_inference_caches:
         raise ValueError("engine_logprobs needs an engine model (use_inference_caches on, caches refreshed)")
     dev = next(model.parameters()).device
@@ -66,14 +67,14 @@ def engine_logprobs(model: K3ForCausalLM, seqs: list[tuple[list[int], list[int]]
     cache = K3Cache.empty(model.config)
     out = model(ids.to(dev), mask.to(dev), cache=cache, return_routing=True)
     steps = [torch.log_softmax(out.logits[:, -1].double() / temperature, -1)]
-    routes = [out.routing.cpu()]
+    routes = [out.routing]
     for t in range(T - 1):
         tok = torch.tensor([o[t] if t < len(o) else pad_id for _, o in seqs], device=dev)
         out = model(tok.unsqueeze(1), torch.ones(B, 1, dtype=torch.bool, device=dev), cache=cache, return_routing=True)
         steps.append(torch.log_softmax(out.logits[:, -1].double() / temperature, -1))
-        routes.append(out.routing.cpu())
-    lp = torch.stack(steps, 1).cpu()  # [B, T, V]
-    routing = torch.cat(routes, 1)  # [B, P + T - 1, n_moe, k]
+        routes.append(out.routing)
+    lp = torch.stack(steps, 1)  # [B, T, V], on the device: the divergences are taken there
+    routing = torch.cat(routes, 1).cpu()  # [B, P + T - 1, n_moe, k]
     lps, rts = [], []
     for b, (p, o) in enumerate(seqs):
         lps.append(lp[b, :len(o)])
@@ -101,24 +102,27 @@ def trainer_logprobs(model: K3ForCausalLM, seqs: list[tuple[list[int], list[int]
     finally:
         model.train(was_training)
         model.use_inference_caches = was_cached
-    lp = torch.log_softmax(out.logits.double() / temperature, -1).cpu()
+    lp = torch.log_softmax(out.logits.double() / temperature, -1)  # on the device, as the engine's
     return [lp[b, len(p) - 1:len(p) - 1 + len(o)] for b, (p, o) in enumerate(seqs)]
 
 
 def divergences(lp_trainer: list[torch.Tensor], lp_engine: list[torch.Tensor], tokens: list[list[int]]) -> dict:
-    """Token-mean divergences (see the module docstring) from per-sequence ``[T_b, V]`` log-probs."""
+    """Token-mean divergences (see the module docstring) from per-sequence ``[T_b, V]`` log-probs,
+    computed on the device the trainer's log-probs are on (a GPU keeps the ``[tokens, V]`` fp64
+    tensors there; only the scalars come back, in one read)."""
     p = torch.cat(lp_trainer).double()
-    q = torch.cat(lp_engine).double()
-    x = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
+    q = torch.cat(lp_engine).double().to(p.device)
+    x = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=p.device)
     if p.shape != q.shape or p.shape[0] != x.shape[0]:
         raise ValueError(f"log-prob shapes {tuple(p.shape)} and {tuple(q.shape)} for {x.shape[0]} tokens")
-    kl = (p.exp() * (p - q)).sum(-1).clamp_min(0.0)  # >= 0 up to rounding
+    # >= 0 up to rounding; in row chunks: each [rows, V] fp64 temporary is 1.3 GB at V = 163,840
+    kl = torch.cat([(pc.exp() * (pc - qc)).sum(-1) for pc, qc in zip(p.split(1024), q.split(1024))]).clamp_min(0.0)
     log_r = (p.gather(1, x[:, None]) - q.gather(1, x[:, None])).squeeze(1)
     r = log_r.exp()
-    return {"kl": float(kl.mean()), "kl_median": float(kl.median()), "kl_max": float(kl.max()),
-            "k3": float((r - 1 - log_r).mean()),
-            "k3_pq": float((r * log_r - (r - 1)).mean()), "logprob_abs_diff": float(log_r.abs().mean()),
-            "tokens": int(x.shape[0])}
+    names = ("kl", "kl_median", "kl_max", "k3", "k3_pq", "logprob_abs_diff")
+    values = torch.stack([kl.mean(), kl.median(), kl.max(), (r - 1 - log_r).mean(), (r * log_r - (r - 1)).mean(),
+                          log_r.abs().mean()]).tolist()
+    return {**dict(zip(names, values)), "tokens": int(x.shape[0])}
 
 
 def rollout_mismatch(trainer: K3ForCausalLM, engine_model: K3ForCausalLM, seqs: list[tuple[list[int], list[int]]],
