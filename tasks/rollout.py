@@ -28,8 +28,9 @@ from tasks.common import Run, stage
 
 def engine_for(run_id: str, weights: Artifact, device: str = "cpu", dtype: str = "float32"):
     """The live engine at ``weights.version`` on ``device`` with its non-expert weights in ``dtype``,
-    or a new one there built from the durable artifact. Quantised weights run on the W4A8 engine (MXFP4 routed experts, FP8
-    activations); the decode mode is the device's (``k3core.device.decode_mode``)."""
+    or a new one there built from the durable artifact. Quantised weights run on the W4A8 engine
+    (MXFP4 routed experts, FP8 activations); the decode mode is the device's
+    (``k3core.device.decode_mode``)."""
     from k3core.device import decode_mode, torch_dtype
     from k3core.rl.weights import build_engine, engine_from_model
 
