@@ -71,10 +71,10 @@ def dtype_of(model) -> torch.dtype:
 
 def weights(run_id: str, state: Artifact, device: str = "cpu", dtype: str = "float32"):
     """The trainer's model at ``state`` on ``device``, its weights in ``dtype``, for reading (the
-    caller must not change it): the live one; or, for a DCP trainer state, the whole trainer read once onto ``device`` and kept
-    live (the train step that follows takes it from here with its saved RNG states); or a
-    public-layout checkpoint, loaded. A live trainer on another device is dropped and read again.
-    The process's RNG states are left as they were."""
+    caller must not change it): the live one; or, for a DCP trainer state, the whole trainer read
+    once onto ``device`` and kept live (the train step that follows takes it from here with its saved
+    RNG states); or a public-layout checkpoint, loaded. A live trainer on another device or in
+    another dtype is dropped and read again. The process's RNG states are left as they were."""
     from k3core.device import torch_dtype
 
     if state.kind != "dcp":
