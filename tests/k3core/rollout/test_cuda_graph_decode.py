@@ -13,6 +13,7 @@ from k3core.model import K3Cache, K3ForCausalLM
 from k3core.model.cache import StaticDecodeState
 from k3core.rollout.decode_graphs import DecodeGraphs
 from k3core.rollout.engine import RolloutEngine, SamplingParams
+from tests.k3core.rollout.test_engine_batching import _greedy_then_reload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -169,15 +170,7 @@ def test_engine_graph_mode_matches_eager_modes_with_joins_leaves_and_a_weight_up
     for mode in ("graph", "static", "dynamic"):
         eng = RolloutEngine(copy.deepcopy(base), max_batch=4, record_logits=True, decode=mode)
         assert eng.decode_mode == mode
-        runs = []
-        for version in (0, 1):
-            if version:
-                eng.load_weights(v1, 1)
-            futures = [eng.submit(p, SamplingParams(max_new_tokens=k, temperature=0)) for p, k in zip(prompts, budgets)]
-            while eng.step():
-                pass
-            runs.append([f.result()[0] for f in futures])
-        results[mode] = runs
+        results[mode] = _greedy_then_reload(eng, prompts, budgets, v1)
         if mode == "graph":
             assert eng._graphs is not None and set(eng._graphs.graphs) <= {1, 2, 4}
     agree = total = 0

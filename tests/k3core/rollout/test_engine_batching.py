@@ -29,6 +29,20 @@ def _prompts(lengths, seed=1):
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
 
 
+def _greedy_then_reload(eng, prompts, budgets, new_weights):
+    """The graph-mode tests' schedule: greedy requests (``budgets`` new tokens each) run to the end,
+    then ``eng.load_weights(new_weights, 1)`` and the same requests again; completions per version."""
+    runs = []
+    for version in (0, 1):
+        if version:
+            eng.load_weights(new_weights, 1)
+        futures = [eng.submit(p, SamplingParams(max_new_tokens=k, temperature=0)) for p, k in zip(prompts, budgets)]
+        while eng.step():
+            pass
+        runs.append([f.result()[0] for f in futures])
+    return runs
+
+
 def test_continuous_batching_equals_full_forward_at_every_position():
     """fp64, max_batch 3, five requests of lengths 1..12 with different max_new_tokens (and one with
     n=2): later requests join while others are mid-decode. Every sampled-from logits row equals the

@@ -20,9 +20,9 @@ from torch.utils._pytree import tree_flatten
 
 import k3core.rollout.decode_graphs as decode_graphs
 import k3core.rollout.engine as engine_module
-from k3core.rollout.engine import RolloutEngine, SamplingParams
+from k3core.rollout.engine import RolloutEngine
 
-from tests.k3core.rollout.test_engine_batching import _model, _prompts
+from tests.k3core.rollout.test_engine_batching import _greedy_then_reload, _model, _prompts
 
 
 class _Recorder(TorchDispatchMode):
@@ -94,15 +94,7 @@ def emulated_graphs(monkeypatch):
 def _run(model, mode, new_weights, prompts, budgets):
     eng = RolloutEngine(copy.deepcopy(model), max_batch=4, record_logits=True, decode="static")
     eng.decode_mode = mode  # "graph" is refused on CPU at construction; the emulation stands in for CUDA
-    runs = []
-    for version in (0, 1):
-        if version:
-            eng.load_weights(new_weights, 1)
-        futures = [eng.submit(p, SamplingParams(max_new_tokens=k, temperature=0)) for p, k in zip(prompts, budgets)]
-        while eng.step():
-            pass
-        runs += [f.result()[0] for f in futures]
-    return runs, eng
+    return [c for run in _greedy_then_reload(eng, prompts, budgets, new_weights) for c in run], eng
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
