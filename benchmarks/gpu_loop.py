@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import flows  # noqa: F401,E402  (sets Prefect's environment before it is imported)
 from flows.pipeline import rl_run  # noqa: E402
-from k3core.settings import RLSettings  # noqa: E402
+from k3core.settings import DTYPES, RLSettings  # noqa: E402
 
 GiB = 2**30
 STAGES = ("evaluate", "rollout", "score", "mismatch", "reference", "train", "save", "transfer")
@@ -68,7 +68,7 @@ def _gib(x) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu", "auto"))
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    ap.add_argument("--dtype", default="auto", choices=DTYPES)
     ap.add_argument("--preset", default="medium")
     ap.add_argument("--iterations", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=16, help="prompts per iteration")

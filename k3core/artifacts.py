@@ -40,7 +40,7 @@ from collections.abc import Callable
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from k3core.checkpoint.files import sha256_file  # noqa: F401  (public here too: artifacts hash with it)
+from k3core.checkpoint.files import sha256_file
 
 from k3core import faults
 from k3core.storage import StorageError, storage_call

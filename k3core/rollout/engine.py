@@ -92,12 +92,6 @@ _MASK64 = (1 << 64) - 1
 StopChecker = Callable[[list[int]], "str | None"]
 
 
-def _w4a8_triton() -> bool:
-    from k3core.ops.w4a8 import triton_available
-
-    return triton_available()
-
-
 def derive_seed(base: int, index: int) -> int:
     """A well-mixed 63-bit seed for item ``index`` of a call seeded ``base`` (splitmix64)."""
     z = (int(base) * 0x9E3779B97F4A7C15 + (int(index) + 1) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -348,12 +342,13 @@ class RolloutEngine:
                     self._cv.notify_all()
 
     def _resolve_decode(self, decode: str) -> str:
+        from k3core.ops.w4a8 import triton_available
         from k3core.rollout.quantized import expert_format
 
         fmt = expert_format(self.model)
         # W4A8 experts: the Triton kernel's tile table is built on the device (no host read of the
         # counts); weight-only MXFP4 (w4a16) runs the torch path, which reads them
-        capturable = fmt in ("bf16", "none") or (fmt == "w4a8" and self.device.type == "cuda" and _w4a8_triton())
+        capturable = fmt in ("bf16", "none") or (fmt == "w4a8" and self.device.type == "cuda" and triton_available())
         if decode == "auto":  # "graph" once its engine-level GPU test passes (module docstring)
             return "dynamic"
         if decode == "graph" and self.device.type != "cuda":

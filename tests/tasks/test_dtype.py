@@ -30,6 +30,8 @@ def test_auto_is_bf16_on_cuda_and_fp32_on_the_cpu_and_bad_names_are_refused(monk
     assert D.compute_dtype("cuda") == "bfloat16" and D.compute_dtype("cpu") == "float32"
     assert D.compute_dtype("cuda", "float32") == "float32" and D.compute_dtype("cpu", "bfloat16") == "bfloat16"
     assert D.torch_dtype("bfloat16") is torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, got 'auto'"):
+        D.torch_dtype("auto")  # a resolved name only: auto means nothing without a device
     with pytest.raises(ValueError, match="--dtype must be one of auto, float32, bfloat16"):
         D.compute_dtype("cpu", "fp16")
     with pytest.raises(SettingsError, match="--dtype: unknown dtype 'half'; choose one of auto, float32, bfloat16"):
