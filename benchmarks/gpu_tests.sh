@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every `-m gpu` test in one go, from a clean checkout, on the device machine (one H200).
+# Every `-m gpu` test in one go, from a clean checkout, on the device machine (one H100 or H200).
 # Usage, from the repository root with the fla wheels in .whl/ (README, Tests):
 #   bash benchmarks/gpu_tests.sh OUTDIR [WORKERS]
 # Installs the carried wheels when fla does not import, starts from an empty Triton cache (what a
@@ -21,6 +21,7 @@ start=$(date +%s)
   echo "# bash benchmarks/gpu_tests.sh $out $workers   ($(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c 'import importlib.metadata as m, torch, triton; print("python3", __import__("sys").version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "fla-core", m.version("fla-core"))'
+  python3 -c 'from k3core.ops.kda._fla import gpu_arch, shipped_config_dir; print("arch", gpu_arch(), "fla configs", shipped_config_dir())'
   echo "files: ${files[*]}"
 } 2>&1 | tee "$out/gpu_tests.log"
 # -v: xdist names each test as it finishes; SIGINT at the budget still writes the failures so far

@@ -13,13 +13,14 @@ Kernel configs: fla autotunes each Triton kernel on its first call for every new
 a KDA forward+backward). fla 0.6 can read the winners from a directory instead (``FLA_CACHE_MODE``,
 ``FLA_CONFIG_DIR``; ``fla/ops/utils/cache.py``), and k3rl ships them in ``fla_configs/<fla-core
 version>/<GPU name>/`` (made by ``fla_tune.py``). Just before fla is imported, ``_load`` points fla
-there when a directory exists for the installed fla-core and this GPU; a variable the user set is
-left alone. fla reads ``FLA_CACHE_MODE`` once, at import, hence "before".
+there when a directory exists for the installed fla-core and this GPU, or one tuned on a GPU whose
+configs launch here (``configs_fit``); a variable the user set is left alone. fla reads ``FLA_CACHE_MODE`` once, at import, hence "before".
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import sys
@@ -50,10 +51,38 @@ def gpu_config_name(device: int | None = None) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_") or "unknown_gpu"
 
 
+def gpu_arch(device: int | None = None) -> dict:
+    """What decides whether a Triton config tuned on one GPU launches on another: the compute
+    capability (the instructions a kernel compiles to) and the shared memory one program may use
+    (a config's tiles and stages must fit it). The SM count only changes how fast a config runs."""
+    props = torch.cuda.get_device_properties(device)
+    return {"capability": f"{props.major}.{props.minor}",
+            "smem_per_block_optin": getattr(props, "shared_memory_per_block_optin", None),
+            "multi_processor_count": props.multi_processor_count}
+
+
+def configs_fit(tuned_on: dict | None, here: dict) -> bool:
+    """True when configs tuned on a GPU described by ``tuned_on`` (``gpu_arch`` as recorded in a
+    MANIFEST) launch on ``here``: same compute capability, and at least as much shared memory per
+    program. An unrecorded or unknown figure never fits."""
+    if not tuned_on or tuned_on.get("capability") != here.get("capability"):
+        return False
+    need, have = tuned_on.get("smem_per_block_optin"), here.get("smem_per_block_optin")
+    return need is not None and have is not None and have >= need
+
+
+def _manifest_arch(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "MANIFEST.json").read_text()).get("versions", {}).get("arch")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def shipped_config_dir() -> Path | None:
-    """``fla_configs/<fla-core version>/<GPU>/`` when it exists for the installed fla-core and the
-    current CUDA device, else None. Configs of another fla version may name kernel arguments that
-    no longer exist, and another GPU's may not fit its shared memory: neither is used."""
+    """``fla_configs/<fla-core version>/<GPU>/`` for the installed fla-core: this GPU's own directory
+    when there is one, else the first (by name) whose MANIFEST records a GPU whose configs fit this
+    one (``configs_fit``: an H100 reads the H200's, same sm_90 and shared memory), else None. Configs
+    of another fla version may name kernel arguments that no longer exist: never used."""
     if not torch.cuda.is_available():
         return None
     try:
@@ -61,7 +90,14 @@ def shipped_config_dir() -> Path | None:
     except importlib.metadata.PackageNotFoundError:
         return None
     path = SHIPPED_CONFIGS / version / gpu_config_name()
-    return path if path.is_dir() else None
+    if path.is_dir():
+        return path
+    root = SHIPPED_CONFIGS / version
+    here = gpu_arch()
+    for other in sorted(root.iterdir()) if root.is_dir() else []:
+        if other.is_dir() and configs_fit(_manifest_arch(other), here):
+            return other
+    return None
 
 
 def point_fla_at_shipped_configs() -> dict[str, str]:

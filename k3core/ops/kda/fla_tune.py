@@ -306,10 +306,11 @@ def _versions() -> dict:
 
     import triton
 
-    from k3core.ops.kda._fla import gpu_config_name
+    from k3core.ops.kda._fla import gpu_arch, gpu_config_name
 
     return {"fla_core": importlib.metadata.version("fla-core"), "triton": triton.__version__,
-            "torch": torch.__version__, "gpu": gpu_config_name(), "gpu_name": torch.cuda.get_device_name()}
+            "torch": torch.__version__, "gpu": gpu_config_name(), "gpu_name": torch.cuda.get_device_name(),
+            "arch": gpu_arch()}
 
 
 def run_group(group: str, dump: Path, every: float = 10.0, max_configs: int = 0,

