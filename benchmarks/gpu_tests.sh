@@ -15,6 +15,10 @@ source benchmarks/device_env.sh
 TRITON_CACHE_DIR=$(mktemp -d /tmp/k3rl_triton.XXXXXX)
 export TRITON_CACHE_DIR
 unset TRITON_CACHE_AUTOTUNING FLA_CACHE_MODE FLA_CONFIG_DIR
+# WORKERS processes on 16 cores: torch's CPU references (the exact CPU forwards of the decode-mode
+# tests) would each start one thread per core; in a 12-worker run at that default those tests took
+# 150-228 s each
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 mapfile -t files < <(grep -rlE --include='test_*.py' 'mark\.gpu' tests | sort)
 start=$(date +%s)
 {

@@ -51,7 +51,7 @@ def test_bf16_grouped_mm_experts_replay_in_a_cuda_graph():
     from k3core.model.moe import RoutedExperts, _grouped_mm_ok
 
     torch.manual_seed(0)
-    ex = RoutedExperts(E, K, I, 1.0, 0.0).cuda()
+    ex = RoutedExperts(E, K, I, 4.0, 25.0).cuda()
     with torch.no_grad():
         ex.w13.normal_(0, K ** -0.5)
         ex.w2.normal_(0, I ** -0.5)
@@ -72,7 +72,7 @@ def test_w4a8_experts_replay_in_a_cuda_graph():
 
     assert triton_available(), "CUDA without triton: the W4A8 kernel cannot run"
     torch.manual_seed(0)
-    ex = RoutedExperts(E, K, I, 1.0, 0.0).cuda()
+    ex = RoutedExperts(E, K, I, 4.0, 25.0).cuda()
     with torch.no_grad():
         ex.w13.normal_(0, K ** -0.5)
         ex.w2.normal_(0, I ** -0.5)

@@ -163,7 +163,10 @@ BF16_GRAPH_VARIANTS = {"as-shipped": [], "padded-experts": [_padded_experts], "t
 def test_graph_replay_equals_eager_static_decode_bf16(variant, monkeypatch):
     """bf16, a router with clear margins: a replayed graph and the eager static step run the same
     kernels on the same inputs, so over 12 steps (3 sequences padded to a bucket of 4, then a bucket
-    of 2 captured into the same pool) their logits agree to bf16 rounding and their routing exactly."""
+    of 2 captured into the same pool) their logits agree to bf16 rounding and their routing exactly.
+    Rounding, not equality: under capture cuBLAS may pick other algorithms (measured on the H200: one
+    element in 780 off by 0.127 on logits of order 3, with fla's or torch's KDA step alike); the bug
+    this hunts moved them by 4.05."""
     for patch in BF16_GRAPH_VARIANTS[variant]:
         patch(monkeypatch)
     dtype = torch.bfloat16
@@ -182,7 +185,7 @@ def test_graph_replay_equals_eager_static_decode_bf16(variant, monkeypatch):
         got, got_r = graphs.replay(b)
         worst = max(worst, float((got[:n].float() - want[:n].float()).abs().max()))
         assert torch.equal(got_r[:n], want_r[:n]), f"{variant} step {step}: routing differs"
-        torch.testing.assert_close(got[:n].float(), want[:n].float(), **TOL[dtype],
+        torch.testing.assert_close(got[:n].float(), want[:n].float(), rtol=5e-2, atol=0.25,
                                    msg=lambda m, step=step: f"{variant} step {step}: {m}")
         tok = want[:n].argmax(-1)
     print(f"{variant}: max |graph - eager| over 12 steps {worst:.3e}")
@@ -317,6 +320,8 @@ def test_every_decode_mode_tracks_the_no_cache_forward_fp32(experts):
                   f"mean |logit| {float(mag):.3g}")
         print(report)
         if experts == "w4a8":
-            assert got_d.mean() <= 4 * fwd_d.mean() + 0.02 * mag and got_d.max() <= 0.5, report
+            # the max, like the mean, against the GPU forward's own: measured on the H200, the W4A8 forward
+            # is itself up to 0.673 off the CPU reference (FP8 activation steps), its decode modes 0.561
+            assert got_d.mean() <= 4 * fwd_d.mean() + 0.02 * mag and got_d.max() <= 2 * fwd_d.max() + 0.1, report
         else:
             assert got_d.max() <= 4 * fwd_d.max() + 2e-3, report
