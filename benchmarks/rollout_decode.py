@@ -14,6 +14,11 @@ Same run, same weights and prompts (greedy):
     means something): the fraction of rows whose first decoded token equals the no-cache baseline's,
     and the max |logit difference| there, of the last mode against the baseline and of every mode
     against the first; whole-sequence equality beside it;
+  - greedy agreement of every mode with the no-cache forward on a checkpoint that can show it
+    (``--agreement``, default on): the `small` preset after 25 supervised warm-up steps (CPU, fp32,
+    then cast and moved like the speed model, experts likewise), 16 held-out `reverse` prompts through
+    max_batch 4, the decoded token judged against the forward's argmax at every position
+    (``k3core.rollout.agreement``; the criterion is 99%);
   - decode-state bytes per sequence vs length (KDA / MLA, measured on a real cache), beside what the
     same depth would hold as all-MLA latents and as a plain multi-head KV cache;
   - with ``--device cuda``: the engine's tokens/s at the largest batch against the memory roofline of
@@ -189,6 +194,39 @@ def step_bytes(model, batch: int, stats: dict) -> tuple[int, int]:
     return weights, state
 
 
+def print_agreement(modes: list[str], device: str, dtype: torch.dtype, experts: str) -> None:
+    """Greedy agreement of each decode mode with the no-cache forward on the warmed-up `small` model."""
+    import copy
+
+    from k3core.rl.data import heldout_prompts
+    from k3core.rl.envs import load_env
+    from k3core.rl.warmup import warmed_up_model
+    from k3core.rollout.agreement import greedy_agreement
+    from k3core.tokenizer import ByteTokenizer
+
+    cfg = K3Config.preset("small")
+    t0 = time.perf_counter()
+    model = warmed_up_model(cfg, steps=25, seed=0).to(device).cast(dtype).eval()
+    if experts == "w4a8":
+        from k3core.rollout.quantized import quantize_engine_model
+
+        quantize_engine_model(model, act_granularity="token")
+    model.use_inference_caches = True
+    model.refresh_inference_caches()
+    tok = ByteTokenizer(cfg)
+    prompts = [tok.encode(p) for p in heldout_prompts(load_env("reverse"), 0, 16, "reverse")]
+    print(f"\ngreedy agreement with the no-cache forward: small preset warmed up 25 steps "
+          f"({time.perf_counter() - t0:.0f} s), {str(dtype).removeprefix('torch.')}, experts {experts}, "
+          "16 held-out reverse prompts x 24 new tokens, max_batch 4 (criterion: 99%)")
+    for mode in modes:
+        eng = RolloutEngine(copy.deepcopy(model), max_batch=4, decode=mode)
+        futures = [eng.submit(p, SamplingParams(max_new_tokens=24, temperature=0)) for p in prompts]
+        while eng.step():
+            pass
+        got = greedy_agreement(model, prompts, [f.result()[0].output_ids for f in futures])
+        print(f"  {mode:>8}: {got.describe()}")
+
+
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -214,6 +252,8 @@ def main() -> None:
                     help="engine decode modes, comma-separated (default dynamic,static,graph on CUDA; dynamic on CPU)")
     ap.add_argument("--profile", action="store_true", help="profile a few decode steps of each mode at the largest batch")
     ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
+                    help="greedy agreement of each mode with the no-cache forward on a warmed-up small checkpoint")
     ap.add_argument("--quick", action="store_true", help="batches 1,16, 8 new tokens, short prompts and lengths")
     a = ap.parse_args()
     if a.quick:
@@ -265,6 +305,8 @@ def main() -> None:
                 eq, diff = first_step_agreement(r["first"][m], r["first"][modes[0]])
                 same = sum(x == y for x, y in zip(r["out"][m], r["out"][modes[0]])) / r["batch"]
                 print(f"  batch {r['batch']:>4} {m:>8}: {eq:.2f} {diff:.3g} {same:.2f}")
+    if a.agreement:
+        print_agreement(modes, a.device, dtype, a.experts)
     lengths = [int(x) for x in a.lengths.split(",")]
     mem = memory_per_sequence(model, lengths, a.device)
     print(f"\ndecode state per sequence ({mem[0]['mla_layers']} MLA of {cfg.num_hidden_layers} layers; "

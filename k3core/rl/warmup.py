@@ -33,3 +33,23 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, tok: ByteTokeniz
             progress(step + 1, steps)
     return {"warmup_steps": steps, "warmup_loss_first": losses[0] if losses else None,
             "warmup_loss_last": losses[-1] if losses else None, "warmup_seconds": time.perf_counter() - t0}
+
+
+def warmed_up_model(config, steps: int = 25, seed: int = 0, env_spec: str = "reverse", batch_size: int = 32,
+                    lr: float = 1e-3, before=None) -> K3ForCausalLM:
+    """A model of ``config`` (initialised from ``seed``) after ``steps`` supervised warm-up steps on
+    ``env_spec``, fp32, on the CPU: a checkpoint whose greedy choices have clear margins. On the
+    `small` preset, 25 steps (about 30 s on 2 cores) move the median top-2 logit margin on held-out
+    `reverse` prompts from 0.07 to 2.0, which is what a bf16 decode-agreement check needs
+    (``k3core.rollout.agreement``). ``before(model)``: applied before the warm-up, e.g. a fixed
+    router bias, so that the warm-up trains the model the check will run."""
+    from k3core.rl.envs import load_env
+
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(config)
+    model.reset_parameters(seed)
+    if before is not None:
+        before(model)
+    if steps:
+        supervised_warmup(model, load_env(env_spec), env_spec, ByteTokenizer(config), steps, batch_size, lr, seed)
+    return model.eval()
