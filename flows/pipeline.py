@@ -57,15 +57,18 @@ __all__ = ["Iteration", "Prepared", "RLSettings", "check_environment", "prepare"
 def run_of(s: RLSettings) -> Run:
     from k3core.device import run_dtype
 
-    return Run(s.pipeline.artifacts, s.pipeline.run_id, s.pipeline.env, s.pipeline.seed, run_dtype(s))
+    return Run(s.pipeline.artifacts, s.pipeline.run_id, s.pipeline.env, s.pipeline.seed, run_dtype(s), s.rollout.decode)
 
 
 def device_of(s: RLSettings) -> str:
     """The device every stage of the run computes on ("cpu" or "cuda"); ``--device cuda`` on a machine
-    without one raises ``DeviceUnavailable`` (a ``ValueError``) before any stage runs."""
-    from k3core.device import run_device
+    without one raises ``DeviceUnavailable`` (a ``ValueError``) before any stage runs, and so does
+    ``--decode graph`` where the run computes on the CPU (``--device auto`` without a GPU)."""
+    from k3core.device import decode_mode, run_device
 
-    return run_device(s).type
+    device = run_device(s).type
+    decode_mode(device, s.rollout.decode)
+    return device
 
 
 def check_environment(s: RLSettings) -> bool:
@@ -143,7 +146,7 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
         scored = score_of(s, run, iteration, rollouts)
         refills = refill(s, run, iteration, weights, scored.info["groups_informative"], cursor, device)
         if ahead:  # the next batch, at this version, beside the stages up to the save; its prompts follow this one's
-            serve_version(run.run_id, weights, s.rollout.url, device)
+            serve_version(run.run_id, weights, s.rollout.url, device, run.dtype, run.decode)
             pending = rollout.submit(run, iteration + 1, weights, s.rollout,
                                      cursor=cursor + s.rollout.prompts_per_iteration * (1 + len(refills)),
                                      device=device)

@@ -22,7 +22,7 @@ __all__ = ["check_artifact_root", "check_settings", "check_source"]
 def check_settings(s) -> None:
     """Everything a run's settings name that can be checked on this machine, cheaply, up front."""
     from flows.scale import check_runner
-    from k3core.device import run_device
+    from k3core.device import decode_mode, run_device
     from k3core.rl.envs import load_env
 
     load_env(s.pipeline.env)
@@ -30,7 +30,7 @@ def check_settings(s) -> None:
     if not _source_fetched(s.pipeline.artifacts, s.pipeline.run_id):
         check_source(s.model.source, s.model.preset)
     check_runner(s.scale_out)
-    run_device(s)  # --device cuda where torch sees no GPU
+    decode_mode(run_device(s), s.rollout.decode)  # --device cuda where torch sees no GPU; --decode graph on the CPU
 
 
 def _source_fetched(artifacts: str, run_id: str) -> bool:

@@ -100,13 +100,22 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
-def decode_mode(device: torch.device | str) -> str:
-    """The rollout engine's decode mode on ``device`` (``k3core.rollout.engine``). CUDA: "static"
-    (fixed-shape decode state, no host sync per step); "graph" (float and W4A8 experts) stays opt-in
-    until its engine-level GPU tests pass in bf16 (docs/results/gpu_tests.md). CPU: "dynamic" (the
-    cache grows with the batch, nothing padded to a bucket), which a CPU runs faster than padded
-    static steps."""
-    return "static" if torch.device(device).type == "cuda" else "dynamic"
+def decode_mode(device: torch.device | str, requested: str = "auto") -> str:
+    """The rollout engine's decode mode on ``device`` (``k3core.rollout.engine``) for the run's
+    ``--decode`` setting. ``auto``: on CUDA "static" (fixed-shape decode state, no host sync per step);
+    "graph" (float and W4A8 experts, the fast one) stays opt-in until its bf16 GPU tests pass
+    (docs/results/gpu_tests.md); on the CPU "dynamic" (the cache grows with the batch, nothing padded
+    to a bucket), which a CPU runs faster than padded static steps. "graph" anywhere but CUDA is
+    refused with a ``ValueError`` naming the fix."""
+    kind = torch.device(device).type
+    if requested == "auto":
+        return "static" if kind == "cuda" else "dynamic"
+    if requested not in ("dynamic", "static", "graph"):
+        raise ValueError(f"--decode must be one of auto, dynamic, static, graph, got {requested!r}")
+    if requested == "graph" and kind != "cuda":
+        raise ValueError(f"--decode graph replays CUDA graphs, and this run computes on {kind}: run with --device "
+                         "cuda on a GPU machine, or --decode auto")
+    return requested
 
 
 @dataclass(frozen=True)

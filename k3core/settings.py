@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DEVICES", "DeviceSettings", "EvalSettings", "GRPOSettings", "LOSS_AGGREGATIONS", "ModelSettings", "PipelineSettings", "RLSettings",
+__all__ = ["DECODE_MODES", "DEVICES", "DeviceSettings", "EvalSettings", "GRPOSettings", "LOSS_AGGREGATIONS", "ModelSettings", "PipelineSettings", "RLSettings",
            "RewardSettings", "RolloutSettings", "ScaleOutSettings", "SettingsError", "TASK_RUNNERS", "WarmupSettings"]
 
 # pydantic (through Prefect) reads this attribute of stdlib dataclasses: refuse unknown keys.
@@ -124,6 +124,10 @@ class ModelSettings(_Section):
         return out
 
 
+# The rollout engine's decode modes (k3core.rollout.engine); "auto" follows the device (k3core.device.decode_mode).
+DECODE_MODES = ("auto", "dynamic", "static", "graph")
+
+
 @dataclass
 class RolloutSettings(_Section):
     """Sampling: how many completions per iteration, how they are sampled, on which engine."""
@@ -136,9 +140,14 @@ class RolloutSettings(_Section):
     quantized: bool = _bool(True, "quantized-rollouts", "W4A8 engine (MXFP4 routed experts, FP8 activations)")
     url: str = _str("local", "rollout-url", "'local' (embedded engine) or a rollout server URL "
                     "(k3rl rollout-server, SGLang)")
+    decode: str = _str("auto", "decode", "the embedded engine's decode mode: auto (static on cuda, dynamic on cpu), "
+                       "dynamic, static, or graph (cuda only: each batch bucket's decode step replayed as a CUDA graph, "
+                       "the fast one; not yet the default, docs/results/gpu_tests.md)")
 
     def problems(self) -> list[str]:
         out = super().problems()
+        if isinstance(self.decode, str) and self.decode not in DECODE_MODES:
+            out.append(f"--decode: unknown decode mode {self.decode!r}; choose one of {', '.join(DECODE_MODES)}")
         if isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and not 0.0 < self.top_p <= 1.0:
             out.append(f"--top-p must lie in (0, 1], got {self.top_p!r}")
         if isinstance(self.url, str) and self.url not in ("", "local") and not self.url.startswith(("http://", "https://")):
@@ -395,6 +404,9 @@ class RLSettings:
         if self.device.type == "cuda" and runner in ("dask", "ray"):
             cross.append(f"--device cuda with --task-runner {runner}: the {runner.capitalize()} workers' resident engines "
                          "run on the CPU; use --task-runner local to sample on the GPU")
+        if self.rollout.decode == "graph" and self.device.type == "cpu":
+            cross.append("--decode graph replays CUDA graphs: use it with --device cuda (or auto on a GPU machine), "
+                         "or --decode auto on the CPU")
         if self.device.type == "cuda" and self.scale_out.train_procs > 1:
             cross.append("--device cuda with --train-procs > 1: the FSDP2 train job runs on gloo (CPU) only; "
                          "use --train-procs 1 on one GPU")

@@ -99,6 +99,7 @@ class Run:
     env: str = "reverse"
     seed: int = 0
     dtype: str = "float32"  # the trainer's and the engine's weights (``k3core.device.compute_dtype``)
+    decode: str = "auto"  # the embedded engine's decode mode (``--decode``, ``k3core.device.decode_mode``)
 
     @property
     def store(self) -> ArtifactStore:

@@ -26,7 +26,7 @@ def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: R
     from k3core.tokenizer import ByteTokenizer
     from tasks.rollout import release_decode_state, rollout_client
 
-    client = rollout_client(run.run_id, weights, rollout.url, device, run.dtype)
+    client = rollout_client(run.run_id, weights, rollout.url, device, run.dtype, run.decode)
     client.routing = False  # rewards need tokens only (a real SGLang returns routing only when enabled)
     tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
     env = load_env(run.env)

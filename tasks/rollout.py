@@ -26,25 +26,26 @@ from tasks import engines, trainers
 from tasks.common import Run, stage
 
 
-def engine_for(run_id: str, weights: Artifact, device: str = "cpu", dtype: str = "float32"):
+def engine_for(run_id: str, weights: Artifact, device: str = "cpu", dtype: str = "float32", decode: str = "auto"):
     """The live engine at ``weights.version`` on ``device`` with its non-expert weights in ``dtype``,
     or a new one there built from the durable artifact. Quantised weights run on the W4A8 engine
-    (MXFP4 routed experts, FP8 activations); the decode mode is the device's
-    (``k3core.device.decode_mode``)."""
+    (MXFP4 routed experts, FP8 activations); the decode mode is ``decode`` on that device
+    (``k3core.device.decode_mode``: "auto" follows the device)."""
     from k3core.device import decode_mode, torch_dtype
     from k3core.rl.weights import build_engine, engine_from_model
 
+    mode = decode_mode(device, decode)
     eng = engines.get(run_id)
-    if eng is not None and eng.weight_version == weights.version and eng.device.type == torch.device(device).type:
+    if (eng is not None and eng.weight_version == weights.version and eng.device.type == torch.device(device).type
+            and eng.decode_mode == mode):
         return eng
     if weights.kind == "dcp":  # a trainer checkpoint: quantise routed experts on the way
         import copy
 
         model = copy.deepcopy(trainers.weights(run_id, weights, device, dtype))  # the engine takes its model over
-        eng = engine_from_model(model, weights.version, quantized=weights.info.get("quantized", True),
-                                decode=decode_mode(device))
+        eng = engine_from_model(model, weights.version, quantized=weights.info.get("quantized", True), decode=mode)
     else:
-        eng = build_engine(weights.path, weights.version, torch_dtype(dtype), device=device, decode=decode_mode(device))
+        eng = build_engine(weights.path, weights.version, torch_dtype(dtype), device=device, decode=mode)
     engines.put(run_id, eng)
     return eng
 
@@ -61,7 +62,8 @@ def release_decode_state(run_id: str) -> int:
         return 0
 
 
-def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu", dtype: str = "float32"):
+def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu", dtype: str = "float32",
+                   decode: str = "auto"):
     """A ``RolloutClient`` serving ``weights.version``: the live embedded engine (on ``device``), or
     the server at ``url``, pushed the weights through ``/update_weights_from_disk`` when it serves
     another version (a trainer checkpoint is first written in the public layout,
@@ -69,7 +71,7 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: s
     from k3core.rollout.client import RolloutClient
 
     if url in (None, "", "local"):
-        return RolloutClient("local", engine=engine_for(run_id, weights, device, dtype))
+        return RolloutClient("local", engine=engine_for(run_id, weights, device, dtype, decode))
     from k3core.config import K3Config
 
     config = K3Config.from_json_file(f"{weights.path}/config.json")
@@ -95,12 +97,12 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: s
 
 
 def serve_version(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu",
-                  dtype: str = "float32") -> None:
+                  dtype: str = "float32", decode: str = "auto") -> None:
     """Bring the engine (embedded, or the server at ``url``) to ``weights.version`` in the calling
     thread. The one-step-off-policy flow calls it before it submits the next rollout, so that rollout
     finds its engine ready and never reads the trainer's live model, which the train step running
     beside it changes in place."""
-    rollout_client(run_id, weights, url, device, dtype)
+    rollout_client(run_id, weights, url, device, dtype, decode)
 
 
 def _rel(run: Run, iteration: int, refill: int = 0) -> str:
@@ -133,7 +135,7 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
     from k3core.tokenizer import ByteTokenizer
 
     def build(tmp):
-        client = rollout_client(run.run_id, weights, settings.url, device, run.dtype)
+        client = rollout_client(run.run_id, weights, settings.url, device, run.dtype, run.decode)
         client.check_version(weights.version)
         tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
         n = settings.prompts_per_iteration

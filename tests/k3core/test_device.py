@@ -29,6 +29,21 @@ def test_cpu_and_auto_resolve_to_cpu_without_a_gpu(no_cuda):
     assert D.decode_mode("cpu") == "dynamic" and D.decode_mode("cuda") == "static"
 
 
+def test_decode_setting_picks_the_engine_mode_and_graph_needs_cuda(no_cuda):
+    assert [D.decode_mode("cuda", m) for m in ("auto", "dynamic", "static", "graph")] == \
+        ["static", "dynamic", "static", "graph"]
+    assert D.decode_mode("cpu", "static") == "static"
+    with pytest.raises(ValueError, match=r"--decode graph replays CUDA graphs.*--device cuda.*--decode auto"):
+        D.decode_mode("cpu", "graph")
+    # --device auto on a machine without a GPU resolves to the CPU, where graph is refused up front
+    with pytest.raises(ValueError, match="--decode graph"):
+        D.decode_mode(D.run_device(RLSettings.from_dict({"rollout": {"decode": "graph"}})), "graph")
+    with pytest.raises(SettingsError, match=r"--decode graph replays CUDA graphs.*--device cuda"):
+        RLSettings.from_dict({"rollout": {"decode": "graph"}, "device": {"type": "cpu"}})
+    with pytest.raises(SettingsError, match=r"--decode: unknown decode mode 'fast'"):
+        RLSettings.from_dict({"rollout": {"decode": "fast"}})
+
+
 def test_cuda_without_a_gpu_is_refused_naming_the_fix(no_cuda):
     with pytest.raises(D.DeviceUnavailable, match=r"--device cuda: torch sees no CUDA device.*--device cpu"):
         D.resolve_device("cuda")

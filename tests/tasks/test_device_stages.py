@@ -94,18 +94,16 @@ def test_rollout_stage_leaves_no_decode_state(tmp_path, monkeypatch):
     """The rollout stage on an engine in static decode (what CUDA uses; forced here on the CPU, whose
     default "dynamic" drops its cache with the batch anyway) ends with the decode state released:
     bytes were held during the rollout, none after, and no ``StaticDecodeState`` is alive."""
-    import k3core.device
     from k3core.rollout.engine import RolloutEngine
     from tasks.fetch import fetch_checkpoint
     from tasks.quantize import quantize_mxfp4
     from tasks.rollout import rollout
 
-    monkeypatch.setattr(k3core.device, "decode_mode", lambda device: "static")
     released = []
     real = RolloutEngine.release_decode_state
     monkeypatch.setattr(RolloutEngine, "release_decode_state", lambda self: released.append(real(self)) or released[-1])
     engines.clear()
-    run = Run(str(tmp_path), "rel", env="add")
+    run = Run(str(tmp_path), "rel", env="add", decode="static")  # --decode static
     assert _static_states() == 0
     with disable_run_logger():
         weights = quantize_mxfp4.fn(run, fetch_checkpoint.fn(run, "init:tiny:1"), device="cpu")
@@ -116,3 +114,25 @@ def test_rollout_stage_leaves_no_decode_state(tmp_path, monkeypatch):
     assert len(released) == 1 and released[0] > 0  # the state existed and was handed back
     assert eng.decode_state_bytes() == 0 and _static_states() == 0
     engines.clear()
+
+
+def test_the_decode_setting_reaches_the_transferred_and_the_rollout_engine(tmp_path):
+    """``--decode`` (``Run.decode``): the engine the transfer fills decodes in that mode, a rollout at
+    the same version and mode takes that engine, and a rollout asking another mode gets a new one."""
+    from tasks.rollout import engine_for
+
+    run = Run(str(tmp_path / "art"), "decode-mode", decode="static")
+    engines.clear()
+    trainers.clear()
+    trainers.put(run.run_id, trainers.LiveTrainer(1, _trainer(3, "cpu"), None, {}, rng_state()))
+    checkpoint = Artifact(kind="dcp", uri="file:///unused", path=str(tmp_path / "unused"), sha256="", version=1,
+                          info={"quantized": True})
+    with disable_run_logger():
+        transfer_weights.fn(run, 0, checkpoint, True, device="cpu")
+    eng = engines.get(run.run_id)
+    assert eng.decode_mode == "static"
+    assert engine_for(run.run_id, checkpoint, "cpu", run.dtype, run.decode) is eng
+    other = engine_for(run.run_id, checkpoint, "cpu", run.dtype, "auto")
+    assert other is not eng and other.decode_mode == "dynamic" and other.weight_version == 1
+    engines.clear()
+    trainers.clear()
