@@ -19,10 +19,12 @@ def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifa
                      temperature: float, device: str = "cpu") -> dict:
     """``state``: the trainer weights at the rollouts' version (a public checkpoint or a DCP trainer
     state), on ``device`` (the trainer's copies and both engines live there). Returns ``mismatch_*``
-    metrics."""
+    metrics. The engines score the rollouts through the decode path the run's engine runs
+    (``--decode``: static on CUDA by default, graph when asked)."""
     import pyarrow.parquet as pq
     import torch
 
+    from k3core.device import decode_mode
     from k3core.rl.mismatch import measure_mismatch
     from k3core.rl.trainer_state import rng_state, set_rng_state
     from k3core.tokenizer import ByteTokenizer
@@ -36,7 +38,8 @@ def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifa
     rng = rng_state()
     try:  # the metric must not move the process's RNG (the train step's draws depend on it)
         model = trainers.weights(run.run_id, state, device, run.dtype)
-        out = measure_mismatch(model, seqs, ByteTokenizer(model.config).pad_id, temperature, torch.bfloat16)
+        out = measure_mismatch(model, seqs, ByteTokenizer(model.config).pad_id, temperature, torch.bfloat16,
+                               decode=decode_mode(device, run.decode))
     finally:
         set_rng_state(rng)
     keep = ("w4a8_kl", "bf16_kl", "kl_ratio", "w4a8_k3", "bf16_k3", "w4a8_kl_max", "bf16_kl_max")

@@ -42,18 +42,23 @@ __all__ = ["engine_logprobs", "trainer_logprobs", "divergences", "rollout_mismat
 
 @torch.no_grad()
 def engine_logprobs(model: K3ForCausalLM, seqs: list[tuple[list[int], list[int]]], pad_id: int,
-                    temperature: float = 1.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                    temperature: float = 1.0, decode: str = "dynamic") -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The engine's distributions along given rollouts, through its decode path.
 
     ``seqs``: (prompt ids, completion ids) pairs; ``model`` an engine model (inference caches on, as
     ``RolloutEngine`` sets it). Prompts are left-padded and prefilled, then completion tokens are fed
-    one per step with the ``K3Cache`` (finished sequences are fed ``pad_id``; causal, so earlier
-    positions do not see it). Returns per sequence fp64 log-probabilities ``[len(completion), V]``
-    on the model's device, and the routed expert ids of its input positions
+    one per step (finished sequences are fed ``pad_id``; causal, so earlier positions do not see it)
+    through the decode path the engine runs in ``decode`` mode: "dynamic", an ordinary forward with
+    the ``K3Cache``; "static", ``K3ForCausalLM.decode_step`` on a fixed-shape ``StaticDecodeState``
+    (the batch padded to a power of two); "graph", that step replayed as a CUDA graph
+    (``k3core.rollout.decode_graphs``; CUDA only). Returns per sequence fp64 log-probabilities
+    ``[len(completion), V]`` on the model's device, and the routed expert ids of its input positions
     ``[len(prompt) + len(completion) - 1, n_moe, k]`` on the host (what routing replay would send the
     trainer; read back once, after the last step, not once per step)."""
     if not model.use_inference_caches:
         raise ValueError("engine_logprobs needs an engine model (use_inference_caches on, caches refreshed)")
+    if decode not in ("dynamic", "static", "graph"):
+        raise ValueError(f"decode must be dynamic, static or graph, got {decode!r}")
     dev = next(model.parameters()).device
     B, P = len(seqs), max(len(p) for p, _ in seqs)
     T = max(len(o) for _, o in seqs)
@@ -68,13 +73,30 @@ def engine_logprobs(model: K3ForCausalLM, seqs: list[tuple[list[int], list[int]]
     out = model(ids.to(dev), mask.to(dev), cache=cache, return_routing=True)
     steps = [torch.log_softmax(out.logits[:, -1].double() / temperature, -1)]
     routes = [out.routing]
-    for t in range(T - 1):
-        tok = torch.tensor([o[t] if t < len(o) else pad_id for _, o in seqs], device=dev)
-        out = model(tok.unsqueeze(1), torch.ones(B, 1, dtype=torch.bool, device=dev), cache=cache, return_routing=True)
-        steps.append(torch.log_softmax(out.logits[:, -1].double() / temperature, -1))
-        routes.append(out.routing)
+    feed = torch.tensor([[o[t] if t < len(o) else pad_id for _, o in seqs] for t in range(T - 1)],
+                        dtype=torch.long, device=dev).reshape(T - 1, B)
+    if decode == "dynamic":
+        for t in range(T - 1):
+            out = model(feed[t].unsqueeze(1), torch.ones(B, 1, dtype=torch.bool, device=dev), cache=cache,
+                        return_routing=True)
+            steps.append(torch.log_softmax(out.logits[:, -1].double() / temperature, -1))
+            routes.append(out.routing)
+    else:
+        from k3core.model.cache import StaticDecodeState
+        from k3core.rollout.decode_graphs import DecodeGraphs, bucket
+
+        b = bucket(B, 1 << (B - 1).bit_length())
+        state = StaticDecodeState(model.config, b, max(64, 1 << (P + T - 1).bit_length()),
+                                  model.lm_head.weight.dtype, dev)
+        state.load(cache, list(range(B)))
+        graphs = DecodeGraphs(model, state) if decode == "graph" else None
+        for t in range(T - 1):
+            state.tokens[:B].copy_(feed[t])
+            logits, routing = graphs.replay(b) if graphs is not None else model.decode_step(state, b)
+            steps.append(torch.log_softmax(logits[:B].double() / temperature, -1))  # a new tensor: replay may overwrite
+            routes.append(routing[:B].unsqueeze(1).clone())
     lp = torch.stack(steps, 1)  # [B, T, V], on the device: the divergences are taken there
-    routing = torch.cat(routes, 1).cpu()  # [B, P + T - 1, n_moe, k]
+    routing = torch.cat([r.to(routes[0].dtype) for r in routes], 1).cpu()  # [B, P + T - 1, n_moe, k]
     lps, rts = [], []
     for b, (p, o) in enumerate(seqs):
         lps.append(lp[b, :len(o)])
@@ -126,11 +148,11 @@ def divergences(lp_trainer: list[torch.Tensor], lp_engine: list[torch.Tensor], t
 
 
 def rollout_mismatch(trainer: K3ForCausalLM, engine_model: K3ForCausalLM, seqs: list[tuple[list[int], list[int]]],
-                     pad_id: int, temperature: float = 1.0, routing_replay: bool = False) -> dict:
+                     pad_id: int, temperature: float = 1.0, routing_replay: bool = False, decode: str = "dynamic") -> dict:
     """Divergences between ``trainer`` and ``engine_model`` on the rollouts ``seqs`` (token ids).
     ``routing_replay``: the trainer reuses the engine's expert choice (as the pipeline's train step),
-    so only numerics differ, not routing decisions."""
-    lp_e, routes = engine_logprobs(engine_model, seqs, pad_id, temperature)
+    so only numerics differ, not routing decisions. ``decode``: the engine's decode path (``engine_logprobs``)."""
+    lp_e, routes = engine_logprobs(engine_model, seqs, pad_id, temperature, decode)
     lp_t = trainer_logprobs(trainer, seqs, pad_id, temperature, routes if routing_replay else None)
     return divergences(lp_t, lp_e, [o for _, o in seqs])
 
@@ -147,8 +169,10 @@ def _engine_copy(trainer: K3ForCausalLM, quantized: bool, act_granularity: str |
 
 def measure_mismatch(trainer: K3ForCausalLM, seqs: list[tuple[list[int], list[int]]], pad_id: int,
                      temperature: float = 1.0, dtype: torch.dtype | None = torch.bfloat16,
-                     act_granularity: str | None = "token", routing_replay: bool = False) -> dict:
-    """KL(trainer || W4A8 engine) beside KL(trainer || float engine) on the same rollouts.
+                     act_granularity: str | None = "token", routing_replay: bool = False,
+                     decode: str = "dynamic") -> dict:
+    """KL(trainer || W4A8 engine) beside KL(trainer || float engine) on the same rollouts, each engine
+    scoring them through the decode path of ``decode`` mode (the run's: ``k3core.device.decode_mode``).
 
     The trainer is cast to ``dtype`` first (a copy; ``None`` keeps its dtype): bf16 by default, the
     issue's "bf16 trainer"; both engines are built from that copy. Returns ``w4a8_*`` and ``bf16_*``
@@ -162,7 +186,7 @@ def measure_mismatch(trainer: K3ForCausalLM, seqs: list[tuple[list[int], list[in
     # without routing replay the trainer's forward is the same for both engines: run it once
     lp_free = None if routing_replay else trainer_logprobs(t, seqs, pad_id, temperature)
     for name, quantized in (("w4a8", True), ("bf16", False)):
-        lp_e, routes = engine_logprobs(_engine_copy(t, quantized, act_granularity), seqs, pad_id, temperature)
+        lp_e, routes = engine_logprobs(_engine_copy(t, quantized, act_granularity), seqs, pad_id, temperature, decode)
         lp_t = lp_free if lp_free is not None else trainer_logprobs(t, seqs, pad_id, temperature, routes)
         for k, v in divergences(lp_t, lp_e, tokens).items():
             out[f"{name}_{k}"] = v
