@@ -132,7 +132,8 @@ def main() -> None:
     ledger = device_ledger(config, trainer_dtype_bytes=dtype_bytes, engine_dtype_bytes=dtype_bytes,
                            quantized=s.rollout.quantized, sequences=slots, context=length)
 
-    print(f"\nrun {a.run_id}: preset {a.preset}, device {device.type}, dtype {run_dtype(s)}, {len(history)} iterations, wall {wall:.0f} s; "
+    print(f"\nrun {a.run_id}: preset {a.preset}, device {device.type}, dtype {run_dtype(s)}, decode {a.decode}, "
+          f"max staleness {a.max_staleness}, {len(history)} iterations, wall {wall:.0f} s; "
           f"{a.prompts} x {a.samples} rollouts, {last['rollout_tokens']} generated tokens in the last iteration")
     print("ledger (GiB): " + ", ".join(f"{k} {v / GiB:.3f}" for k, v in ledger.items())
           + f"  [decode state for {slots} slots x {length} tokens]")
