@@ -201,7 +201,7 @@ def print_agreement(modes: list[str], device: str, dtype: torch.dtype, experts: 
     from k3core.rl.data import heldout_prompts
     from k3core.rl.envs import load_env
     from k3core.rl.warmup import warmed_up_model
-    from k3core.rollout.agreement import greedy_agreement
+    from k3core.rollout.agreement import greedy_agreement, greedy_outputs
     from k3core.tokenizer import ByteTokenizer
 
     cfg = K3Config.preset("small")
@@ -219,11 +219,7 @@ def print_agreement(modes: list[str], device: str, dtype: torch.dtype, experts: 
           f"({time.perf_counter() - t0:.0f} s), {str(dtype).removeprefix('torch.')}, experts {experts}, "
           "16 held-out reverse prompts x 24 new tokens, max_batch 4 (criterion: 99%)")
     for mode in modes:
-        eng = RolloutEngine(copy.deepcopy(model), max_batch=4, decode=mode)
-        futures = [eng.submit(p, SamplingParams(max_new_tokens=24, temperature=0)) for p in prompts]
-        while eng.step():
-            pass
-        got = greedy_agreement(model, prompts, [f.result()[0].output_ids for f in futures])
+        got = greedy_agreement(model, prompts, greedy_outputs(copy.deepcopy(model), prompts, mode))
         print(f"  {mode:>8}: {got.describe()}")
 
 

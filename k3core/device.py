@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3core.settings import DEVICES, DTYPES, RLSettings
+from k3core.settings import DECODE_MODES, DEVICES, DTYPES, RLSettings
 
 __all__ = ["DEVICES", "DTYPES", "DeviceUnavailable", "MemoryProbe", "StagePeak", "compute_dtype", "decode_mode",
            "resolve_device", "run_device", "run_dtype", "to_device", "torch_dtype"]
@@ -110,8 +110,8 @@ def decode_mode(device: torch.device | str, requested: str = "auto") -> str:
     kind = torch.device(device).type
     if requested == "auto":
         return "static" if kind == "cuda" else "dynamic"
-    if requested not in ("dynamic", "static", "graph"):
-        raise ValueError(f"--decode must be one of auto, dynamic, static, graph, got {requested!r}")
+    if requested not in DECODE_MODES:
+        raise ValueError(f"--decode must be one of {', '.join(DECODE_MODES)}, got {requested!r}")
     if requested == "graph" and kind != "cuda":
         raise ValueError(f"--decode graph replays CUDA graphs, and this run computes on {kind}: run with --device "
                          "cuda on a GPU machine, or --decode auto")

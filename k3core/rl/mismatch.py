@@ -83,9 +83,9 @@ def engine_logprobs(model: K3ForCausalLM, seqs: list[tuple[list[int], list[int]]
             routes.append(out.routing)
     else:
         from k3core.model.cache import StaticDecodeState
-        from k3core.rollout.decode_graphs import DecodeGraphs, bucket
+        from k3core.rollout.decode_graphs import DecodeGraphs
 
-        b = bucket(B, 1 << (B - 1).bit_length())
+        b = 1 << (B - 1).bit_length()  # the engine's bucket for B sequences
         state = StaticDecodeState(model.config, b, max(64, 1 << (P + T - 1).bit_length()),
                                   model.lm_head.weight.dtype, dev)
         state.load(cache, list(range(B)))

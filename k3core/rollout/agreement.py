@@ -14,7 +14,7 @@ within rounding of each other part for no fault of either. On random-init weight
 are common (the `small` preset: median top-2 margin 0.07, greedy agreement 86% in bf16 on the CPU),
 so the criterion cannot separate a bug from rounding there. After a short supervised warm-up
 (``k3core.rl.warmup.warmed_up_model``: median margin 2.0) every correct mode agrees on all positions,
-while a KDA state decayed by 1% per step, a bug in the decode state and nothing else, drops it to 97%
+while a KDA state decayed by 1% per step, a bug in the decode state and nothing else, drops it to 97.7%
 (``tests/k3core/rollout/test_decode_agreement.py``). The criterion is therefore: at least 99% on a
 warmed-up checkpoint, and every parting at a near-tie (``Parting.margin``).
 """
@@ -56,6 +56,22 @@ class Agreement:
                           for p in self.partings[:4])
         return (f"greedy agreement {self.agree}/{self.total} = {self.fraction:.4f}, median top-2 margin "
                 f"{self.median_margin():.3f}" + (f"; first partings: {first}" if first else ""))
+
+
+def greedy_outputs(model, prompts: list[list[int]], mode: str, max_new_tokens: int = 24,
+                   max_batch: int = 4) -> list[list[int]]:
+    """Greedy completions of ``prompts`` through a ``RolloutEngine`` around ``model`` (taken over:
+    pass a copy) in decode ``mode``; with ``max_batch`` below the number of prompts, sequences join
+    and leave the running batch."""
+    from k3core.rollout.engine import RolloutEngine, SamplingParams
+
+    eng = RolloutEngine(model, max_batch=max_batch, decode=mode)
+    if eng.decode_mode != mode:
+        raise ValueError(f"the engine decodes in {eng.decode_mode!r}, not the {mode!r} asked for")
+    futures = [eng.submit(p, SamplingParams(max_new_tokens=max_new_tokens, temperature=0)) for p in prompts]
+    while eng.step():
+        pass
+    return [f.result()[0].output_ids for f in futures]
 
 
 @torch.no_grad()

@@ -12,10 +12,10 @@ from k3core.config import K3Config
 from k3core.model import K3Cache, K3ForCausalLM
 from k3core.model.cache import StaticDecodeState
 from k3core.rollout.decode_graphs import DecodeGraphs
-from k3core.rollout.agreement import greedy_agreement
+from k3core.rollout.agreement import greedy_agreement, greedy_outputs
 from k3core.rollout.engine import RolloutEngine, SamplingParams
 from tests.k3core.rollout.test_engine_batching import _greedy_then_reload
-from tests.k3core.rollout.warmed import greedy_outputs, reverse_prompts, warmed
+from tests.k3core.rollout.warmed import reverse_prompts, warmed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import k3core.model.kda as kda_module
-from k3core.rollout.agreement import greedy_agreement
+from k3core.rollout.agreement import greedy_agreement, greedy_outputs
 from k3core.rollout.quantized import quantize_engine_model
-from tests.k3core.rollout.warmed import SMALL, greedy_outputs, reverse_prompts, warmed
+from tests.k3core.rollout.warmed import SMALL, reverse_prompts, warmed
 
 NEAR_TIE = 0.25  # a bf16 logit of order 5 rounds by ~0.03; a parting above this margin is not rounding
 

@@ -10,7 +10,6 @@ import torch
 
 from k3core.config import K3Config
 from k3core.rl.warmup import warmed_up_model
-from k3core.rollout.engine import RolloutEngine, SamplingParams
 
 SMALL = K3Config.preset("small")
 
@@ -36,14 +35,3 @@ def reverse_prompts(n: int = 16, seed: int = 0) -> list[list[int]]:
 
     tok = ByteTokenizer(SMALL)
     return [tok.encode(p) for p in heldout_prompts(load_env("reverse"), seed, n, "reverse")]
-
-
-def greedy_outputs(model, prompts, mode: str, max_new_tokens: int = 24, max_batch: int = 4) -> list[list[int]]:
-    """Greedy completions of ``prompts`` through an engine in decode ``mode``; ``max_batch`` below the
-    number of prompts, so sequences join and leave the running batch."""
-    eng = RolloutEngine(model, max_batch=max_batch, decode=mode)
-    assert eng.decode_mode == mode
-    futures = [eng.submit(p, SamplingParams(max_new_tokens=max_new_tokens, temperature=0)) for p in prompts]
-    while eng.step():
-        pass
-    return [f.result()[0].output_ids for f in futures]
