@@ -7,25 +7,35 @@ ARGS ?=
 # without its dependencies (they are CUDA builds), see the `interop` extra in pyproject.toml.
 SGLANG_VERSION := 0.5.23
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup setup-run run test test-quick lint clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# The pinned CPU build of torch first on machines without an NVIDIA GPU: a plain `torch`
-# requirement would pull a multi-GB CUDA build.
-setup: $(BIN)/python
+# What running needs: the pinned CPU build of torch first on machines without an NVIDIA GPU (a plain
+# `torch` requirement would pull a multi-GB CUDA build), then k3rl itself.
+setup-run: $(BIN)/python
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0; fi
+	$(BIN)/python -m pip install -q -e .
+
+# What the tests need besides: the test extra (peer libraries, local S3, Dask, Ray) and the interop
+# suite's SGLang.
+setup: setup-run
 	$(BIN)/python -m pip install -q -e ".[test,interop]"
 	$(BIN)/python -m pip install -q --no-deps sglang==$(SGLANG_VERSION)
 
-run: setup
+run: setup-run
 	PYTHONUNBUFFERED=1 $(BIN)/k3rl run --preset small --run-id demo $(ARGS)
 
+# Every test (CI runs this).
 test: setup
 	$(BIN)/python -m pytest tests $(ARGS)
+
+# The inner loop: every test not marked `slow` (an unmarked test may take at most 20 s, tests/conftest.py).
+test-quick: setup
+	$(BIN)/python -m pytest tests -m "not slow" $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

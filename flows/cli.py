@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flows.cli_plan import add_plan_subcommand
     from flows.cli_serve import add_rollout_server_subcommand, refuse_checkpoint_on_serve
     from flows.cli_sglang import add_sglang_server_subcommand
-    from flows.deploy import add_deploy_subcommands
+    from flows.cli_deploy import add_deploy_subcommands
 
     add_checkpoint_subcommands(sub)
     add_deploy_subcommands(sub)

@@ -9,7 +9,37 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("K3RL_TASK_RETRIES", "1")
 
+import resource  # noqa: E402
+import time  # noqa: E402
+
 import pytest  # noqa: E402
+
+# An unmarked test may take at most this long (``make test-quick`` deselects ``slow`` and must stay
+# the inner loop); a longer one is marked ``slow`` (or made shorter).
+UNMARKED_LIMIT_S = float(os.environ.get("K3RL_UNMARKED_LIMIT_S", "20"))
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of the child processes it has waited for."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Fail a test not marked ``slow`` (or ``gpu``) whose body takes more than ``UNMARKED_LIMIT_S``
+    of wall time and also of CPU time. Either alone misleads on a shared 2-core machine: wall time
+    grows with the load of other processes, CPU time with torch's threads. Fixture setup is not
+    counted: a module's or session's fixture is paid once, by whichever test comes first."""
+    wall0, cpu0 = time.perf_counter(), _cpu_seconds()
+    out = yield  # a failing test keeps its own failure
+    wall, cpu = time.perf_counter() - wall0, _cpu_seconds() - cpu0
+    unmarked = item.get_closest_marker("slow") is None and item.get_closest_marker("gpu") is None
+    if unmarked and min(wall, cpu) > UNMARKED_LIMIT_S:
+        pytest.fail(f"{item.nodeid} took {wall:.0f} s of wall time and {cpu:.0f} s of CPU time, over the "
+                    f"{UNMARKED_LIMIT_S:.0f} s an unmarked test may take: mark it @pytest.mark.slow (make "
+                    "test-quick skips it) or make it shorter", pytrace=False)
+    return out
 
 
 @pytest.fixture(scope="module")

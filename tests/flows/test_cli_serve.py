@@ -31,10 +31,10 @@ def test_rollout_server_with_a_missing_checkpoint_fails_clearly(tmp_path, capsys
 
 
 def test_serve_serves_the_deployments(monkeypatch):
-    import flows.deploy as deploy
+    import flows.cli_deploy as cli_deploy
 
     a = build_parser().parse_args(["serve", "--limit", "2"])
-    assert a.fn is deploy.cmd_serve
+    assert a.fn is cli_deploy.cmd_serve
     assert not hasattr(a, "port") and getattr(a, "checkpoint", None) is None
 
 
