@@ -1,9 +1,9 @@
 """Content digests of tensors for weight transfer: which algorithm, and the bytes it covers.
 
 Owns: ``tensor_digest(t, algo)`` (a hex string over ``t``'s bytes in memory order, little-endian,
-as ``t.contiguous().view(uint8)`` lays them out), the algorithm names a manifest may carry, the
-default choice, and ``sum64_reference`` (the slow, obviously-right version of the device-side
-checksum). Does not own: what a digest is compared against (the transports do that).
+as ``t.contiguous().view(uint8)`` lays them out), the algorithm names a manifest may carry and the
+default choice. Does not own: what a digest is compared against (the transports do that), nor the
+slow, obviously-right ``sum64`` the device-side checksum is tested against (``naive.py``).
 
 Algorithms:
 - ``"xxh3_128"``: xxHash3, 128 bit (the ``xxhash`` package). Not cryptographic; on one core it
@@ -29,8 +29,7 @@ import hashlib
 
 import torch
 
-__all__ = ["ALGOS", "available_algos", "default_algo", "tensor_digest", "bytes_view", "sum64_reference",
-           "check_algo"]
+__all__ = ["ALGOS", "available_algos", "default_algo", "tensor_digest", "bytes_view", "check_algo"]
 
 ALGOS = ("xxh3_128", "sha256", "sum64")
 _SUM64_CHUNK_WORDS = 1 << 22  # 32 MiB of words per step: temporaries stay bounded on any device
@@ -98,17 +97,6 @@ def _sum64(b: torch.Tensor) -> str:
         s2 += w
     a, c = (int(x) & _MASK for x in torch.stack([s1, s2]).tolist())
     return f"{a:016x}{c:016x}"
-
-
-def sum64_reference(data: bytes) -> str:
-    """The ``sum64`` definition in plain Python integers (slow; the oracle for ``tensor_digest``)."""
-    data = bytes(data) + b"\0" * (-len(data) % 8)
-    s1 = s2 = 0
-    for i in range(len(data) // 8):
-        w = int.from_bytes(data[8 * i: 8 * i + 8], "little")
-        s1 = (s1 + w * (2 * i + 1)) & _MASK
-        s2 = (s2 + w) & _MASK
-    return f"{s1:016x}{s2:016x}"
 
 
 def tensor_digest(t: torch.Tensor, algo: str) -> str:

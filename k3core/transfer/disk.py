@@ -112,8 +112,8 @@ def write_disk(path: str | os.PathLike, model_or_state: nn.Module | Mapping[str,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return TransferReport("disk", int(version), algo, content, len(rows), len(rows), res.total_size, res.total_size,
-                          time.perf_counter() - t0, len(res.shards), extra={"path": str(path), "target": target})
+    return TransferReport("disk", int(version), algo, content, len(rows), res.total_size, time.perf_counter() - t0,
+                          len(res.shards), extra={"path": str(path), "target": target})
 
 
 def read_version(path: str | os.PathLike) -> dict:

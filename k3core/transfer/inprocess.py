@@ -3,12 +3,11 @@
 Owns: ``push_inprocess``. Nothing is serialised and nothing travels: the engine's ``load_weights``
 copies each tensor into its own storage (names and shapes checked there first, every derived cache
 recomputed, the version published last). What this adds on top: the version check, routed experts
-re-quantised to MXFP4 one tensor at a time, per-tensor digests (for the lineage record, delta
-transfers and an optional read-back check), and dtype checks (``load_weights``' ``copy_`` would
+re-quantised to MXFP4 one tensor at a time, per-tensor digests (for the lineage record and an
+optional read-back check), and dtype checks (``load_weights``' ``copy_`` would
 otherwise cast silently, and a cast weight is not the trainer's weight).
 
-Digests that only feed the report (no delta, no ``verify``) are computed in a second thread while
-the engine copies. Memory: plain tensors are passed by reference (no copy before the engine's own); quantised experts
+Digests are computed in a second thread while the engine copies. Memory: plain tensors are passed by reference (no copy before the engine's own); quantised experts
 exist once as their MXFP4 codes (W4A8 engine) or as their dequantised float values (``w4a8=False``)
 until the engine has copied them.
 """
@@ -21,7 +20,6 @@ from collections.abc import Mapping
 
 import torch
 
-from k3core.transfer.delta import DeltaTracker
 from k3core.transfer.digest import check_algo, default_algo, tensor_digest
 from k3core.transfer.wire import TransferError, TransferReport, content_sha256, decode_item, dtype_name, item_digest, iter_wire
 
@@ -35,16 +33,14 @@ def engine_tensors(engine) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def push_inprocess(engine, named_tensors: Mapping[str, torch.Tensor], version: int, *, quantize_experts: bool = False,
-                   w4a8: bool = True, algo: str | None = None, tracker: DeltaTracker | None = None,
-                   verify: bool = False, refresh: bool = True) -> TransferReport:
+                   w4a8: bool = True, algo: str | None = None, verify: bool = False,
+                   refresh: bool = True) -> TransferReport:
     """Load ``named_tensors`` (a native trainer state dict: every parameter and persistent buffer)
     into ``engine`` as ``version``.
 
     ``quantize_experts``/``w4a8``: see ``k3core.transfer.wire``. ``algo``: digest algorithm (default
-    ``default_algo``); ``"none"`` skips digests (then no ``tracker`` and no ``verify``). ``tracker``:
-    delta transfer: tensors whose digest equals the tracker's record of the engine's current version
-    are not copied (the engine keeps its own). ``verify``: hash the engine's copies of the raw tensors
-    after loading, and of the unchanged tensors before, and compare. ``refresh=False`` is passed to
+    ``default_algo``); ``"none"`` skips digests (then no ``verify``). ``verify``: hash the engine's
+    copies of the raw tensors after loading and compare. ``refresh=False`` is passed to
     ``load_weights`` (only to demonstrate the stale AttnRes cache). Raises ``TransferError`` (engine
     untouched) for a version not newer than the engine's, or a name, shape or dtype mismatch.
     """
@@ -55,13 +51,10 @@ def push_inprocess(engine, named_tensors: Mapping[str, torch.Tensor], version: i
     hashing = algo != "none"
     if hashing:
         check_algo(algo)
-    elif tracker is not None or verify:
-        raise ValueError("delta transfer and verify need digests: pass a digest algorithm, not 'none'")
+    elif verify:
+        raise ValueError("verify needs digests: pass a digest algorithm, not 'none'")
     t0 = time.perf_counter()
     own = engine_tensors(engine)
-    base_version, base = tracker.base(algo) if tracker is not None else (None, {})
-    if base_version != engine.weight_version:  # the engine moved on by another path: send everything
-        base_version, base = None, {}
     items = []
     for item in iter_wire(named_tensors, quantize_experts, w4a8):
         dst = own.get(item.name)
@@ -71,27 +64,14 @@ def push_inprocess(engine, named_tensors: Mapping[str, torch.Tensor], version: i
         items.append(item)
 
     def digest_all() -> list[str]:
-        return [item_digest([tensor_digest(p, algo) for p in it.parts()]) if hashing else "" for it in items]
+        return [item_digest([tensor_digest(p, algo) for p in it.parts()]) for it in items]
 
-    # Without a delta or a check, the digests only go into the report: compute them in a second thread
-    # while the engine copies (both only read the trainer's tensors; hashing and copy_ release the GIL).
-    background = hashing and not base and not verify
-    pool = ThreadPoolExecutor(1, thread_name_prefix="k3-transfer-digest") if background else None
+    # the digests are of the trainer's tensors: computed in a second thread while the engine copies
+    # (both only read them; hashing and copy_ release the GIL)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="k3-transfer-digest") if hashing else None
     pending = pool.submit(digest_all) if pool is not None else None
-    digests = [""] * len(items) if background else digest_all()
-    state: dict[str, torch.Tensor] = {}
-    sent = sent_bytes = 0
-    for item, d in zip(items, digests):
-        dst = own.get(item.name)
-        if base and dst is not None and base.get(item.name) == d:
-            if verify and item.codec == "raw" and tensor_digest(dst, algo) != d:
-                raise TransferError(f"{item.name}: the engine's copy does not match the digest of version "
-                                    f"{base_version} it should hold: delta refused")
-            state[item.name] = dst  # copy_ onto itself is skipped by torch
-            continue
-        state[item.name] = decode_item(item)
-        sent += 1
-        sent_bytes += item.nbytes()
+    digests = [""] * len(items)
+    state = {item.name: decode_item(item) for item in items}
     try:
         engine.load_weights(state, version, refresh=refresh)
     except ValueError as e:  # load_weights refuses a name, shape or dtype mismatch before copying anything
@@ -106,8 +86,6 @@ def push_inprocess(engine, named_tensors: Mapping[str, torch.Tensor], version: i
         bad = [n for n, _, _, codec, d in rows if codec == "raw" and tensor_digest(own[n], algo) != d]
         if bad:
             raise TransferError(f"engine copies differ from what was sent after loading: {bad[:3]}")
-    if tracker is not None:
-        tracker.commit(version, {it.name: d for it, d in zip(items, digests)}, algo)
-    total_bytes = sum(it.nbytes() for it in items)
-    return TransferReport("inprocess", version, algo, content_sha256(rows, algo) if hashing else "", len(rows), sent,
-                          total_bytes, sent_bytes, time.perf_counter() - t0, base_version=base_version)
+    nbytes = sum(it.nbytes() for it in items)
+    return TransferReport("inprocess", version, algo, content_sha256(rows, algo) if hashing else "", len(rows),
+                          nbytes, time.perf_counter() - t0)

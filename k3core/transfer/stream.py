@@ -1,23 +1,24 @@
-"""Streamed same-host weight transfer: a fixed ring of shared-memory buckets with flow control.
+"""The cross-process transfer on one host: a fixed ring of shared-memory buckets with flow control.
 
 Owns both ends of the ``"shm_stream"`` transport: ``send_shm_stream`` (sender) and
-``receive_stream`` (receiver; ``load_payload`` in ``receive.py`` calls it for such payloads, so the
-server's ``/update_weights_from_tensor`` takes them as it takes ``send_shm`` payloads).
+``receive_stream`` (receiver; ``receive`` and ``load_payload`` in ``receive.py`` call it for such
+payloads, as the server's ``/update_weights_from_tensor`` does). Does not own: the segments
+themselves (``segments.py``), the checks shared with CUDA IPC (``verify.py``), the wire items
+(``wire.py``).
 
-Why: ``send_shm`` writes one whole wire copy of the weights into /dev/shm before the receiver sees a
-byte. Here the sender owns ``ring`` segments of ``bucket_bytes`` each, allocated once; it fills
-bucket ``i`` while the receiver copies bucket ``i - 1`` out, and reuses a segment only after the
-receiver said it is done with it. A tensor larger than a bucket is split across buckets, so shared
-memory peaks at ``ring * bucket_bytes`` whatever the model's size or its largest tensor.
+Why a ring: the sender owns ``ring`` segments of ``bucket_bytes`` each, allocated once per stream;
+it fills bucket ``i`` while the receiver copies bucket ``i - 1`` out, and reuses a segment only
+after the receiver said it is done with it. A tensor larger than a bucket is split across buckets,
+so shared memory peaks at ``ring * bucket_bytes`` whatever the model's size or its largest tensor
+(a container's /dev/shm is often small: the default ring fits its default 64 MiB).
 
 Protocol. ``send_shm_stream`` creates the ring and a Unix-domain control socket (Linux abstract
 namespace: nothing on disk, gone when the sender dies) and returns at once with a JSON ``payload``;
 a background thread streams. The payload travels like any other (HTTP body, queue)::
 
-    {"format": "k3rl.weights/1", "transport": "shm_stream", "weight_version": int,
-     "base_version": int | None,   # a delta's base: the receiver must hold exactly that version
-     "hash": algo, "ring": [segment name, ...], "bucket_bytes": int, "control": socket name,
-     "token": hex, "timeout_s": float}
+    {"format": "k3rl.weights/1", "transport": "shm_stream", "weight_version": int, "hash": algo,
+     "ring": [segment name, ...], "bucket_bytes": int, "control": socket name, "token": hex,
+     "timeout_s": float}
 
 The receiver connects to ``control`` and sends ``{"op": "hello", "token"}``; then, one JSON line each:
 - sender: ``{"op": "bucket", "seq": i, "slot": i % ring, "items": [...], "chunks": [...], "digests": {...}}``:
@@ -25,38 +26,32 @@ The receiver connects to ``control`` and sends ``{"op": "hello", "token"}``; the
   "codec", "parts": [nbytes, ...]}``; parts: the data, then the MXFP4 scales for ``codec: "mxfp4"``,
   see ``wire.py``); ``chunks`` are ``[idx, part, at, offset, nbytes]``: bytes ``[at, at + nbytes)`` of
   that part lie at ``offset`` in the slot, in order; ``digests`` maps ``idx`` to the part digests of
-  every item whose last byte is in this bucket (hashed from the sender's source tensors);
+  every item whose last byte is in this bucket;
 - receiver: ``{"op": "consumed", "seq": i}`` once bucket ``i`` is copied out (the slot is free);
-- sender: ``{"op": "end", "num_tensors", "content_sha256", "unchanged": [...]}`` (``unchanged``: a
-  delta's kept tensors, as in ``shm.py``);
+- sender: ``{"op": "end", "num_tensors", "content_sha256"}``;
 - receiver: ``{"op": "done"}`` after everything is verified (and, from ``load_payload``, loaded), or
   ``{"op": "refused", "error"}`` at the first problem; the sender: ``{"op": "abort", "error"}`` if it
   fails. Either side that stops hearing from the other for ``timeout_s`` gives up with a
   ``TransferError`` naming what it waited for; a peer that dies closes the socket, which the other
   side sees at once. The sender unlinks the ring when the stream ends, whatever the outcome.
 
-Checks (same guarantees as ``receive``): version newer than the receiver's (a delta's base equal to
-it), every item's name, dtype and shape against ``expected`` when it is declared, chunk bounds and
-order, every part's digest over the receiver's own staged copy, the unchanged tensors' digests, the
-name set and the content digest; the first failure refuses the transfer before anything is applied.
+Checks (``verify.py``, the same as CUDA IPC's): version newer than the receiver's, every item's
+name, dtype and shape against ``expected`` as soon as it is declared, the codec's entry rules,
+chunk bounds and order, every part's digest over the receiver's own staged copy, the name set and
+the content digest; the first failure refuses the transfer before anything is applied.
 
-Memory. Shared memory: ``ring * bucket_bytes`` (sender-owned; the receiver maps the same pages),
-whatever the model size. Receiver, at peak: the engine's own weights, plus the staged copy of every
-sent tensor in host memory (one model copy for a full transfer, the changed tensors for a delta),
+Memory. Shared memory: ``ring * bucket_bytes`` (sender-owned; the receiver maps the same pages).
+Receiver, at peak: the engine's own weights plus the staged copy of every tensor in host memory,
 which ``load_payload`` hands to the engine's checked atomic ``load_weights`` only once all of it is
 verified; MXFP4-codec items are staged as their codes and dequantised one at a time. Sender: nothing
-beyond the ring but one expert's MXFP4 codes at a time. Against ``send_shm``: that one holds one
-full wire copy in /dev/shm (the receiver loads from views of it, no staging); this one holds a fixed
-ring in /dev/shm and moves the model-sized copy into the receiver's heap. Steady state, like
-``ShmPool`` for ``send_shm``: ``pool=`` reuses the ring across transfers, and a ``staging`` dict kept
-by the receiver reuses the staged tensors (one standing host copy), since fresh pages cost more to
+beyond the ring but one expert's MXFP4 codes at a time. A ``staging`` dict kept by the receiver
+reuses the staged tensors across transfers (one standing host copy), since fresh pages cost more to
 fault in than the copy.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import secrets
 import socket
@@ -68,15 +63,16 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from k3core.transfer.delta import DeltaTracker
-from k3core.transfer.digest import ALGOS, available_algos, bytes_view, check_algo, default_algo, tensor_digest
-from k3core.transfer.shm import (SEGMENT_NAME, SHM_PREFIX, ShmPool, check_shm_dir, create_segment, keep_mappings,
-                                 map_segment, release_segments)
-from k3core.transfer.verify import as_int, as_shape, check_expected, check_unchanged, expected_spec, need
+from k3core.transfer.digest import bytes_view, check_algo, default_algo, tensor_digest
+from k3core.transfer.segments import (SEGMENT_NAME, SHM_PREFIX, check_shm_dir, create_segment, map_segment,
+                                      unlink_segments)
+from k3core.transfer.verify import (as_int, check_content, check_declared, check_digest, check_expected,
+                                    check_header, decode_parts, need, parse_entry, part_nbytes, wire_parts)
 from k3core.transfer.wire import (FORMAT, TransferError, TransferReport, align_up, content_sha256, dtype_name,
-                                  item_digest, iter_wire, parse_dtype)
+                                  item_digest, iter_wire)
 
-__all__ = ["StreamedSend", "send_shm_stream", "receive_stream", "DEFAULT_RING", "DEFAULT_STREAM_BUCKET_BYTES"]
+__all__ = ["TRANSPORT", "StreamedSend", "send_shm_stream", "receive_stream", "DEFAULT_RING",
+           "DEFAULT_STREAM_BUCKET_BYTES"]
 
 TRANSPORT = "shm_stream"
 DEFAULT_RING = 3
@@ -147,31 +143,27 @@ def _abstract(name: str) -> str:
 # ------------------------------------------------------------------ sender
 class StreamedSend:
     """The sender's handle on one streamed transfer (``send_shm_stream``): hand ``payload`` to the
-    receiver, then ``wait()`` (or ``acknowledge()``) for the outcome. The stream runs in a background
-    thread from construction on; ``close()`` stops it and unlinks the ring (idempotent, also run on
-    garbage collection)."""
+    receiver, then ``wait()`` for the outcome. The stream runs in a background thread from
+    construction on; ``close()`` stops it and unlinks the ring (idempotent, also run on garbage
+    collection)."""
 
     def __init__(self, named_tensors: Mapping[str, torch.Tensor], version: int, ring: int, bucket_bytes: int,
-                 quantize_experts: bool, w4a8: bool, algo: str, tracker: DeltaTracker | None, timeout: float,
-                 pool: ShmPool | None):
-
+                 quantize_experts: bool, w4a8: bool, algo: str, timeout: float):
         if ring < 1 or bucket_bytes < 1 or timeout <= 0:
             raise ValueError(f"ring, bucket_bytes and timeout must be positive, got {ring}, {bucket_bytes}, {timeout}")
         check_shm_dir()
         check_algo(algo)
         self._tensors, self._quantize, self._w4a8, self._algo = named_tensors, quantize_experts, w4a8, algo
-        self._tracker, self._timeout = tracker, timeout
-        self._base_version, self._base = tracker.base(algo) if tracker is not None else (None, {})
+        self._timeout = timeout
         self.slot_bytes = align_up(bucket_bytes)
         tag = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
         self._handles: list = []
         self._slots: list[torch.Tensor] = []
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._finalizer = weakref.finalize(self, StreamedSend._release, self._listener, pool, self._handles,
-                                           self._slots)
+        self._finalizer = weakref.finalize(self, StreamedSend._release, self._listener, self._handles, self._slots)
         try:
             for k in range(ring):
-                seg, buf = pool.take(self.slot_bytes) if pool is not None else create_segment(f"{tag}-{k}", self.slot_bytes)
+                seg, buf = create_segment(f"{tag}-{k}", self.slot_bytes)
                 self._handles.append(seg)
                 self._slots.append(buf)
             self._listener.bind(_abstract(f"{tag}-control"))
@@ -180,22 +172,20 @@ class StreamedSend:
         except BaseException:
             self.close()
             raise
-        self.payload = {"format": FORMAT, "transport": TRANSPORT, "weight_version": int(version),
-                        "base_version": self._base_version if self._base else None, "hash": algo,
+        self.payload = {"format": FORMAT, "transport": TRANSPORT, "weight_version": int(version), "hash": algo,
                         "ring": [h.name for h in self._handles], "bucket_bytes": self.slot_bytes,
-                        "control": f"{tag}-control", "token": secrets.token_hex(16), "timeout_s": float(timeout),
-                        "pooled": pool is not None}
-        self.peak_shm_bytes = sum(b.numel() for b in self._slots)  # a pool's segments may be larger
+                        "control": f"{tag}-control", "token": secrets.token_hex(16), "timeout_s": float(timeout)}
+        self.peak_shm_bytes = sum(b.numel() for b in self._slots)
         self.report: TransferReport | None = None
-        self._digests: dict[str, str] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="k3-transfer-stream", daemon=True)
         self._thread.start()
 
     @staticmethod
-    def _release(listener: socket.socket, pool: ShmPool | None, handles: list, slots: list) -> None:
+    def _release(listener: socket.socket, handles: list, slots: list) -> None:
         listener.close()
-        release_segments(pool, handles, slots)  # back to the pool, or unlinked
+        slots.clear()
+        unlink_segments(handles)
 
     @property
     def segment_names(self) -> list[str]:
@@ -211,12 +201,6 @@ class StreamedSend:
         if self._error is not None:
             raise self._error
         return self.report
-
-    def acknowledge(self) -> None:
-        """``wait()``, then move the delta tracker to this version (the receiver loaded it)."""
-        rep = self.wait()
-        if self._tracker is not None:
-            self._tracker.commit(rep.weight_version, self._digests, rep.hash)
 
     def close(self) -> None:
         """Stop the stream (the receiver sees the connection close) and unlink the ring."""
@@ -301,10 +285,12 @@ class StreamedSend:
                     raise TransferError(f"the receiver sent {msg!r}, expected consumed {consumed + 1}")
                 consumed += 1
 
-        hasher = ThreadPoolExecutor(1, thread_name_prefix="k3-transfer-digest") if not self._base else None
-        digests: dict[int, object] = {}  # idx -> part digests, or their future
-        rows, unchanged = [], []
-        total_bytes = sent_bytes = 0
+        # each item is hashed from its source tensors in a second thread (on their device: no extra
+        # device-to-host copy for CUDA sources) while this one fills the ring (both release the GIL)
+        hasher = ThreadPoolExecutor(1, thread_name_prefix="k3-transfer-digest")
+        digests: dict[int, object] = {}  # idx -> future of its part digests
+        rows = []
+        nbytes = 0
         cur: dict | None = None
         seq = 0
 
@@ -314,28 +300,16 @@ class StreamedSend:
 
         def publish(b: dict) -> None:
             nonlocal seq
-            done = {str(i): (digests[i].result() if hasher is not None else digests[i]) for i in b["done"]}
             ch.send({"op": "bucket", "seq": b["seq"], "slot": b["slot"], "items": b["items"], "chunks": b["chunks"],
-                     "digests": done})
+                     "digests": {str(i): digests[i].result() for i in b["done"]}})
             seq += 1
 
         try:
             for idx, item in enumerate(iter_wire(self._tensors, self._quantize, self._w4a8)):
                 parts = [bytes_view(p) for p in item.parts()]
-                total_bytes += item.nbytes()
-                if hasher is None:  # a delta: hash first, keep what the receiver already holds
-                    digests[idx] = [tensor_digest(p, algo) for p in parts]
-                    d = item_digest(digests[idx])
-                    self._digests[item.name] = d
-                    rows.append((item.name, dtype_name(item.dtype), list(item.shape), item.codec, d))
-                    if item.codec == "raw" and self._base.get(item.name) == d:
-                        unchanged.append({"name": item.name, "dtype": dtype_name(item.dtype),
-                                          "shape": list(item.shape), "codec": "raw", "digest": d})
-                        continue
-                else:
-                    digests[idx] = hasher.submit(lambda ps: [tensor_digest(p, algo) for p in ps], parts)
-                    rows.append((item.name, dtype_name(item.dtype), list(item.shape), item.codec, idx))
-                sent_bytes += item.nbytes()
+                nbytes += item.nbytes()
+                digests[idx] = hasher.submit(lambda ps: [tensor_digest(p, algo) for p in ps], parts)
+                rows.append((item.name, dtype_name(item.dtype), list(item.shape), item.codec, idx))
                 if cur is None:
                     cur = open_bucket()
                 cur["items"].append({"idx": idx, "name": item.name, "dtype": dtype_name(item.dtype),
@@ -354,22 +328,17 @@ class StreamedSend:
                 cur["done"].append(idx)
             if cur is not None:
                 publish(cur)
-            if hasher is not None:
-                for i, (name, dtype, shape, codec, idx) in enumerate(rows):
-                    d = item_digest(digests[idx].result())
-                    self._digests[name] = d
-                    rows[i] = (name, dtype, shape, codec, d)
+            rows = [(name, dtype, shape, codec, item_digest(digests[idx].result()))
+                    for name, dtype, shape, codec, idx in rows]
         finally:
-            if hasher is not None:
-                hasher.shutdown(cancel_futures=True)
+            hasher.shutdown(cancel_futures=True)
         content = content_sha256(rows, algo)
-        ch.send({"op": "end", "num_tensors": len(rows), "content_sha256": content, "unchanged": unchanged})
+        ch.send({"op": "end", "num_tensors": len(rows), "content_sha256": content})
         wait_free(seq + ring - 1)  # every bucket copied out: the ring is no longer needed
         self._finalizer()
-        base_version = self._base_version if unchanged else None
-        return TransferReport(TRANSPORT, self.payload["weight_version"], algo, content, len(rows),
-                              len(rows) - len(unchanged), total_bytes, sent_bytes, 0.0, seq, base_version,
-                              {"ring": ring, "bucket_bytes": S, "peak_shm_bytes": self.peak_shm_bytes})
+        return TransferReport(TRANSPORT, self.payload["weight_version"], algo, content, len(rows), nbytes, 0.0,
+                              seq, extra={"ring": ring, "bucket_bytes": S,
+                                                       "peak_shm_bytes": self.peak_shm_bytes})
 
 
 def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -379,65 +348,31 @@ def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 def send_shm_stream(named_tensors: Mapping[str, torch.Tensor], version: int, *, ring: int = DEFAULT_RING,
                     bucket_bytes: int = DEFAULT_STREAM_BUCKET_BYTES, quantize_experts: bool = False,
-                    w4a8: bool = True, algo: str | None = None, tracker: DeltaTracker | None = None,
-                    timeout: float = DEFAULT_TIMEOUT_S, pool: ShmPool | None = None) -> StreamedSend:
+                    w4a8: bool = True, algo: str | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> StreamedSend:
     """Stream ``named_tensors`` (native trainer state, CPU or CUDA) through a ring of ``ring``
     shared-memory buckets of ``bucket_bytes`` (see the module docstring). Returns at once; hand
     ``.payload`` to the receiver (``load_payload`` / ``/update_weights_from_tensor``) and call
-    ``.wait()`` or ``.acknowledge()``. The caller must not change the tensors until then.
-    ``timeout``: seconds either side waits for the other before giving up (also sent to the
-    receiver). ``tracker``: delta transfer, as ``send_shm``. ``pool``: take the ring from a ``ShmPool``
-    (``ShmPool(segment_bytes=bucket_bytes)``) and give it back after the stream instead of creating
-    and unlinking it every time; the receiver then keeps its mappings too."""
+    ``.wait()``. The caller must not change the tensors until then. ``quantize_experts``/``w4a8``:
+    see ``wire.py``. ``algo``: digest algorithm (default: ``default_algo("cpu")``, since the receiver
+    hashes its host copy). ``timeout``: seconds either side waits for the other before giving up
+    (also sent to the receiver)."""
     return StreamedSend(named_tensors, version, ring, bucket_bytes, quantize_experts, w4a8,
-                        algo or default_algo("cpu"), tracker, timeout, pool)
+                        algo or default_algo("cpu"), timeout)
 
 
 # ------------------------------------------------------------------ receiver
-def _header(payload: dict) -> tuple[int, str, list[str], int, float]:
-    version = as_int(payload.get("weight_version"), "weight_version", -(2**63))
-    algo = payload.get("hash")
-    need(algo in ALGOS, f"malformed payload: hash {algo!r}, expected one of {ALGOS}")
-    need(algo in available_algos(), f"payload digests use {algo!r}, which needs the 'xxhash' package here")
-    ring = payload.get("ring")
-    need(isinstance(ring, list) and ring and all(isinstance(n, str) and SEGMENT_NAME.match(n) for n in ring),
-         f"malformed payload: 'ring' must list k3xfer-* segment names, got {ring!r}")
-    slot_bytes = as_int(payload.get("bucket_bytes"), "bucket_bytes", 1)
-    timeout = payload.get("timeout_s", DEFAULT_TIMEOUT_S)
-    need(isinstance(timeout, (int, float)) and 0 < timeout <= 3600, f"malformed payload: timeout_s {timeout!r}")
-    return version, algo, ring, slot_bytes, float(timeout)
-
-
 class _Staged:
     """One wire item on the receiving side: its parts copied out of the ring, then verified."""
 
     def __init__(self, decl: dict, expected, staging: dict | None):
-        need(isinstance(decl, dict) and isinstance(decl.get("name"), str), f"malformed stream: item {decl!r}")
-        self.name = decl["name"]
-        self.dtype, self.shape = parse_dtype(decl.get("dtype")), as_shape(decl.get("shape"), self.name)
-        self.codec = decl.get("codec", "raw")
-        numel = math.prod(self.shape)
-        if self.codec == "raw":
-            sizes = [numel * self.dtype.itemsize]
-        elif self.codec == "mxfp4":
-            from k3core.ops import mxfp4
-
-            need(len(self.shape) >= 1 and self.shape[-1] % mxfp4.BLOCK == 0 and self.dtype.is_floating_point,
-                 f"{self.name}: MXFP4 entry needs a float dtype and a last dim divisible by {mxfp4.BLOCK}")
-            sizes = [numel // 2, numel // mxfp4.BLOCK]
-        else:
-            raise TransferError(f"{self.name}: unknown codec {self.codec!r}")
+        self.name, self.dtype, self.shape, self.codec = parse_entry(decl)
+        specs = wire_parts(self.name, self.dtype, self.shape, self.codec)
+        sizes = [part_nbytes(d, s) for d, s in specs]
         parts = decl.get("parts")
         need(isinstance(parts, list) and [as_int(p, f"{self.name} part size") for p in parts] == sizes,
              f"{self.name}: part sizes {parts!r}, but {self.codec} {dtype_name(self.dtype)} {list(self.shape)} "
              f"needs {sizes}")
-        if expected is not None:
-            need(self.name in expected, f"{self.name}: not a tensor of the receiver: refused")
-            shape, dtype = expected_spec(expected[self.name])
-            need(self.shape == tuple(shape), f"{self.name}: shape {list(self.shape)}, the receiver expects "
-                                             f"{list(shape)}: refused")
-            need(self.dtype == dtype, f"{self.name}: dtype {dtype_name(self.dtype)}, the receiver expects "
-                                      f"{dtype_name(dtype)}: refused")
+        check_declared(self.name, self.dtype, self.shape, expected)
         if self.codec == "raw":  # staged straight into the tensor the engine gets
             kept = staging.get(self.name) if staging is not None else None
             if kept is None or tuple(kept.shape) != self.shape or kept.dtype != self.dtype:
@@ -457,43 +392,29 @@ class _Staged:
              f"{self.name}: digests sent after {self.got} of {[p.numel() for p in self.parts]} bytes")
         need(isinstance(digests, list) and len(digests) == len(self.parts), f"malformed stream: {self.name} digests")
         for what, p, want in zip(("", " (scale)"), self.parts, digests):
-            got = tensor_digest(p, algo)
-            need(got == want, f"{self.name}{what}: {algo} digest {got} does not match the sender's {want} "
-                              "(corrupt bucket): refused")
-        if self.codec == "mxfp4":
-            from k3core.ops import mxfp4
-
-            packed = self.parts[0].view(*self.shape[:-1], self.shape[-1] // 2)
-            scale = self.parts[1].view(*self.shape[:-1], self.shape[-1] // mxfp4.BLOCK)
-            self.tensor = mxfp4.dequantize(packed, scale, self.dtype)
+            check_digest(p, want, algo, self.name + what)
+        if self.codec != "raw":
+            self.tensor = decode_parts(self.parts, self.dtype, self.shape, self.codec)
             self.parts = []
         self.digest = item_digest(digests)
 
 
-@torch.no_grad()
-def receive_stream(payload: dict, *, current_version: int | None = None,
-                   expected: Mapping[str, torch.Tensor | tuple] | None = None,
-                   base: Mapping[str, torch.Tensor] | None = None,
-                   apply: Callable[[dict[str, torch.Tensor], int], None] | None = None,
-                   timeout: float | None = None, staging: dict | None = None) -> tuple[dict[str, torch.Tensor], int]:
-    """Receive a ``send_shm_stream`` payload: connect to the sender, copy every bucket out of the
-    ring into staged host tensors, verify everything; return (state dict, weight version).
+def _ring(payload: dict) -> tuple[list[str], int, float]:
+    ring = payload.get("ring")
+    need(isinstance(ring, list) and ring and all(isinstance(n, str) and SEGMENT_NAME.match(n) for n in ring),
+         f"malformed payload: 'ring' must list k3xfer-* segment names, got {ring!r}")
+    slot_bytes = as_int(payload.get("bucket_bytes"), "bucket_bytes", 1)
+    timeout = payload.get("timeout_s", DEFAULT_TIMEOUT_S)
+    need(isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout <= 3600,
+         f"malformed payload: timeout_s {timeout!r}")
+    return ring, slot_bytes, float(timeout)
 
-    Arguments as ``receive``; the returned tensors are the receiver's own (no views of the ring), and
-    unchanged tensors of a delta are ``base``'s. ``apply(state, version)`` runs after every check and
-    before the sender is told ``done`` (``load_payload`` passes ``engine.load_weights``), so the
-    sender's ``wait()`` reports its outcome too. ``timeout``: seconds to wait for the sender (default:
-    the payload's ``timeout_s``). ``staging``: a dict the caller keeps across transfers; raw tensors
-    are staged in its tensors (allocated on first use, reused while name, shape and dtype match), so
-    steady-state transfers write into pages that already exist (fresh pages cost more to fault in
-    than the copy), at the price of one standing copy; the returned tensors are then overwritten by
-    the next transfer that uses the same dict. Raises ``TransferError``; the sender is told why.
-    """
-    need(isinstance(payload, dict) and payload.get("format") == FORMAT and payload.get("transport") == TRANSPORT,
-         f"malformed payload: expected a {FORMAT} {TRANSPORT} object")
-    control, token = payload.get("control"), payload.get("token")
-    need(isinstance(control, str) and control.startswith("k3xfer-") and isinstance(token, str),
+
+def _connect(payload) -> _Channel:
+    need(isinstance(payload, dict) and isinstance(payload.get("control"), str)
+         and payload["control"].startswith(SHM_PREFIX) and isinstance(payload.get("token"), str),
          "malformed payload: 'control' must name the sender's k3xfer-* control socket and 'token' be a string")
+    control = payload["control"]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(DEFAULT_TIMEOUT_S)
@@ -502,58 +423,76 @@ def receive_stream(payload: dict, *, current_version: int | None = None,
         sock.close()
         raise TransferError(f"cannot reach the sender's control socket {control} ({e}): the sender is gone or "
                             "the stream already ran") from None
-    ch = _Channel(sock, DEFAULT_TIMEOUT_S, "sender")
+    return _Channel(sock, DEFAULT_TIMEOUT_S, "sender")
+
+
+def _pull(ch: _Channel, slots: list[torch.Tensor], slot_bytes: int, algo: str, expected,
+          staging: dict | None) -> tuple[dict[str, _Staged], dict]:
+    """Every bucket copied out of the ring and every item verified; returns (items, the end message)."""
+    items: dict[int, _Staged] = {}
+    names: set[str] = set()
+    seq = 0
+    while True:
+        msg = ch.recv(f"bucket {seq}")
+        op = msg.get("op")
+        if op == "abort":
+            raise TransferError(f"the sender aborted the transfer: {msg.get('error')}")
+        if op == "end":
+            return items, msg
+        need(op == "bucket" and msg.get("seq") == seq and msg.get("slot") == seq % len(slots),
+             f"malformed stream: expected bucket {seq} in slot {seq % len(slots)}, got {str(msg)[:200]}")
+        for decl in msg.get("items") or []:
+            idx = decl.get("idx") if isinstance(decl, dict) else None
+            need(isinstance(idx, int) and idx not in items, f"malformed stream: item {str(decl)[:200]}")
+            s = items[idx] = _Staged(decl, expected, staging)
+            need(s.name not in names, f"malformed payload: {s.name} sent twice")
+            names.add(s.name)
+        buf = slots[seq % len(slots)]
+        for c in msg.get("chunks") or []:
+            need(isinstance(c, list) and len(c) == 5 and all(isinstance(x, int) and x >= 0 for x in c),
+                 f"malformed stream: chunk {c!r}")
+            idx, part, at, off, n = c
+            s = items.get(idx)
+            need(s is not None and part < len(s.parts) and at == s.got[part] and at + n <= s.parts[part].numel()
+                 and off + n <= slot_bytes, f"malformed stream: chunk {c!r} out of order or out of bounds")
+            s.parts[part][at: at + n].copy_(buf[off: off + n])
+            s.got[part] += n
+        ch.send({"op": "consumed", "seq": seq})  # the slot is free: the sender refills it while we hash
+        done = msg.get("digests") or {}
+        need(isinstance(done, dict), "malformed stream: 'digests' must be an object")
+        for key, ds in done.items():
+            s = items.get(int(key)) if key.isdigit() else None
+            need(s is not None and s.digest is None, f"malformed stream: digests for item {key}")
+            s.verify(ds, algo)
+        seq += 1
+
+
+@torch.no_grad()
+def receive_stream(payload: dict, *, current_version: int | None = None,
+                   expected: Mapping[str, torch.Tensor | tuple] | None = None,
+                   apply: Callable[[dict[str, torch.Tensor], int], None] | None = None,
+                   timeout: float | None = None, staging: dict | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """Receive a ``send_shm_stream`` payload: connect to the sender, copy every bucket out of the
+    ring into staged host tensors, verify everything; return (state dict, weight version).
+
+    Arguments as ``receive``; the returned tensors are the receiver's own (no views of the ring).
+    ``apply(state, version)`` runs after every check and before the sender is told ``done``
+    (``load_payload`` passes ``engine.load_weights``), so the sender's ``wait()`` reports its outcome
+    too. ``timeout``: seconds to wait for the sender (default: the payload's ``timeout_s``).
+    ``staging``: a dict the caller keeps across transfers; raw tensors are staged in its tensors
+    (allocated on first use, reused while name, shape and dtype match), so steady-state transfers
+    write into pages that already exist, at the price of one standing copy; the returned tensors
+    are then overwritten by the next transfer that uses the same dict. Raises ``TransferError``; the
+    sender is told why.
+    """
+    ch = _connect(payload)
     try:
-        ch.send({"op": "hello", "token": token})
-        version, algo, ring, slot_bytes, payload_timeout = _header(payload)
+        ch.send({"op": "hello", "token": payload["token"]})  # first: a refusal below reaches the sender
+        version, algo = check_header(payload, TRANSPORT, current_version)
+        ring, slot_bytes, payload_timeout = _ring(payload)
         ch.sock.settimeout(timeout or payload_timeout)
-        if current_version is not None and version <= current_version:
-            raise TransferError(f"weight version {version} is not newer than the receiver's {current_version}: refused")
-        base_version = payload.get("base_version")
-        if base_version is not None:
-            base_version = as_int(base_version, "base_version", -(2**63))
-            need(base is not None, f"delta payload (base version {base_version}): pass base= (the receiver's "
-                                   "current tensors)")
-            need(current_version is None or base_version == current_version,
-                 f"delta computed against version {base_version}, but the receiver holds {current_version}: refused")
-        pooled = payload.get("pooled") is True
-        if pooled:
-            keep_mappings(set(ring))
-        slots = [map_segment(name, slot_bytes, pooled) for name in ring]
-        items: dict[int, _Staged] = {}
-        seq = 0
-        while True:
-            msg = ch.recv(f"bucket {seq}")
-            op = msg.get("op")
-            if op == "abort":
-                raise TransferError(f"the sender aborted the transfer: {msg.get('error')}")
-            if op == "end":
-                break
-            need(op == "bucket" and msg.get("seq") == seq and msg.get("slot") == seq % len(ring),
-                 f"malformed stream: expected bucket {seq} in slot {seq % len(ring)}, got {str(msg)[:200]}")
-            for decl in msg.get("items") or []:
-                idx = decl.get("idx") if isinstance(decl, dict) else None
-                need(isinstance(idx, int) and idx not in items, f"malformed stream: item {str(decl)[:200]}")
-                need(all(s.name != decl.get("name") for s in items.values()), f"malformed payload: {decl.get('name')} sent twice")
-                items[idx] = _Staged(decl, expected, staging)
-            buf = slots[seq % len(ring)]
-            for c in msg.get("chunks") or []:
-                need(isinstance(c, list) and len(c) == 5 and all(isinstance(x, int) and x >= 0 for x in c),
-                     f"malformed stream: chunk {c!r}")
-                idx, part, at, off, n = c
-                s = items.get(idx)
-                need(s is not None and part < len(s.parts) and at == s.got[part] and at + n <= s.parts[part].numel()
-                     and off + n <= slot_bytes, f"malformed stream: chunk {c!r} out of order or out of bounds")
-                s.parts[part][at: at + n].copy_(buf[off: off + n])
-                s.got[part] += n
-            ch.send({"op": "consumed", "seq": seq})  # the slot is free: the sender refills it while we hash
-            done = msg.get("digests") or {}
-            need(isinstance(done, dict), "malformed stream: 'digests' must be an object")
-            for key, ds in done.items():
-                s = items.get(int(key)) if key.isdigit() else None
-                need(s is not None and s.digest is None, f"malformed stream: digests for item {key}")
-                s.verify(ds, algo)
-            seq += 1
+        slots = [map_segment(name, slot_bytes) for name in ring]
+        items, end = _pull(ch, slots, slot_bytes, algo, expected, staging)
         del slots
         out: dict[str, torch.Tensor] = {}
         rows = []
@@ -561,14 +500,7 @@ def receive_stream(payload: dict, *, current_version: int | None = None,
             need(s.digest is not None, f"{s.name}: the stream ended before its digests arrived: refused")
             out[s.name] = s.tensor
             rows.append((s.name, dtype_name(s.dtype), list(s.shape), s.codec, s.digest))
-        unchanged = msg.get("unchanged") or []
-        need(isinstance(unchanged, list), "malformed stream: 'unchanged' must be a list")
-        need(not unchanged or base_version is not None, "malformed stream: unchanged tensors without a base version")
-        for u in unchanged:
-            check_unchanged(u, base, algo, out, rows, base_version)
-        need(len(rows) == msg.get("num_tensors"), f"stream carried {len(rows)} tensors, the sender says "
-                                                  f"{msg.get('num_tensors')}")
-        need(content_sha256(rows, algo) == msg.get("content_sha256"), "content digest does not match the entries: refused")
+        check_content(rows, algo, end.get("num_tensors"), end.get("content_sha256"))
         if expected is not None:
             check_expected(out, expected)
         if apply is not None:

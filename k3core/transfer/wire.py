@@ -3,8 +3,8 @@
 Owns: the error type (``TransferError``), the list of tensors a trainer state becomes on the wire
 (``iter_wire``: routed experts re-quantised to MXFP4 when the engine runs quantised), the manifest
 entry of each (JSON), the bucket and content digests, and the ``TransferReport`` every path returns.
-Does not own: moving bytes (``shm.py``, ``inprocess.py``, ``disk.py``), checking a payload
-(``receive.py``).
+Does not own: moving bytes (``inprocess.py``, ``stream.py``, ``cuda_ipc.py``, ``disk.py``), checking
+a payload (``verify.py``).
 
 Expert modes (``quantize_experts``, ``w4a8``), as ``k3core.rl.weights.engine_state``:
 - ``quantize_experts=False``: every native tensor as it is.
@@ -170,21 +170,19 @@ def content_sha256(items: list[tuple[str, str, list[int], str, str]], algo: str)
 @dataclass
 class TransferReport:
     """What one transfer did. ``bytes_sent`` are the wire bytes that moved (MXFP4 bytes for quantised
-    experts; changed tensors only for a delta); ``bytes_total`` what a full transfer would move.
-    ``seconds``: this side's work: the whole load for ``inprocess``, filling the buckets for ``shm``
-    and ``cuda_ipc`` (the receiver's part is not in it), writing and publishing for ``disk``."""
+    experts). ``seconds``: this side's work: the whole load for ``inprocess``, from the receiver's
+    connection to its verdict for ``shm_stream`` (the receiver's load included), filling and sharing
+    the buckets for ``cuda_ipc`` (the receiver's part is not in it), writing and publishing for
+    ``disk``. ``buckets``: ring buckets streamed, CUDA buckets shared, shards written."""
 
-    path: str  # "inprocess" | "shm" | "cuda_ipc" | "disk"
+    path: str  # "inprocess" | "shm_stream" | "cuda_ipc" | "disk"
     weight_version: int
     hash: str
     content_sha256: str
-    tensors_total: int
     tensors_sent: int
-    bytes_total: int
     bytes_sent: int
     seconds: float
     buckets: int = 0
-    base_version: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property

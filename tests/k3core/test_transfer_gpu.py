@@ -1,5 +1,6 @@
 """Weight transfer on CUDA: CUDA IPC buckets to an engine in a second process (``sum64`` digests on
-the GPU), shared memory from GPU tensors, and a flipped byte in a CUDA bucket refused.
+the GPU), the shared-memory stream from GPU tensors to a GPU engine, and a flipped byte in a CUDA
+bucket refused.
 
 References: the bytes (every tensor of the receiving engine has the digest of the trainer's, or with
 MXFP4 experts of an engine loaded with ``stages.engine_state(quantize_experts=True)`` in process), and
@@ -64,7 +65,6 @@ def test_cuda_ipc_bit_exact_then_a_corrupt_bucket_is_refused(worker):
         assert sent.payload["transport"] == "cuda_ipc" and sent.payload["hash"] == "sum64"
         r = worker(op="load", engine="float", payload=json.loads(json.dumps(sent.payload)))
         assert r == {"ok": True, "version": 1}, r
-        sent.acknowledge()
     got = worker(op="digests", engine="float", algo="sum64")["digests"]
     assert got == {k: T.tensor_digest(v, "sum64") for k, v in sd.items()}
     local = engine_from_model(_model(2), 0, quantized=False)
@@ -92,19 +92,18 @@ def test_cuda_ipc_mxfp4_experts_equal_engine_state(worker):
     with T.send_cuda_ipc(trainer.state_dict(), 1, quantize_experts=True) as sent:
         r = worker(op="load", engine="w4a8", payload=sent.payload)
         assert r["ok"], r
-        sent.acknowledge()
     assert sent.report.bytes_sent == T.wire_nbytes(trainer.state_dict(), quantize_experts=True)
     got = worker(op="digests", engine="w4a8", algo="sum64")["digests"]
     assert got == {k: T.tensor_digest(v, "sum64") for k, v in T.engine_tensors(ref).items()}
     torch.testing.assert_close(worker.logprobs("w4a8", IDS), _logprobs(ref.model), rtol=0, atol=1e-5)
 
 
-def test_shm_from_gpu_tensors_to_a_gpu_engine(worker):
+def test_stream_from_gpu_tensors_to_a_gpu_engine(worker):
     trainer = _model(6)
-    with T.send_shm(trainer.state_dict(), 10, bucket_bytes=128 << 10) as sent:
+    with T.send_shm_stream(trainer.state_dict(), 10, ring=2, bucket_bytes=64 << 10) as sent:
         r = worker(op="load", engine="float", payload=sent.payload)
         assert r["ok"], r
-        sent.acknowledge()
+        assert sent.wait(60).buckets > 2  # the ring went round
     got = worker(op="digests", engine="float", algo="sum64")["digests"]
     assert got == {k: T.tensor_digest(v, "sum64") for k, v in trainer.state_dict().items()}
     assert not [n for n in T.live_segments() if n.startswith(f"{T.SHM_PREFIX}{os.getpid()}-")]

@@ -1,10 +1,14 @@
-"""Streamed shared-memory transfer (k3core.transfer.stream) on the tiny preset, fp32.
+"""The cross-process transfer on one host (k3core.transfer.stream, the shared-memory ring) on the
+tiny preset, fp32.
 
 References as in test_transfer.py: the trainer's own logprobs (bit-exact), an engine loaded in
-process with ``stages.engine_state`` for MXFP4 experts, and ``send_shm`` for the content digest. The
-receiver is a real engine in a second process (``transfer_engine_worker.py``); senders that die or
-stall run in a third. Shared memory is measured two ways: every segment the transport creates, and
-what /dev/shm holds while a state ~9x the ring streams through it.
+process with ``stages.engine_state`` for MXFP4 experts, and the in-process path's report for the
+content digest. The receiver is a real engine in a second process (``transfer_engine_worker.py``);
+senders that die or stall run in a third. Refusals (corrupt bucket, wrong shape, stale version,
+malformed payload, a sender gone) must leave the old version answering and no segment behind.
+Shared memory is measured two ways: every segment the transport creates, and what /dev/shm holds
+while a state ~9x the ring streams through it (and, to show the sampler sees a large ring, while
+the same state goes through a ring as large as itself).
 """
 
 import importlib.util
@@ -24,7 +28,7 @@ from k3core import transfer as T
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 from k3core.rl.weights import engine_from_model, engine_state
-from k3core.transfer import shm as shm_module
+from k3core.transfer import segments as segments_module
 from k3core.transfer import stream as stream_module
 
 TINY = K3Config.preset("tiny")
@@ -64,7 +68,7 @@ def _segment_bytes(pid: int) -> int:
     total = 0
     for n in T.live_segments(f"{T.SHM_PREFIX}{pid}-"):
         try:
-            total += os.stat(os.path.join(shm_module.SHM_DIR, n)).st_size
+            total += os.stat(os.path.join(segments_module.SHM_DIR, n)).st_size
         except FileNotFoundError:
             pass
     return total
@@ -84,8 +88,6 @@ def _stream_and_load(worker, engine, sd, version, **kw):
         r = worker(op="load", engine=engine, payload=json.loads(json.dumps(sent.payload)))
         try:
             outcome = sent.wait(60)
-            if r["ok"]:
-                sent.acknowledge()
         except T.TransferError as e:
             outcome = e
     return r, outcome
@@ -108,30 +110,50 @@ def test_stream_round_trip_splits_large_tensors_and_names_the_same_content(algo)
     assert version == 5 and rep.buckets > _nbytes(sd) // BUCKET and rep.bytes_sent == T.wire_nbytes(sd)
     for k, v in sd.items():
         assert torch.equal(got[k], v) and got[k].data_ptr() != v.data_ptr(), k
-    with T.send_shm(sd, 5, algo=algo) as whole:
-        assert rep.content_sha256 == whole.report.content_sha256
+    inprocess = T.push_inprocess(engine_from_model(_model(11), 0, quantized=False), sd, 1, algo=algo)
+    assert rep.content_sha256 == inprocess.content_sha256  # names the weights, whatever the path
     assert not _my_segments()
 
 
-def test_stream_pooled_ring_and_kept_staging_are_reused():
+def test_stream_kept_staging_is_reused_and_each_ring_unlinked():
     trainer = _model(10)
     staging: dict = {}
-    with T.ShmPool(segment_bytes=BUCKET) as pool:
-        names, ptrs = None, None
-        for version in (1, 2, 3):
-            with torch.no_grad():
-                for p in trainer.parameters():
-                    p.add_(0.01 * version)
-            sd = trainer.state_dict()
-            sent = T.send_shm_stream(sd, version, ring=RING, bucket_bytes=BUCKET, pool=pool)
-            got, v = T.receive_stream(sent.payload, staging=staging)
-            sent.wait(60)
-            assert v == version and all(torch.equal(got[k], t) for k, t in sd.items())
-            assert names is None or (pool.segment_names == names and len(names) == RING)  # the same ring, refilled
-            assert ptrs is None or {k: t.data_ptr() for k, t in got.items()} == ptrs  # the same staged tensors
-            names, ptrs = pool.segment_names, {k: t.data_ptr() for k, t in got.items()}
-        assert set(_my_segments()) == set(names)
-    T.forget_mappings()
+    ptrs, rings = None, []
+    for version in (1, 2, 3):
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.add_(0.01 * version)
+        sd = trainer.state_dict()
+        sent = T.send_shm_stream(sd, version, ring=RING, bucket_bytes=BUCKET)
+        rings.append(set(sent.segment_names))
+        got, v = T.receive(sent.payload, staging=staging)
+        sent.wait(60)
+        assert v == version and all(torch.equal(got[k], t) for k, t in sd.items())
+        assert ptrs is None or {k: t.data_ptr() for k, t in got.items()} == ptrs  # the same staged tensors
+        ptrs = {k: t.data_ptr() for k, t in got.items()}
+        assert not _my_segments()
+    assert len(rings) == 3 and not rings[0] & rings[1]  # a fresh ring per stream, gone after it
+
+
+def test_stream_refuses_malformed_payloads_and_tells_the_sender():
+    sd = _model(12).state_dict()
+    with pytest.raises(T.TransferError, match="transport 'shm'"):
+        T.receive({"format": "k3rl.weights/1", "transport": "shm", "weight_version": 1})
+    sent = T.send_shm_stream(sd, 3, ring=RING, bucket_bytes=BUCKET)
+    bad = json.loads(json.dumps(sent.payload))
+    bad["ring"][0] = "../../etc/passwd"
+    with pytest.raises(T.TransferError, match="k3xfer-\\* segment names"):
+        T.receive(bad)
+    with pytest.raises(T.TransferError, match="receiver refused.*k3xfer"):
+        sent.wait(60)
+    assert not _my_segments()
+    # the receiver holds other names: refused at the first tensor it does not have
+    sent = T.send_shm_stream(sd, 4, ring=RING, bucket_bytes=BUCKET)
+    first = next(iter(sd))
+    with pytest.raises(T.TransferError, match=f"{first}: not a tensor of the receiver"):
+        T.receive(sent.payload, expected={k: v for k, v in sd.items() if k != first})
+    with pytest.raises(T.TransferError, match="not a tensor of the receiver"):
+        sent.wait(60)
     assert not _my_segments()
 
 
@@ -160,13 +182,13 @@ def test_stream_peak_shared_memory_is_the_ring_not_the_model(worker, monkeypatch
     ring_bytes = RING * BUCKET
     assert _nbytes(sd) > 8 * ring_bytes
     created = []
-    real_create = shm_module.create_segment
+    real_create = segments_module.create_segment
 
     def counting_create(name, nbytes):
         created.append(nbytes)
         return real_create(name, nbytes)
 
-    monkeypatch.setattr(shm_module, "create_segment", counting_create)
+    monkeypatch.setattr(segments_module, "create_segment", counting_create)
     monkeypatch.setattr(stream_module, "create_segment", counting_create)
 
     def peak_while(run) -> int:
@@ -194,19 +216,18 @@ def test_stream_peak_shared_memory_is_the_ring_not_the_model(worker, monkeypatch
     assert out["outcome"].buckets > 8 and out["outcome"].extra["peak_shm_bytes"] == ring_bytes
     assert sum(created) == ring_bytes and 0 < peak <= ring_bytes
     assert torch.equal(worker.logprobs("float", IDS), _logprobs(trainer))
-    # the same measurement sees the whole wire copy of the non-streamed path
+    # the same measurement sees a ring as large as the state: it would see a model-sized /dev/shm
     created.clear()
-    peak = peak_while(lambda: _worker_load_shm(worker, sd, version + 1))
-    assert sum(created) >= _nbytes(sd) and peak >= _nbytes(sd)
+    whole = _nbytes(sd) + (1 << 20)  # room for the alignment of every tensor
+    out.clear()
+    peak = peak_while(lambda: out.update(zip(("r", "outcome"), _stream_and_load(worker, "float", sd, version + 1,
+                                                                               ring=1, bucket_bytes=whole))))
+    assert out["r"] == {"ok": True, "version": version + 1}, out
+    assert sum(created) >= whole and peak >= _nbytes(sd)
     assert not _my_segments()
 
 
-def _worker_load_shm(worker, sd, version):
-    with T.send_shm(sd, version, bucket_bytes=BUCKET) as sent:
-        assert worker(op="load", engine="float", payload=sent.payload)["ok"]
-
-
-def test_stream_quantized_experts_and_delta_to_another_process(worker):
+def test_stream_quantized_experts_to_another_process(worker):
     trainer = _model(4)
     # W4A8 engine: packed MXFP4 experts into its own buffers
     ref = engine_from_model(_model(5), 0, quantized=True)
@@ -223,26 +244,6 @@ def test_stream_quantized_experts_and_delta_to_another_process(worker):
     r, rep = _stream_and_load(worker, "float", trainer.state_dict(), v, quantize_experts=True, w4a8=False)
     assert r["ok"], r
     assert torch.equal(worker.logprobs("float", IDS), _logprobs(ref_f.model))
-    # delta: a full streamed version, then only the changed tensors
-    tracker = T.DeltaTracker()
-    r, full = _stream_and_load(worker, "float", trainer.state_dict(), v + 1, tracker=tracker)
-    assert r["ok"] and tracker.version == v + 1
-    changed = {"lm_head.weight", "model.layers.1.self_attn.q_proj.weight"}
-    with torch.no_grad():
-        for n, p in trainer.named_parameters():
-            if n in changed:
-                p.add_(0.01)
-    r, delta = _stream_and_load(worker, "float", trainer.state_dict(), v + 2, tracker=tracker)
-    sd = trainer.state_dict()
-    assert r["ok"] and delta.tensors_sent == 2 and delta.base_version == v + 1
-    assert delta.bytes_sent == sum(sd[n].numel() * 4 for n in changed)
-    assert torch.equal(worker.logprobs("float", IDS), _logprobs(trainer))
-    # a delta against a version the receiver no longer holds is refused
-    stale = T.DeltaTracker()
-    stale.commit(v + 1, tracker.digests, tracker.algo)
-    r, outcome = _stream_and_load(worker, "float", sd, v + 3, tracker=stale)
-    assert not r["ok"] and f"holds {v + 2}" in r["error"] and r["version"] == v + 2
-    assert isinstance(outcome, T.TransferError) and f"holds {v + 2}" in str(outcome)
     assert not _my_segments()
 
 
@@ -295,6 +296,10 @@ def test_stream_corrupt_byte_in_a_middle_bucket_is_refused(worker, monkeypatch):
     wrong["lm_head.weight"] = wrong["lm_head.weight"][:-1]
     r, outcome = _stream_and_load(worker, "float", wrong, v + 1)
     assert not r["ok"] and "shape" in r["error"] and isinstance(outcome, T.TransferError)
+    _still_serving(worker, v, want)
+    # and a version not newer than the served one
+    r, outcome = _stream_and_load(worker, "float", new, v)
+    assert not r["ok"] and "not newer" in r["error"] and "not newer" in str(outcome)
     _still_serving(worker, v, want)
     assert not _my_segments()
 
