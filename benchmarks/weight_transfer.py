@@ -11,16 +11,17 @@ Rows (GB/s = bytes that moved / wall seconds; "vs memcpy" and "vs disk" are rati
   memcpy            ``dst.copy_(src)`` of one flat buffer holding as many bytes (the baseline)
   inprocess         ``push_inprocess`` into a ``RolloutEngine`` in this process, without digests
                     (``algo="none"``), with xxh3-128 digests (when ``xxhash`` is installed), with sha256
-  shm               ``send_shm`` here -> ``load_payload`` in a receiver process (verify every digest,
-                    load into its engine) -> ack -> unlink; wall time from the first byte to the ack
-  shm pooled        the same with a ``ShmPool``: segments reused across transfers (fresh shared
-                    memory pages cost more to fault in than the copy itself)
-  shm streamed      ``send_shm_stream``: a ring of ``--ring`` buckets of ``--stream-bucket-mib``, the
-                    receiver copying bucket i-1 into its staged copy while the sender fills bucket i,
-                    then ``load_weights``; wall time from the first byte to the receiver's "done"
+  shm streamed      ``send_shm_stream`` here -> ``load_payload`` in a receiver process: a ring of
+                    ``--ring`` buckets of ``--stream-bucket-mib``, the receiver copying bucket i-1 into
+                    its staged copy while the sender fills bucket i, verifying every digest, then
+                    ``load_weights``; wall time from the first byte to the receiver's "done"
+  *, kept staging   the same with the receiver's staged tensors kept across transfers
+                    (``load_payload(..., staging=dict)``: fresh pages cost more to fault in than the copy)
   peak /dev/shm     (shm rows) most bytes this process's k3xfer segments held in /dev/shm, sampled
                     every ~2 ms during the timed transfers
-  cuda_ipc          (``--device cuda``) the same with CUDA IPC buckets and ``sum64`` digests on the GPU
+  cuda_ipc          (``--device cuda``) ``send_cuda_ipc`` -> ``load_payload``: CUDA IPC buckets of
+                    ``--bucket-mib``, ``sum64`` digests on the GPU; wall time from the first byte to the
+                    receiver's answer
   disk              ``write_disk`` (public layout, fsync'ed, published) + ``read_disk`` (digests checked)
                     + ``load_weights``; the read hits the page cache the write just filled
   *, MXFP4          (small preset only) routed experts re-quantised to MXFP4 on the way: GB/s over
@@ -174,12 +175,11 @@ def time_memcpy(nbytes: int, device: str, repeats: int) -> list[float]:
 
 class ShmPeak:
     """Most bytes of /dev/shm (tmpfs pages actually allocated, not file sizes) held by this process's
-    transfer segments created while the ``with`` block runs (a pool's segments from earlier rows do
-    not count)."""
+    transfer segments created while the ``with`` block runs (segments from earlier rows do not count)."""
 
     def __init__(self, every_s: float = 0.002):
         from k3core.transfer import SHM_PREFIX, live_segments
-        from k3core.transfer.shm import SHM_DIR
+        from k3core.transfer.segments import SHM_DIR
 
         self.prefix, self.live, self.dir, self.every_s = f"{SHM_PREFIX}{os.getpid()}-", live_segments, SHM_DIR, every_s
         self.peak, self._stop = 0, threading.Event()
@@ -256,56 +256,51 @@ def run_state(label: str, config: K3Config, dtype: torch.dtype, device: str, rep
         add(f"inprocess ({'no digest' if algo == 'none' else algo})", times, rep.bytes_sent)
     del eng
 
-    # another process: shared memory on CPU, CUDA IPC on GPU
+    # another process: the shared-memory stream (CPU or GPU tensors), CUDA IPC on GPU
     recv = Receiver(config, dtype, device)
-    pool = T.ShmPool(bucket_bytes)
-    ring_pool = T.ShmPool(stream_bucket_bytes)
+
+    def send(state, name: str, streamed: bool, quantize_experts: bool = False, keep_staging: bool = False):
+        """One transfer of ``state`` to the receiver; (the sender's report, the receiver's seconds)."""
+        if streamed:
+            sent = T.send_shm_stream(state, versions.next(), ring=ring, bucket_bytes=stream_bucket_bytes,
+                                     quantize_experts=quantize_experts)
+        else:
+            sent = T.send_cuda_ipc(state, versions.next(), bucket_bytes=bucket_bytes, quantize_experts=quantize_experts)
+        with sent:
+            r = recv.ask({"payload": sent.payload, "quantized": quantize_experts, "keep_staging": keep_staging})
+            if not r["ok"]:
+                raise RuntimeError(f"{name} transfer refused: {r['error']}")
+            return (sent.wait() if streamed else sent.report), r["seconds"]
+
     try:
-        transports = [("shm", T.send_shm, T.default_algo("cpu"), {}),
-                      ("shm pooled", T.send_shm, T.default_algo("cpu"), {"pool": pool})]
-        if device == "cuda":
-            transports.append(("cuda_ipc", T.send_cuda_ipc, "sum64", {}))
-        transports += [("shm streamed", T.send_shm_stream, T.default_algo("cpu"), {"ring": ring}),
-                       ("shm streamed, pooled ring + kept staging", T.send_shm_stream, T.default_algo("cpu"),
-                        {"ring": ring, "pool": ring_pool})]
-        for name, send, algo, kw in transports:
+        transports = [("cuda_ipc", False, False)] if device == "cuda" else []
+        transports += [("shm streamed", True, False), ("shm streamed, kept staging", True, True)]
+        for name, streamed, keep in transports:
             times, recv_s = [], []
-            bb = stream_bucket_bytes if send is T.send_shm_stream else bucket_bytes
             with ShmPeak() as peak:
-                for i in range(repeats + 1):  # the first builds the receiver's engine / fills the pool: not timed
+                for i in range(repeats + 1):  # the first builds the receiver's engine and staging: not timed
                     perturb(trainer)
                     sync(device)
                     t0 = time.perf_counter()
-                    sent = send(state, versions.next(), bucket_bytes=bb, algo=algo, **kw)
-                    r = recv.ask({"payload": sent.payload, "quantized": False, "keep_staging": send is T.send_shm_stream and "pool" in kw})
-                    if not r["ok"]:
-                        raise RuntimeError(f"{name} transfer refused: {r['error']}")
-                    sent.acknowledge()
+                    rep, seconds = send(state, name, streamed, keep_staging=keep)
                     if i:
                         times.append(time.perf_counter() - t0)
-                        recv_s.append(r["seconds"])
-            rep = sent.wait() if send is T.send_shm_stream else sent.report
-            shape = f"ring {ring} x {bb >> 20} MiB, " if send is T.send_shm_stream else ""
-            add(f"{name} ({algo}, {shape}{rep.buckets} buckets)", times, rep.bytes_sent,
-                f"receiver ({'stream + ' if shape else ''}verify + load) {statistics.median(recv_s) * 1e3:.0f} ms",
-                shm_peak=peak.peak if send is not T.send_cuda_ipc else None)
+                        recv_s.append(seconds)
+            shape = f"ring {ring} x {stream_bucket_bytes >> 20} MiB, " if streamed else ""
+            add(f"{name} ({rep.hash}, {shape}{rep.buckets} buckets)", times, rep.bytes_sent,
+                f"receiver ({'stream + ' if streamed else ''}verify + load) {statistics.median(recv_s) * 1e3:.0f} ms",
+                shm_peak=peak.peak if streamed else None)
         if quantized_rows:
             times = []
             for i in range(repeats + 1):
                 perturb(trainer)
                 t0 = time.perf_counter()
-                sent = T.send_shm(state, versions.next(), bucket_bytes=bucket_bytes, quantize_experts=True, pool=pool)
-                r = recv.ask({"payload": sent.payload, "quantized": True})
-                if not r["ok"]:
-                    raise RuntimeError(f"shm MXFP4 transfer refused: {r['error']}")
-                sent.acknowledge()
+                rep, _ = send(state, "shm streamed MXFP4", True, quantize_experts=True, keep_staging=True)
                 if i:
                     times.append(time.perf_counter() - t0)
-            add("shm pooled, MXFP4 experts", times, sent.report.bytes_sent, "quantiser-bound")
+            add("shm streamed, MXFP4 experts", times, rep.bytes_sent, "quantiser-bound")
     finally:
         recv.close()
-        pool.close()
-        ring_pool.close()
 
     if quantized_rows:
         qeng = blank_engine(config, dtype, device, quantized=True)
@@ -368,7 +363,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--large-gib", type=float, default=1.0, help="size of the synthetic state (0: skip it)")
-    ap.add_argument("--bucket-mib", type=int, default=256)
+    ap.add_argument("--bucket-mib", type=int, default=256, help="CUDA IPC: bytes per bucket")
     ap.add_argument("--ring", type=int, default=3, help="streamed path: buckets in the shared-memory ring")
     ap.add_argument("--stream-bucket-mib", type=int, default=16, help="streamed path: bytes per ring bucket")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
