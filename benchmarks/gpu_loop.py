@@ -43,7 +43,7 @@ STAGES = ("evaluate", "rollout", "score", "mismatch", "reference", "train", "sav
 
 def static_slots_and_length(sequences: int, longest: int, max_batch: int = 256) -> tuple[int, int]:
     """The static decode state's shape for ``sequences`` running sequences of up to ``longest``
-    tokens (prompt + max_new_tokens), as ``RolloutEngine._fit_static`` sizes it."""
+    tokens (prompt + max_new_tokens), as ``k3core.rollout.decode_state.StaticDecode`` sizes it."""
     from k3core.rollout.decode_graphs import bucket
 
     return bucket(min(sequences, max_batch), max_batch), max(64, 1 << (longest - 1).bit_length())

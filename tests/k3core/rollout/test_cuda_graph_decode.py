@@ -246,7 +246,7 @@ def test_engine_graph_mode_matches_eager_modes_with_joins_leaves_and_a_weight_up
         assert eng.decode_mode == mode
         results[mode] = _greedy_then_reload(eng, prompts, budgets, v1)
         if mode == "graph":
-            assert eng._graphs is not None and set(eng._graphs.graphs) <= {1, 2, 4}
+            assert eng._decode.graphs is not None and set(eng._decode.graphs.graphs) <= {1, 2, 4}
     agree = total = 0
     for version in (0, 1):
         for g, s, d in zip(*(results[m][version] for m in ("graph", "static", "dynamic"))):

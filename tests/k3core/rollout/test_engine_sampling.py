@@ -9,8 +9,10 @@ import torch
 
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
-from k3core.rollout.engine import (EngineOverloaded, RolloutEngine, SamplingParams, derive_seed, filter_logits,
-                                   filter_logits_batched, sample_from_probs, sample_reference)
+from k3core.rollout.engine import EngineOverloaded, RolloutEngine
+from k3core.rollout.naive import filter_logits, sample_reference
+from k3core.rollout.sampling import (SamplingParams, derive_seed, filter_logits_batched, sample_batch, sample_from_probs,
+                                     sample_generator)
 
 TINY = K3Config.preset("tiny")
 NEG = float("-inf")
@@ -57,6 +59,33 @@ def test_batched_filter_and_sampler_match_references_per_row():
         assert torch.equal(torch.isfinite(filt[b]), torch.isfinite(want))
         ref_tok, _ = sample_reference(logits[b], float(temp[b]), int(top_k[b]), float(top_p[b]), float(u[b]))
         assert int(tok[b]) == ref_tok
+
+
+def test_sample_batch_matches_the_reference_per_row_with_greedy_rows_and_generator_draws():
+    """What the engine runs (``sample_batch``: temperature, greedy rows, top-k / top-p, one uniform
+    per sampling row from its own generator, log-probs before truncation) against
+    ``sample_reference`` fed the uniform that row's generator gives. Greedy rows draw nothing."""
+    g = torch.Generator().manual_seed(1)
+    B, V = 48, 40
+    logits = torch.randn(B, V, generator=g, dtype=torch.float64) * 3
+    params = [SamplingParams(temperature=0.0 if b % 5 == 0 else 0.25 + float(torch.rand((), generator=g)),
+                             top_k=int(torch.randint(0, 6, (), generator=g)),
+                             top_p=1.0 if b % 3 == 0 else 0.2 + 0.8 * float(torch.rand((), generator=g)))
+              for b in range(B)]
+    gens = [sample_generator(99, b) for b in range(B)]
+    tok, lp = sample_batch(logits, params, gens)
+    for b, p in enumerate(params):
+        fresh = sample_generator(99, b)
+        u = 0.0 if p.temperature == 0 else float(torch.rand((), generator=fresh, dtype=torch.float64))
+        want_tok, want_lp = sample_reference(logits[b], p.temperature, p.top_k, p.top_p, u)
+        assert int(tok[b]) == want_tok, f"row {b}: {p}"
+        assert abs(float(lp[b]) - want_lp) < 1e-12, f"row {b}: {p}"
+        # each row's generator advanced by exactly the draws it made (none for a greedy row)
+        assert torch.equal(gens[b].get_state(), fresh.get_state()), f"row {b}: {p}"
+    all_greedy = [SamplingParams(temperature=0.0)] * B
+    tok, lp = sample_batch(logits, all_greedy, [sample_generator(0, b) for b in range(B)])
+    for b in range(B):
+        assert (int(tok[b]), pytest.approx(float(lp[b]), abs=1e-12)) == sample_reference(logits[b], 0.0, 0, 1.0, 0.0)
 
 
 def test_inverse_cdf_never_draws_a_masked_token_and_follows_the_distribution():

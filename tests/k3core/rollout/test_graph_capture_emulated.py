@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import k3core.rollout.decode_graphs as decode_graphs
+import k3core.rollout.decode_state as decode_state
 import k3core.rollout.engine as engine_module
 from k3core.rollout.engine import RolloutEngine
 
@@ -88,12 +89,14 @@ def emulated_graphs(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordedGraph)
     monkeypatch.setattr(torch.cuda, "graph", _record)
-    monkeypatch.setattr(engine_module, "DecodeGraphs", _CPUDecodeGraphs)
+    monkeypatch.setattr(decode_state, "DecodeGraphs", _CPUDecodeGraphs)
+    # "graph" is refused on CPU at construction; the emulation stands in for CUDA
+    monkeypatch.setattr(engine_module, "resolve_decode", lambda model, decode: decode)
 
 
 def _run(model, mode, new_weights, prompts, budgets):
-    eng = RolloutEngine(copy.deepcopy(model), max_batch=4, record_logits=True, decode="static")
-    eng.decode_mode = mode  # "graph" is refused on CPU at construction; the emulation stands in for CUDA
+    eng = RolloutEngine(copy.deepcopy(model), max_batch=4, record_logits=True, decode=mode)
+    assert eng.decode_mode == mode
     return [c for run in _greedy_then_reload(eng, prompts, budgets, new_weights) for c in run], eng
 
 
@@ -108,7 +111,7 @@ def test_emulated_graph_mode_equals_static_with_joins_leaves_and_a_weight_update
     prompts = _prompts(lens, seed=6)
     graph, eng = _run(base, "graph", new, prompts, budgets)
     static, _ = _run(base, "static", new, prompts, budgets)
-    assert eng._graphs is not None and set(eng._graphs.graphs) == {1, 2, 4}  # every bucket was captured
+    assert eng._decode.graphs is not None and set(eng._decode.graphs.graphs) == {1, 2, 4}  # every bucket was captured
     for g, s in zip(graph, static):
         n = min(len(g.output_ids), len(s.output_ids))
         gap = float((g.meta["logits"][:n] - s.meta["logits"][:n]).abs().max())

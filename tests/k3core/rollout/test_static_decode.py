@@ -57,7 +57,7 @@ def test_static_decode_equals_dynamic_and_full_forward_with_joins_and_leaves():
     schedule = [reqs[:1], reqs[1:]]
     dyn, _ = _run(copy.deepcopy(model), "dynamic", schedule)
     sta, eng = _run(model, "static", schedule)
-    assert eng.decode_mode == "static" and eng._static.slots == 4 and eng._static.max_len == 128
+    assert eng.decode_mode == "static" and eng._decode.state.slots == 4 and eng._decode.state.max_len == 128
     assert sorted(dyn) == sorted(sta) and len(sta) == 8
     for key, c in sta.items():
         d = dyn[key]
