@@ -20,6 +20,9 @@ not on how the update is cut into chunks, so a chunked update equals an unchunke
 and a resumed run equals an uninterrupted one. Elements 2^20 apart share a draw within one step;
 each element's own sequence of draws over steps is independent (fresh random offset every step),
 which is what unbiasedness over time needs.
+
+The plain reference the tests hold this to (``noise_for``, ``stochastic_round_to_bf16_reference``):
+``k3core.optim.naive``.
 """
 
 from __future__ import annotations
@@ -80,24 +83,3 @@ def stochastic_round_to_bf16_(
     add_noise_(bits, table, offset, start)
     bits.bitwise_right_shift_(16)
     dst.view(torch.int16).copy_(bits)
-
-
-def noise_for(table: torch.Tensor, offset: int, start: int, numel: int) -> torch.Tensor:
-    """The noise add_noise_ would use, gathered by explicit index arithmetic (reference path)."""
-    idx = (offset + start + torch.arange(numel, dtype=torch.int64)) % NOISE_TABLE_NUMEL
-    return table[idx]
-
-
-def stochastic_round_to_bf16_reference(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Plain-arithmetic oracle for stochastic_round_to_bf16_: x fp32 [n], noise int [n] -> bf16 [n].
-
-    Rounds |x| up to the next bf16 magnitude iff noise >= 2^16 * (1 - frac), where frac is how far
-    |x| lies between its truncated bf16 value and the next one, computed in float64 (exact here).
-    """
-    x64 = x.double()
-    trunc = (x.view(torch.int32) & -65536).view(torch.float32)  # drop the low 16 bits: toward zero
-    up = (trunc.view(torch.int32) + 65536).view(torch.float32)  # next bf16 magnitude, same sign
-    lo, hi = trunc.double().abs(), up.double().abs()
-    frac = (x64.abs() - lo) / (hi - lo)
-    round_up = noise.double() >= 65536.0 * (1.0 - frac)  # never for exact values: noise < 2^16
-    return torch.where(round_up, up, trunc).to(torch.bfloat16)

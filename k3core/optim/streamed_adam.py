@@ -29,7 +29,7 @@ Semantics equal torch.optim.AdamW (decoupled weight decay, bias correction, per-
 counts, parameters without a gradient skipped) applied to fp32 master weights, after optional
 global gradient-norm clipping as torch.nn.utils.clip_grad_norm_ does it; the device weights are
 the master rounded to their dtype. The reference that tests hold this to is
-k3core.optim.streamed_adam_reference.
+``k3core.optim.naive.ReferenceHostAdamW``.
 """
 
 from __future__ import annotations

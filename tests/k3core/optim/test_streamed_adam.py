@@ -21,15 +21,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from k3core.optim.stochastic_rounding import (
-    NOISE_TABLE_NUMEL,
-    make_noise_table,
-    noise_for,
-    stochastic_round_to_bf16_,
-    stochastic_round_to_bf16_reference,
-)
+from k3core.optim.naive import ReferenceHostAdamW, noise_for, stochastic_round_to_bf16_reference
+from k3core.optim.stochastic_rounding import NOISE_TABLE_NUMEL, make_noise_table, stochastic_round_to_bf16_
 from k3core.optim.streamed_adam import StreamedAdamW
-from k3core.optim.streamed_adam_reference import ReferenceHostAdamW
 
 
 

@@ -1,9 +1,14 @@
-"""Plain reference for StreamedAdamW: whole tensors, no chunks, no streams, formulas written out.
+"""Plain references for ``k3core.optim``: whole tensors, no chunks, no streams, formulas written out.
 
-Owns nothing used in training; tests hold the fast path (k3core.optim.streamed_adam) to it. It
-keeps the same host state (fp32 master, moments in `moment_dtype`), rounds bf16 moments with the
-same noise (gathered by index arithmetic instead of table slices) and the oracle rounding function,
-and implements AdamW as torch.optim.AdamW documents it:
+Nothing used in training; tests hold the fast paths to these.
+
+``noise_for`` and ``stochastic_round_to_bf16_reference``: the stochastic rounding of
+``k3core.optim.stochastic_rounding`` (which says why and how) by index arithmetic and float64
+comparison instead of table slices and bit tricks.
+
+``ReferenceHostAdamW``: StreamedAdamW (``k3core.optim.streamed_adam``) as one loop. It keeps the same
+host state (fp32 master, moments in ``moment_dtype``), rounds bf16 moments with the same noise and
+the reference rounding above, and implements AdamW as torch.optim.AdamW documents it:
 
     g <- g * min(1, max_grad_norm / (||g||_2 + 1e-6))          (global norm over all gradients)
     t <- t + 1
@@ -21,12 +26,28 @@ import math
 
 import torch
 
-from k3core.optim.stochastic_rounding import (
-    make_noise_table,
-    noise_for,
-    noise_offset,
-    stochastic_round_to_bf16_reference,
-)
+from k3core.optim.stochastic_rounding import NOISE_TABLE_NUMEL, make_noise_table, noise_offset
+
+
+def noise_for(table: torch.Tensor, offset: int, start: int, numel: int) -> torch.Tensor:
+    """The noise add_noise_ would use, gathered by explicit index arithmetic (reference path)."""
+    idx = (offset + start + torch.arange(numel, dtype=torch.int64)) % NOISE_TABLE_NUMEL
+    return table[idx]
+
+
+def stochastic_round_to_bf16_reference(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Plain-arithmetic oracle for stochastic_round_to_bf16_: x fp32 [n], noise int [n] -> bf16 [n].
+
+    Rounds |x| up to the next bf16 magnitude iff noise >= 2^16 * (1 - frac), where frac is how far
+    |x| lies between its truncated bf16 value and the next one, computed in float64 (exact here).
+    """
+    x64 = x.double()
+    trunc = (x.view(torch.int32) & -65536).view(torch.float32)  # drop the low 16 bits: toward zero
+    up = (trunc.view(torch.int32) + 65536).view(torch.float32)  # next bf16 magnitude, same sign
+    lo, hi = trunc.double().abs(), up.double().abs()
+    frac = (x64.abs() - lo) / (hi - lo)
+    round_up = noise.double() >= 65536.0 * (1.0 - frac)  # never for exact values: noise < 2^16
+    return torch.where(round_up, up, trunc).to(torch.bfloat16)
 
 
 class ReferenceHostAdamW:
