@@ -16,18 +16,19 @@
                                    its declared version used when the request names none. The new
                                    weights are read into host memory first (one full copy beside the
                                    engine's), then swapped between requests
-  POST /update_weights_from_tensor a transfer payload of ``k3core.transfer`` (``send_shm`` /
-                                   ``send_cuda_ipc`` / ``send_shm_stream``; not SGLang's serialized
-                                   tensors): ``load_payload`` verifies digests, names, shapes, dtypes and
-                                   that the version is newer -> same answer as from disk. ``shm`` bytes
-                                   stay in the sender's shared memory; a streamed payload is pulled
-                                   through the sender's ring of buckets into a staged host copy while
-                                   the request is open, loaded only once all of it is verified
+  POST /update_weights_from_tensor a transfer payload of ``k3core.transfer`` (``send_shm_stream`` /
+                                   ``send_cuda_ipc``; not SGLang's serialized tensors): ``load_payload``
+                                   verifies digests, names, shapes, dtypes and that the version is newer
+                                   -> same answer as from disk. A streamed payload is pulled through the
+                                   sender's ring of buckets into a staged host copy while the request is
+                                   open, loaded only once all of it is verified; CUDA IPC buckets are
+                                   read in place, in the sender's GPU memory
   GET  /health                     200 while the decode thread runs, 503 otherwise
   GET  /get_model_info             {model_path, weight_version, is_generation, architectures, ..., load}
 
-Owns: HTTP parsing and validation (400 with the reason: every number typed and in range, NaN and
-inf refused), the limits of ``ServerLimits`` (request body -> 413, prompt tokens, ``max_new_tokens``
+Owns: HTTP parsing and validation (the request models ``GenerateRequest``, ``SamplingRequest`` and
+``DiskUpdateRequest``, checked by pydantic; 400 naming each refused field, what it may hold and what
+came: every number typed and in range, NaN and inf refused), the limits of ``ServerLimits`` (request body -> 413, prompt tokens, ``max_new_tokens``
 and ``top_k`` caps -> 400, requests in flight -> 503 with ``Retry-After``), the API key (``api_key``:
 every endpoint but ``/health`` needs ``Authorization: Bearer <key>``, else 401), where disk weight
 updates may come from (``ServerLimits.weight_roots``, else 403) and that versions only move forward
@@ -64,41 +65,22 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, StrictInt,
+                      StrictStr, Tag, ValidationError, ValidationInfo, field_validator, model_validator)
 
 from k3core.rollout.checkpoints import checkpoint_state_for
 
 if TYPE_CHECKING:  # torch and fastapi are imported where used: importing this module stays light
     from k3core.rollout.engine import RolloutEngine
 
-__all__ = ["DEFAULT_PORT", "BadRequest", "ServerLimits", "create_app", "stop_string_checker", "tokenizer_for",
-           "is_loopback"]
+__all__ = ["DEFAULT_PORT", "BadRequest", "ServerLimits", "GenerateRequest", "SamplingRequest", "DiskUpdateRequest",
+           "create_app", "stop_string_checker", "tokenizer_for", "is_loopback"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 30000  # SGLang's default
-
-_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "n", "seed",
-                  "sampling_seed", "ignore_eos", "no_stop_trim"}
-# SGLang fields that change nothing here (detokenisation details, defaults we already follow)
-_IGNORED_SAMPLING_KEYS = {"skip_special_tokens", "spaces_between_special_tokens", "min_p", "frequency_penalty",
-                          "presence_penalty", "repetition_penalty", "min_new_tokens", "stream_interval"}
-_NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-            "min_new_tokens": 0}
-_REQUEST_KEYS = {"input_ids", "text", "sampling_params", "return_logprob", "return_routed_experts", "rid", "stream",
-                 "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
-_BOOL_REQUEST_KEYS = ("return_logprob", "return_routed_experts", "stream", "return_text_in_logprobs")
-
-
-def _check_request_types(body: dict) -> None:
-    """Switches are JSON booleans and a request id is a string: "false" or 0 would read as a
-    different switch than the client meant, and an id is echoed into every output."""
-    for key in _BOOL_REQUEST_KEYS:
-        if key in body and body[key] is not None and not isinstance(body[key], bool):
-            raise BadRequest(f"'{key}' must be true or false, got {body[key]!r}")
-    if body.get("rid") is not None and not isinstance(body["rid"], str):
-        raise BadRequest(f"'rid' must be a string, got {body['rid']!r}")
-
 
 class BadRequest(ValueError):
     """A request the server refuses as malformed (HTTP 400, or ``status``)."""
@@ -106,9 +88,6 @@ class BadRequest(ValueError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
-
-
-TOP_K_ALL = 1 << 30  # SGLang's "no top-k" value; anything from the vocabulary size up means the same
 
 
 @dataclass(frozen=True)
@@ -169,98 +148,257 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-# ------------------------------------------------------------------ request parsing
-def _prompts(body: dict, tokenizer) -> tuple[list[list[int]], bool]:
-    """(prompts as token ids, whether the request was a batch)."""
-    has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
-    if has_ids == has_text:
-        raise BadRequest("give exactly one of 'input_ids' (token ids) and 'text'")
-    if has_text:
-        if tokenizer is None:
-            raise BadRequest("this model has no tokenizer on the server: send 'input_ids'")
-        text = body["text"]
-        if isinstance(text, str):
-            return [tokenizer.encode(text)], False
-        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-            return [tokenizer.encode(t) for t in text], True
-        raise BadRequest("'text' must be a string or a non-empty list of strings")
-    ids = body["input_ids"]
-    if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        return [ids], False
-    if (isinstance(ids, list) and ids and all(isinstance(p, list) and p for p in ids)
-            and all(isinstance(t, int) and not isinstance(t, bool) for p in ids for t in p)):
-        return ids, True
-    raise BadRequest("'input_ids' must be a non-empty list of token ids or a list of such lists")
+# ------------------------------------------------------------------ request models
+# Every field of a request is declared once below, with what it may hold; pydantic checks it
+# (strict: "3" is not a number, 0 is not a switch, NaN and inf are not finite) and
+# ``_refusal`` turns its errors into one sentence per field: the field, what is allowed, what came.
+# A field's ``description`` is that "what is allowed"; ``{max_new_tokens}`` and ``{vocab_size}`` in
+# it are this server's limits, passed as the validation context.
+def _integral(v):
+    """An integral float (4.0, 1e30) reads as the integer it is; anything else is left to the strict check."""
+    return int(v) if isinstance(v, float) and math.isfinite(v) and v.is_integer() else v
 
 
-def _int_param(sp: dict, key: str, default: int, lo: int, hi: int, why: str = "") -> int:
-    v = sp.get(key)
-    if v is None:
-        return default
-    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise BadRequest(f"sampling_params.{key} must be an integer in [{lo}, {hi}]{why}, got {v!r}")
+def _int(lo: int, hi: int, why: str = ""):
+    return Annotated[Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=lo, le=hi)] | None,
+                     Field(description=f"an integer in [{lo}, {hi}]{why}")]
+
+
+def _float(lo: float, hi: float, lo_open: bool = False):
+    bound = {"gt": lo} if lo_open else {"ge": lo}
+    return Annotated[Annotated[float, Field(strict=True, allow_inf_nan=False, le=hi, **bound)] | None,
+                     Field(description=f"a finite number in {'(' if lo_open else '['}{float(lo)}, {float(hi)}]")]
+
+
+def _neutral(value):
+    def only(v):
+        if v is not None and v != value:
+            raise ValueError("unsupported value")
+        return v
+
+    return Annotated[Any, AfterValidator(only), Field(description=f"{value} (the only value this server supports)")]
+
+
+def _switch(what: str = "true or false"):
+    return Annotated[StrictBool | None, Field(description=what)]
+
+
+TOP_K_ALL = 1 << 30  # SGLang's "no top-k" value; anything from the vocabulary size up means the same
+_StopString = Annotated[str, Field(strict=True, min_length=1, max_length=1024)]
+_Ids = Annotated[list[Annotated[int, Field(strict=True)]], Field(min_length=1)]
+
+
+class SamplingRequest(BaseModel):
+    """SGLang's ``sampling_params`` as this server takes them (unknown keys refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: Annotated[Annotated[int, BeforeValidator(_integral), Field(strict=True)] | None, Field(
+        description="an integer in [1, {max_new_tokens}] (this server's --max-new-tokens-cap)")] = None
+    temperature: _float(0.0, 1e4) = None
+    top_p: _float(0.0, 1.0, lo_open=True) = None
+    top_k: _int(-1, TOP_K_ALL, " (-1 or 0: off)") = None
+    stop: Annotated[_StopString | Annotated[list[_StopString], Field(max_length=64)] | None, Field(
+        description="a non-empty string or a list of at most 64 of them, each at most 1024 characters")] = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(strict=True)]] | None, Field(
+        description="a list of at most 1024 token ids in [0, {vocab_size})")] = None
+    n: _int(1, 1 << 20) = None
+    seed: _int(0, (1 << 63) - 1) = None
+    sampling_seed: _int(0, (1 << 63) - 1) = None
+    ignore_eos: _switch() = None
+    no_stop_trim: _switch() = None
+    # SGLang fields that change nothing here (detokenisation details, defaults we already follow)
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    stream_interval: Any = None
+    min_p: _neutral(0.0) = None
+    frequency_penalty: _neutral(0.0) = None
+    presence_penalty: _neutral(0.0) = None
+    repetition_penalty: _neutral(1.0) = None
+    min_new_tokens: _neutral(0) = None
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _under_the_cap(cls, v, info: ValidationInfo):
+        if v is not None and not 1 <= v <= (info.context or {}).get("max_new_tokens", 1 << 31):
+            raise ValueError("out of range")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _in_the_vocabulary(cls, v, info: ValidationInfo):
+        vocab = (info.context or {}).get("vocab_size", 1 << 31)
+        if v is not None and (len(v) > 1024 or not all(0 <= t < vocab for t in v)):
+            raise ValueError("out of range")
+        return v
+
+
+_SAMPLING_USED = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "n", "seed",
+                  "sampling_seed", "ignore_eos", "no_stop_trim")
+
+
+def _one_or_list(v) -> str:
+    return "list" if isinstance(v, list) else "one"
+
+
+class GenerateRequest(BaseModel):
+    """The body of ``/generate`` (unknown fields refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: Annotated[_Ids | Annotated[list[_Ids], Field(min_length=1)] | None, Field(
+        description="a non-empty list of token ids or a list of such lists")] = None
+    text: Annotated[Annotated[str, Field(strict=True)] | Annotated[list[Annotated[str, Field(strict=True)]],
+                                                                   Field(min_length=1)] | None,
+                    Field(description="a string or a non-empty list of strings")] = None
+    sampling_params: Annotated[Annotated[Annotated[SamplingRequest, Tag("one")]
+                                         | Annotated[list[SamplingRequest], Tag("list")],
+                                         Discriminator(_one_or_list)] | None,
+                               Field(description="an object, or a list of them (one per prompt)")] = None
+    return_logprob: _switch() = None
+    return_routed_experts: _switch() = None
+    stream: _switch() = None
+    return_text_in_logprobs: _switch() = None
+    rid: Annotated[StrictStr | None, Field(description="a string")] = None
+    logprob_start_len: Any = None
+    top_logprobs_num: Any = None
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self):
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("give exactly one of 'input_ids' (token ids) and 'text'")
+        if self.stream:
+            raise ValueError("streaming is not supported: send stream=false")
+        if self.top_logprobs_num:
+            raise ValueError("top_logprobs_num is not supported (output_token_logprobs only)")
+        if isinstance(self.sampling_params, list) and len(self.sampling_params) != self.num_prompts:
+            raise ValueError(f"{len(self.sampling_params)} sampling_params for {self.num_prompts} prompts")
+        return self
+
+    @property
+    def batch(self) -> bool:
+        """Whether the request was a batch (a list of prompts): the answer is a list then."""
+        ids = self.input_ids
+        return isinstance(self.text, list) or (ids is not None and isinstance(ids[0], list))
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.text if self.text is not None else self.input_ids) if self.batch else 1
+
+
+def _only_false(v):
+    if v:
+        raise ValueError("unsupported value")
     return v
 
 
-def _float_param(sp: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = sp.get(key)
-    if v is None:
-        return default
-    ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-          and (lo < v if lo_open else lo <= v) and v <= hi)
-    if not ok:
-        raise BadRequest(f"sampling_params.{key} must be a finite number in {'(' if lo_open else '['}{lo}, {hi}], "
-                         f"got {v!r}")
-    return float(v)
+class DiskUpdateRequest(BaseModel):
+    """The body of ``/update_weights_from_disk`` (SGLang's other fields are ignored)."""
+
+    model_path: Annotated[StrictStr, Field(min_length=1, description="a string: the path of a checkpoint directory "
+                                                                    "in the public layout")]
+    weight_version: Annotated[StrictInt | StrictStr | None, Field(description="an integer or a string")] = None
+    load_format: Annotated[Literal["auto", "safetensors"] | None, Field(description="'auto' or 'safetensors'")] = None
+    abort_all_requests: Annotated[StrictBool | None, AfterValidator(_only_false), Field(
+        description="false (requests in flight finish on the old version)")] = None
 
 
-def _sampling(sp: Any, eos_id: int | None, limits: "ServerLimits | None" = None,
+def _field_path(model: type[BaseModel], loc: tuple) -> tuple[tuple, type[BaseModel] | None, str | None]:
+    """(the part of ``loc`` that names a field, the model declaring that field, its name): union
+    branch labels pydantic puts in ``loc`` are skipped, and so are list indices below a field (the
+    whole field's value is shown), except those of a list of models (``sampling_params[1].n``)."""
+    path, owner, name, current = [], None, None, model
+    for part in loc:
+        if isinstance(part, int):
+            if current is not None and path:
+                path.append(part)
+        elif current is not None and part in current.model_fields:
+            path.append(part)
+            owner, name = current, part
+            current = SamplingRequest if owner is GenerateRequest and part == "sampling_params" else None
+    return tuple(path), owner, name
+
+
+def _shown(path: tuple) -> str:
+    if len(path) == 1:
+        return f"'{path[0]}'"
+    return "".join(f"[{p}]" if isinstance(p, int) else (p if i == 0 else f".{p}") for i, p in enumerate(path))
+
+
+def _value_at(body, path: tuple):
+    for p in path:
+        try:
+            body = body[p]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return body
+
+
+def _refusal(model: type[BaseModel], body: dict, e: ValidationError, context: dict) -> str:
+    """One sentence per refused field (field, what is allowed, what came), in the body's order."""
+    out, extra = [], {}
+    for err in e.errors(include_url=False):
+        path, owner, name = _field_path(model, err["loc"])
+        if err["type"] == "extra_forbidden":
+            extra.setdefault(path, []).append(err["loc"][-1])
+            continue
+        if name is None:  # a rule over the whole body
+            msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        else:
+            allowed = (owner.model_fields[name].description or "").format(**context)
+            msg = (f"{_shown(path)} ({allowed}) is required" if err["type"] == "missing"
+                   else f"{_shown(path)} must be {allowed}, got {_value_at(body, path)!r}"[:400])
+        if msg not in out:
+            out.append(msg)
+    for where, names in extra.items():
+        if where:
+            out.append(f"unsupported {_shown(where).strip(chr(39))} {sorted(names)}; supported: {sorted(_SAMPLING_USED)}")
+        else:
+            out.append(f"unsupported fields {sorted(names)}")
+    return "; ".join(out)
+
+
+def _parse(model: type[BaseModel], body: dict, context: dict):
+    """``body`` as ``model``, or BadRequest (400) saying what is wrong with it."""
+    try:
+        return model.model_validate(body, context=context)
+    except ValidationError as e:
+        raise BadRequest(_refusal(model, body, e, context)) from None
+
+
+def _prompts(req: GenerateRequest, tokenizer) -> list[list[int]]:
+    """The request's prompts as token ids."""
+    if req.text is not None:
+        if tokenizer is None:
+            raise BadRequest("this model has no tokenizer on the server: send 'input_ids'")
+        return [tokenizer.encode(t) for t in (req.text if req.batch else [req.text])]
+    return req.input_ids if req.batch else [req.input_ids]
+
+
+def _sampling(sp: SamplingRequest | None, eos_id: int | None, cap: int,
               vocab_size: int | None = None) -> tuple[Any, list[str], bool]:
-    """SGLang ``sampling_params`` -> (engine SamplingParams, stop strings, no_stop_trim). Every number
-    is checked for type and range here (a float where an integer belongs, NaN, inf: 400)."""
+    """Validated ``sampling_params`` -> (engine SamplingParams, stop strings, no_stop_trim), with
+    SGLang's defaults: stop at the end-of-sequence token unless ``ignore_eos``."""
     from k3core.rollout.engine import SamplingParams
 
-    sp = {} if sp is None else sp
-    if not isinstance(sp, dict):
-        raise BadRequest("'sampling_params' must be an object")
-    unknown = sorted(set(sp) - _SAMPLING_KEYS - _IGNORED_SAMPLING_KEYS)
-    if unknown:
-        raise BadRequest(f"unsupported sampling_params {unknown}; supported: {sorted(_SAMPLING_KEYS)}")
-    for k, neutral in _NEUTRAL.items():
-        if k in sp and sp[k] is not None and sp[k] != neutral:
-            raise BadRequest(f"sampling_params.{k}={sp[k]!r} is not supported (only {neutral})")
-    stop = sp.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("'stop' must be a non-empty string or a list of them")
-    if len(stop) > 64 or any(len(x) > 1024 for x in stop):
-        raise BadRequest("'stop': at most 64 strings of at most 1024 characters")
-    stop_ids = sp.get("stop_token_ids") or []
-    V = vocab_size or (1 << 31)
-    if not isinstance(stop_ids, list) or len(stop_ids) > 1024 or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < V for t in stop_ids):
-        raise BadRequest(f"'stop_token_ids' must be a list of at most 1024 token ids in [0, {V})")
-    if eos_id is not None and not sp.get("ignore_eos", False):
-        stop_ids = stop_ids + [eos_id]  # SGLang stops at the end-of-sequence token unless ignore_eos
-    seed_key = "seed" if sp.get("seed") is not None else "sampling_seed"
-    cap = limits.max_new_tokens if limits is not None else 1 << 31
-    top_k = _int_param(sp, "top_k", -1, -1, TOP_K_ALL, " (-1 or 0: off)")
+    sp = sp or SamplingRequest()
+    stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+    stop_ids = list(sp.stop_token_ids or [])
+    if eos_id is not None and not sp.ignore_eos:
+        stop_ids.append(eos_id)
+    top_k = -1 if sp.top_k is None else sp.top_k
     if top_k in (-1, 0) or (vocab_size is not None and top_k >= vocab_size):
         top_k = 0  # off: keeping every token of the vocabulary is no filter
     try:
         params = SamplingParams(
-            max_new_tokens=_int_param(sp, "max_new_tokens", min(128, cap), 1, cap,
-                                      " (this server's --max-new-tokens-cap)" if limits is not None else ""),
-            temperature=_float_param(sp, "temperature", 1.0, 0.0, 1e4),
-            top_p=_float_param(sp, "top_p", 1.0, 0.0, 1.0, lo_open=True), top_k=top_k,
-            stop_token_ids=tuple(dict.fromkeys(stop_ids)), n=_int_param(sp, "n", 1, 1, 1 << 20),
-            seed=_int_param(sp, seed_key, None, 0, (1 << 63) - 1))
+            max_new_tokens=sp.max_new_tokens if sp.max_new_tokens is not None else min(128, cap),
+            temperature=1.0 if sp.temperature is None else sp.temperature,
+            top_p=1.0 if sp.top_p is None else sp.top_p, top_k=top_k, stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+            n=sp.n or 1, seed=sp.seed if sp.seed is not None else sp.sampling_seed)
         params.validate()
     except (TypeError, ValueError) as e:
         raise BadRequest(str(e)) from e
-    return params, stop, bool(sp.get("no_stop_trim", False))
+    return params, stop, bool(sp.no_stop_trim)
 
 
 def stop_string_checker(tokenizer, stops: list[str]):
@@ -347,6 +485,7 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
     disk_updates = threading.Lock()  # the version check and the swap as one step: two pushes cannot cross
     limits = limits or ServerLimits()
     vocab = engine.config.vocab_size
+    context = {"max_new_tokens": limits.max_new_tokens, "vocab_size": vocab}  # the limits the request models name
 
     @asynccontextmanager
     async def lifespan(app):
@@ -401,28 +540,15 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
         t0 = time.perf_counter()
         cancel = threading.Event()
         try:
-            body = await body_of(request)
-            unknown = sorted(set(body) - _REQUEST_KEYS)
-            if unknown:
-                raise BadRequest(f"unsupported fields {unknown}")
-            _check_request_types(body)
-            if body.get("stream"):
-                raise BadRequest("streaming is not supported: send stream=false")
-            if body.get("top_logprobs_num"):
-                raise BadRequest("top_logprobs_num is not supported (output_token_logprobs only)")
-            prompts, batch = _prompts(body, tokenizer)
+            req = _parse(GenerateRequest, await body_of(request), context)
+            prompts = _prompts(req, tokenizer)
             for i, p in enumerate(prompts):
                 if len(p) > limits.max_prompt_tokens:
                     raise BadRequest(f"prompt {i} has {len(p)} tokens, the limit is {limits.max_prompt_tokens} "
                                      f"(--max-prompt-tokens)")
-            sps = body.get("sampling_params")
-            if isinstance(sps, list):
-                if len(sps) != len(prompts):
-                    raise BadRequest(f"{len(sps)} sampling_params for {len(prompts)} prompts")
-            else:
-                sps = [sps] * len(prompts)
+            sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
             eos = getattr(tokenizer, "eos_id", None) if tokenizer is not None else engine.config.eos_token_id
-            parsed = [_sampling(sp, eos, limits, vocab) for sp in sps]
+            parsed = [_sampling(sp, eos, limits.max_new_tokens, vocab) for sp in sps]
             total = sum(params.n for params, _, _ in parsed)
             if total > engine.max_queue:
                 raise EngineOverloaded(f"rollout engine overloaded: this request's {total} sequences exceed the "
@@ -457,11 +583,11 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
         except Exception as e:
             log.exception("generation failed")
             return error(500, f"generation failed: {type(e).__name__}: {e}")
-        rid = body.get("rid") or uuid.uuid4().hex
-        outs = [_output(c, tokenizer, nst, bool(body.get("return_logprob")), bool(body.get("return_routed_experts")),
+        rid = req.rid or uuid.uuid4().hex
+        outs = [_output(c, tokenizer, nst, bool(req.return_logprob), bool(req.return_routed_experts),
                         f"{rid}-{i}-{c.sample_index}", t0)
                 for i, (comps, (_, _, nst)) in enumerate(zip(results, parsed)) for c in comps]
-        return JSONResponse(outs if batch or len(outs) > 1 else outs[0])
+        return JSONResponse(outs if req.batch or len(outs) > 1 else outs[0])
 
     async def _update(load, version, what: str):
         paused = engine.load()["waiting"]
@@ -477,18 +603,9 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
         try:
-            body = await body_of(request, update=True)
-            path = body.get("model_path")
-            if path is None or path == "":
-                raise BadRequest("'model_path' (a checkpoint directory in the public layout) is required")
-            if not isinstance(path, str):
-                raise BadRequest(f"'model_path' must be a string (a checkpoint directory in the public layout), "
-                                 f"got {path!r}")
-            if body.get("load_format") not in (None, "auto", "safetensors"):
-                raise BadRequest(f"load_format {body['load_format']!r} is not supported (auto/safetensors)")
-            if body.get("abort_all_requests"):
-                raise BadRequest("abort_all_requests is not supported: requests in flight finish on the old version")
-            version = _version(body.get("weight_version"), engine.weight_version)
+            req = _parse(DiskUpdateRequest, await body_of(request, update=True), context)
+            path = req.model_path
+            version = _version(req.weight_version, engine.weight_version)
             real = limits.allowed_weight_path(path)
         except BadRequest as e:
             return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0}, status_code=e.status)
@@ -496,9 +613,9 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
         def load():
             with disk_updates:
                 sd, declared = checkpoint_state_for(engine, real)
-                if declared is not None and body.get("weight_version") is not None and not _same(declared, version):
+                if declared is not None and req.weight_version is not None and not _same(declared, version):
                     raise ValueError(f"{path} declares weight version {declared}, the request says {version}")
-                new = declared if declared is not None and body.get("weight_version") is None else version
+                new = declared if declared is not None and req.weight_version is None else version
                 if not limits.allow_version_rollback:
                     _check_not_older(new, engine.weight_version)
                 engine.load_weights(sd, new)
@@ -553,14 +670,13 @@ def _check_not_older(new, current) -> None:
                          f"forward; a server reused by a new run needs --allow-version-rollback)")
 
 
-def _version(v, current):
-    """A request's weight_version: an int (or a numeric string), default the current one + 1."""
+def _version(v: int | str | None, current):
+    """A request's weight_version (an int or a string; a numeric string reads as the int), default the
+    current one + 1."""
     if v is None:
         if isinstance(current, int):
             return current + 1
         raise BadRequest("'weight_version' is required (the current one is not a number)")
-    if isinstance(v, bool) or not isinstance(v, (int, str)):
-        raise BadRequest(f"'weight_version' must be an integer or a string, got {v!r}")
     return int(v) if isinstance(v, str) and v.lstrip("-").isdigit() else v
 
 

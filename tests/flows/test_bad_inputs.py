@@ -292,11 +292,11 @@ HTTP_CASES = [
     Case("http-rid-not-string", "HTTP request", 'POST /generate {"input_ids": [1], "rid": 5}', "HTTP 400",
          "'rid' must be a string, got 5"),
     Case("http-stop-not-string", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
-         '{"stop": 5}}', "HTTP 400", "'stop' must be a non-empty string or a list of them"),
+         '{"stop": 5}}', "HTTP 400", "sampling_params.stop must be a non-empty string or a list of at most 64 of them"),
     Case("http-n-0", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": {"n": 0}}', "HTTP 400",
          "sampling_params.n must be an integer in [1,"),
     Case("http-min-p-unsupported", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
-         '{"min_p": 0.5}}', "HTTP 400", "sampling_params.min_p=0.5 is not supported"),
+         '{"min_p": 0.5}}', "HTTP 400", "sampling_params.min_p must be 0.0 (the only value this server supports), got 0.5"),
     Case("http-text-not-string", "HTTP request", 'POST /generate {"text": 5}', "HTTP 400",
          "'text' must be a string or a non-empty list of strings"),
     Case("http-sampling-params-not-object", "HTTP request", 'POST /generate {"input_ids": [1], "sampling_params": '
@@ -312,13 +312,13 @@ HTTP_CASES = [
     Case("http-unknown-field", "HTTP request", 'POST /generate {"input_ids": [1], "lora_path": "x"}', "HTTP 400",
          "unsupported fields ['lora_path']"),
     Case("http-update-no-path", "HTTP request", 'POST /update_weights_from_disk {}', "HTTP 400",
-         "'model_path' (a checkpoint directory in the public layout) is required"),
+         "'model_path' (a string: the path of a checkpoint directory in the public layout) is required"),
     Case("http-update-path-not-string", "HTTP request", 'POST /update_weights_from_disk {"model_path": 5}',
          "HTTP 400", "'model_path' must be a string"),
     Case("http-update-bad-version", "HTTP request", 'POST /update_weights_from_disk {"model_path": "{ck}", '
          '"weight_version": [1]}', "HTTP 400", "'weight_version' must be an integer or a string"),
     Case("http-update-load-format", "HTTP request", 'POST /update_weights_from_disk {"model_path": "{ck}", '
-         '"load_format": "pt"}', "HTTP 400", "load_format 'pt' is not supported"),
+         '"load_format": "pt"}', "HTTP 400", "'load_format' must be 'auto' or 'safetensors', got 'pt'"),
     Case("http-generate-get", "HTTP request", 'GET /generate ', "HTTP 405", "Method Not Allowed"),
     Case("http-unknown-endpoint", "HTTP request", 'POST /v1/completions {}', "HTTP 404", "Not Found"),
 ]

@@ -5,7 +5,6 @@ bad updates are refused while the old version keeps answering; transfer payloads
 /update_weights_from_tensor; overload answers 503; a dead server gives clear client errors."""
 
 import base64
-import copy
 import json
 import socket
 import threading
@@ -158,22 +157,34 @@ def test_bad_updates_are_refused_and_the_old_version_keeps_answering(server):
         client.generate([[TINY.vocab_size + 5]], GREEDY)
 
 
-def test_update_from_tensor_payload(server):
-    """A shared-memory transfer payload (k3core.transfer.send_shm) through /update_weights_from_tensor;
-    a corrupted one is refused with the engine untouched."""
-    transfer = pytest.importorskip("k3core.transfer")
+def test_update_from_tensor_payload(server, monkeypatch):
+    """A streamed shared-memory transfer payload (k3core.transfer.send_shm_stream) through
+    /update_weights_from_tensor; one whose bytes were corrupted in the ring is refused with the
+    engine untouched, and a malformed one too."""
+    from k3core import transfer
+    from k3core.transfer import stream
+
     client, ckpts = server["client"], server["ckpts"]
     v = client.weight_version()
     state = load_model(ckpts["b"], dtype=torch.float32).state_dict()  # the served engine's dtypes
     want = _outputs(server["local"]["b"].generate(PROMPTS, GREEDY))
-    with transfer.send_shm(state, v + 1) as sent:
-        bad = copy.deepcopy(sent.payload)
-        entry = bad["buckets"][0]["tensors"][0]
-        entry["digest"] = "0" * len(entry["digest"])  # a tensor whose bytes do not match its digest
-        with pytest.raises(WeightUpdateRefused):
-            client.update_weights_from_tensor(bad)
-        assert client.weight_version() == v
+    real_fill = stream._fill
+
+    def corrupting_fill(dst, src):  # one byte flipped in shared memory after the sender copied it
+        real_fill(dst, src)
+        dst[0] ^= 0x01
+
+    monkeypatch.setattr(stream, "_fill", corrupting_fill)
+    with transfer.send_shm_stream(state, v + 1, ring=2, bucket_bytes=1 << 20) as sent:
+        with pytest.raises(WeightUpdateRefused, match="corrupt bucket"):
+            client.update_weights_from_tensor(sent.payload)
+    monkeypatch.setattr(stream, "_fill", real_fill)
+    assert client.weight_version() == v
+    with pytest.raises(WeightUpdateRefused, match="transport"):
+        client.update_weights_from_tensor({"format": "k3rl.weights/1", "transport": "shm", "weight_version": v + 1})
+    with transfer.send_shm_stream(state, v + 1, ring=2, bucket_bytes=1 << 20) as sent:
         ans = client.update_weights_from_tensor(sent.payload)
+        sent.wait(60)
     assert ans["success"] and client.weight_version() == v + 1
     assert _outputs(client.generate(PROMPTS, GREEDY, expected_version=v + 1)) == want
 
