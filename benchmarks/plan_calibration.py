@@ -35,25 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3core.config import K3Config  # noqa: E402
+from k3core.ops.memory_probe import peak_bytes  # noqa: E402
 from k3core.plan import (  # noqa: E402
     Kernels, layer_activation_terms, layer_backward_workspace, param_counts, snapshots_before, stage_memory,
 )
 
 TARGET = 0.15
-
-
-def _peak(device: torch.device, fn):
-    """(result, peak bytes above the level at the start) of fn()."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        r = fn()
-        torch.cuda.synchronize(device)
-        return r, torch.cuda.max_memory_allocated(device) - base
-    from k3core.ops.memory_probe import peak_bytes
-
-    return peak_bytes(fn, device)
 
 
 def _saved_bytes(fn, skip: set[int]) -> tuple[object, int]:
@@ -95,7 +82,7 @@ def layer_rows(model, c: K3Config, T: int, device) -> list[dict]:
             o = layer(p, blocks)[0]
             o.backward(grad)
 
-        _, peak = _peak(device, fwd_bwd)
+        _, peak = peak_bytes(fwd_bwd, device)
         # exclude what the step leaves behind that is not activation: parameter grads, p.grad
         param_grads = sum(q.grad.numel() * q.grad.element_size() for q in layer.parameters() if q.grad is not None)
         measured = peak - param_grads - p.numel() * 2
@@ -123,7 +110,7 @@ def model_row(model, c: K3Config, T: int, device, ac: bool) -> dict:
             out = model(ids, targets=ids.roll(-1, 1), return_logits=False)
             out.loss.backward()
 
-        _, peak = _peak(device, step)
+        _, peak = peak_bytes(step, device)
     finally:
         for layer, f in originals:
             layer.forward = f

@@ -1,6 +1,9 @@
-"""Measure what autograd keeps for backward and the peak memory of a call.
+"""Measure what autograd keeps for backward and the peak memory of one call, to the byte.
 
-Used by the SiTU-GLU tests and benchmark (and usable for any op): it owns measurement only.
+Owns: per-call measurements that kernel tests and benchmarks bound (a SiTU-GLU workspace of 64 KiB
+within 1 KiB of slack). Does not own: a pipeline stage's peaks, device and host RSS, which
+``k3core.device.MemoryProbe`` measures process-wide; RSS moves by pages and keeps what the host
+allocator does not return, so it cannot resolve a bound of this size.
 
 * `saved_tensors`: every tensor autograd saves while `fn` runs, through
   `torch.autograd.graph.saved_tensors_hooks`; bytes are counted once per storage (sigmoid's result
