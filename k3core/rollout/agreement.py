@@ -4,19 +4,19 @@ bug from rounding.
 For each greedy completion, the same model's no-cache forward reads the prompt and the completion's
 tokens (teacher forcing) and picks its own greedy token at every generated position. ``agreement``
 is the fraction of positions where the decoded token is an argmax of the forward's logits (in bf16
-the top two logits are often exactly equal, about 1 position in 100 on the warmed-up `small`
-model: either pick is the forward's greedy choice). Teacher forcing keeps one parting
-from moving every later position: each position is judged on the same prefix.
+the top two logits can be exactly equal: either pick is the forward's greedy choice). Teacher
+forcing keeps one parting from moving every later position: each position is judged on the same
+prefix.
 
 What it can tell apart depends on the checkpoint. In bf16 the decode path and the forward round
 differently (recurrent vs chunked KDA, absorbed vs expanded MLA), so positions whose top-2 logits are
-within rounding of each other part for no fault of either. On random-init weights such near-ties
-are common (the `small` preset: median top-2 margin 0.07, greedy agreement 86% in bf16 on the CPU),
-so the criterion cannot separate a bug from rounding there. After a short supervised warm-up
-(``k3core.rl.warmup.warmed_up_model``: median margin 2.0) every correct mode agrees on all positions,
-while a KDA state decayed by 1% per step, a bug in the decode state and nothing else, drops it to 97.7%
-(``tests/k3core/rollout/test_decode_agreement.py``). The criterion is therefore: at least 99% on a
-warmed-up checkpoint, and every parting at a near-tie (``Parting.margin``).
+within rounding of each other part for no fault of either. Random-init weights put most positions
+at such near-ties, so there the criterion cannot separate a bug from rounding; after a short
+supervised warm-up (``k3core.rl.warmup.warmed_up_model``) the margins are wide, every correct mode
+agrees, and a planted decode-state bug (the KDA state decayed by 1% per step) falls below the
+criterion (``tests/k3core/rollout/test_decode_agreement.py``). The criterion is therefore: at least
+99% on a warmed-up checkpoint, and every parting at a near-tie (``Parting.margin``). The measured
+agreements and margins: docs/results/rollout_decode.md.
 """
 
 from __future__ import annotations

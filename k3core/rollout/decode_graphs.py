@@ -1,8 +1,9 @@
 """CUDA graphs of the engine's decode step: one captured ``K3ForCausalLM.decode_step`` per batch bucket.
 
 Owns: capturing and replaying ``decode_step`` over one ``StaticDecodeState`` (``DecodeGraphs``) and
-the bucket sizes (``bucket``). Does not own: the decode state (``k3core.model.cache``), sampling or
-which sequence sits in which slot (``k3core.rollout.engine``).
+the bucket sizes (``bucket``). Does not own: the decode state (``k3core.model.cache``), which
+sequence sits in which slot and when graphs are made or dropped (``k3core.rollout.decode_state``),
+sampling (``k3core.rollout.sampling``).
 
 A decode step is a few thousand small kernels; launched one by one from Python it is host-bound:
 the launches take far longer than reading the weights (docs/results/rollout_decode.md). A captured
@@ -12,7 +13,7 @@ graph replays them with one launch. A graph stores addresses, not tensors, so ev
 - the weights: ``RolloutEngine.load_weights`` copies into the existing parameters and
   ``refresh_inference_caches`` overwrites the AttnRes ``w * gamma`` caches in place; the absorbed
   MLA matrices are views of ``kv_b_proj``. ``weights_moved`` tells when storage did move anyway
-  (e.g. ``model.cast``), and the engine then drops its graphs;
+  (e.g. ``model.cast``), and the decode state then captures again;
 - the input ids (``state.tokens``) and the outputs (held here per bucket; overwritten by the next
   replay of that bucket, so the caller copies what it keeps).
 
@@ -32,7 +33,7 @@ WARMUP_STEPS = 2
 
 
 class GraphCaptureError(RuntimeError):
-    """Capturing failed; the decode state is untouched, so the step can run eagerly instead."""
+    """Capturing failed; nothing ran, so the decode state is as it was before the step."""
 
 
 def bucket(n: int, limit: int) -> int:

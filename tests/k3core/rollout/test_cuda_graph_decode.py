@@ -230,8 +230,8 @@ def test_engine_graph_mode_matches_eager_modes_with_joins_leaves_and_a_weight_up
     requests of different lengths and budgets (joins, leaves, buckets 1..4, latent length growth),
     then load_weights and the same requests again. Same tokens; first decode logits within tolerance.
     fp32: random-init weights with separated routing, every token equal. bf16: two warmed-up
-    checkpoints (``tests/k3core/rollout/warmed.py``: clear greedy margins; on random-init weights the
-    H200 run parted at near-ties on 27% of positions) on held-out `reverse` prompts."""
+    checkpoints (``tests/k3core/rollout/warmed.py``: clear greedy margins; random-init weights part at
+    near-ties, docs/results/gpu_tests.md) on held-out `reverse` prompts."""
     budgets = [9, 24, 30, 8, 3, 12, 6]
     if dtype == torch.float32:
         base = _model(4, dtype, separated=True)
@@ -276,8 +276,9 @@ def test_every_decode_mode_agrees_with_the_no_cache_forward_bf16(experts):
     """dynamic, static and graph decode in bf16 (16 prompts through max_batch 4: joins and leaves)
     against the same model's no-cache forward on the GPU, on a warmed-up checkpoint: at least 99% of
     greedy positions agree (the decoded token is an argmax of the forward's logits) and every parting
-    is a near-tie. On the CPU the same check passes at 100% for dynamic and static and fails at 97%
-    on a KDA state decayed by 1% per step (tests/k3core/rollout/test_decode_agreement.py)."""
+    is a near-tie. On the CPU the same check passes dynamic and static and fails a KDA state decayed
+    by 1% per step (tests/k3core/rollout/test_decode_agreement.py; figures in
+    docs/results/rollout_decode.md)."""
     from k3core.rollout.quantized import quantize_engine_model
 
     model = warmed(0, torch.bfloat16, "cuda")
