@@ -29,7 +29,7 @@ import flows  # noqa: F401,E402  (sets Prefect's environment before it is import
 import flows.pipeline as pipeline  # noqa: E402
 from flows.deploy import rl_continue  # noqa: E402
 from k3core.settings import RLSettings  # noqa: E402
-from tasks import engines, trainers  # noqa: E402
+from k3core.rl import engines, trainers  # noqa: E402
 
 
 def main() -> None:

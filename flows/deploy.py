@@ -47,9 +47,10 @@ def resolve_settings(run_id: str, artifacts: str, settings: RLSettings | None) -
     no record (including a run started by ``rl_run`` directly), except for the device: a tick computes
     on the device its ``settings`` name (the machine it runs on), not the one recorded."""
     from k3core.artifacts import ArtifactStore
+    from k3core.rl.layout import RunLayout
 
     store = ArtifactStore(artifacts)
-    rel = f"runs/{run_id}/settings.json"
+    rel = RunLayout(run_id).settings
     given = (settings or RLSettings()).replace(run_id=run_id, artifacts=artifacts)
     if not store.exists(rel):
         store.write_text(rel, json.dumps(given.to_dict(), indent=2))

@@ -36,39 +36,22 @@ from flows.retention import prune_checkpoints
 from flows.scale import iteration_runner
 from k3core.artifacts import Artifact
 from k3core.settings import RLSettings
-from tasks.common import Run, memory_metrics, progress_event, stage_memory, stage_timings
+from tasks.common import Batch, Run, memory_metrics, progress_event, stage_memory, stage_timings
 from tasks.evaluate import evaluate
 from tasks.fetch import fetch_checkpoint
 from tasks.mismatch import rollout_mismatch
 from tasks.quantize import quantize_mxfp4
 from tasks.reference import reference_logprobs
-from tasks.rollout import rollout, rollout_fanout, rollout_refill, serve_version
+from tasks.rollout import rollout, rollout_client, rollout_fanout
 from tasks.save import save_checkpoint
-from tasks.score import fans_out, score_fanout, score_refill, score_rewards
+from tasks.score import fans_out, score_fanout, score_rewards
 from tasks.train import data_position, train_step
 from tasks.transfer import transfer_weights
 from tasks.validate import validate_checkpoint
 from tasks.warmup import warmup
 
 __all__ = ["Iteration", "Prepared", "RLSettings", "check_environment", "prepare", "refill", "rl_iteration", "rl_run",
-           "rollout_of", "run_of", "score_of"]
-
-
-def run_of(s: RLSettings) -> Run:
-    from k3core.device import run_dtype
-
-    return Run(s.pipeline.artifacts, s.pipeline.run_id, s.pipeline.env, s.pipeline.seed, run_dtype(s), s.rollout.decode)
-
-
-def device_of(s: RLSettings) -> str:
-    """The device every stage of the run computes on ("cpu" or "cuda"); ``--device cuda`` on a machine
-    without one raises ``DeviceUnavailable`` (a ``ValueError``) before any stage runs, and so does
-    ``--decode graph`` where the run computes on the CPU (``--device auto`` without a GPU)."""
-    from k3core.device import decode_mode, run_device
-
-    device = run_device(s).type
-    decode_mode(device, s.rollout.decode)
-    return device
+           "sample_round"]
 
 
 def check_environment(s: RLSettings) -> bool:
@@ -112,14 +95,13 @@ class Iteration:
 @flow(name="prepare", flow_run_name="{settings.pipeline.run_id}-prepare", log_prints=True)
 def prepare(settings: RLSettings) -> Prepared:
     """fetch -> validate -> (supervised warm-up) -> quantize (MXFP4 rollout weights, version 0)."""
-    s, run = settings, run_of(settings)
-    device = device_of(s)
+    s, run = settings, Run.of(settings)
     warm = check_environment(s)
     with stage_timings() as seconds, stage_memory() as peaks:
         checkpoint = fetch_checkpoint(run, s.model.source)
         report = validate_checkpoint(run, checkpoint, s.model.preset)
-        policy = warmup(run, checkpoint, s.warmup, device=device) if warm else checkpoint
-        weights = quantize_mxfp4(run, policy, device=device) if s.rollout.quantized else policy
+        policy = warmup(run, checkpoint, s.warmup) if warm else checkpoint
+        weights = quantize_mxfp4(run, policy) if s.rollout.quantized else policy
     return Prepared(checkpoint, report, policy, weights, seconds, memory_metrics(peaks))
 
 
@@ -128,89 +110,57 @@ def prepare(settings: RLSettings) -> Prepared:
 def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights: Artifact,
                  reference: Artifact | None = None, rollouts: Artifact | None = None,
                  behind: Artifact | None = None) -> Iteration:
-    """One iteration: rollout, score, train, save, transfer. ``policy``: the trainer's weights at the
-    version the engine serves (``weights``); ``reference``: the frozen policy of the KL penalty
-    (``kl_coef`` > 0). One-step-off-policy: ``rollouts``, this iteration's batch when the previous
-    iteration sampled it ahead; else it is sampled here by ``behind`` (the version before
-    ``weights``; a resumed run finds it published) or, with neither, by ``weights`` (iteration 0)."""
-    s, run = settings, run_of(settings)
-    device = device_of(s)
-    cursor = data_position(policy)  # where this iteration's prompts start (datasets), as the trainer state says
-    t0 = time.perf_counter()
+    """One iteration (the module's diagram). ``policy``: the trainer's weights at the version the
+    engine serves (``weights``); ``reference``: the frozen policy of the KL penalty (``kl_coef`` > 0);
+    ``rollouts``: this iteration's batch when the previous iteration sampled it ahead, else sampled
+    here by ``behind`` (the version before ``weights``) or, without it, by ``weights``."""
+    s, run, t0 = settings, Run.of(settings), time.perf_counter()
     ahead = s.grpo.max_staleness > 0 and iteration + 1 < s.pipeline.iterations
     with stage_timings() as seconds, stage_memory() as peaks:
-        heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward, device=device)
+        heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
                    if s.evaluation.due(iteration) else {})
-        if rollouts is None:
-            rollouts = rollout_of(s, run, iteration, behind or weights, cursor=cursor, device=device)
-        scored = score_of(s, run, iteration, rollouts)
-        refills = refill(s, run, iteration, weights, scored.info["groups_informative"], cursor, device)
-        if ahead:  # the next batch, at this version, beside the stages up to the save; its prompts follow this one's
-            serve_version(run.run_id, weights, s.rollout.url, device, run.dtype, run.decode)
-            pending = rollout.submit(run, iteration + 1, weights, s.rollout,
-                                     cursor=cursor + s.rollout.prompts_per_iteration * (1 + len(refills)),
-                                     device=device)
-        mismatch = (rollout_mismatch(run, iteration, policy, rollouts, s.evaluation.mismatch_sequences,
-                                     s.rollout.temperature, device=device)
+        batch = sample_round(s, run, iteration, behind or weights, Batch(s.rollout, data_position(policy)), rollouts)
+        batch = refill(s, run, iteration, weights, batch)
+        if ahead:  # the next batch, at this version, beside the stages up to the save (the engine made ready here)
+            rollout_client(run, weights, s.rollout.url)
+            pending = rollout.submit(run, iteration + 1, weights, s.rollout, cursor=batch.next_position)
+        mismatch = (rollout_mismatch(run, iteration, policy, batch.rollouts[0], s.evaluation.mismatch_sequences,
+                                     s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_due(iteration) else {})
-        batch = (scored, *(sc for _, sc in refills))
-        ref = (reference_logprobs(run, iteration, reference, batch, s.grpo, s.rollout, device=device)
-               if s.grpo.kl_coef else None)
-        trained = train_step(run, iteration, policy, scored, s.grpo, s.rollout, batch[1:], cursor, ref,
-                             procs=s.scale_out.train_procs, device=device)
+        ref = reference_logprobs(run, iteration, reference, batch, s.grpo) if s.grpo.kl_coef else None
+        trained = train_step(run, iteration, policy, batch, s.grpo, ref, s.scale_out.train_procs)
         checkpoint = save_checkpoint(run, iteration, trained)
         next_rollouts = pending.result() if ahead else None  # the engine keeps this version until it is done
-        engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized, device=device)
-    metrics = reports.iteration_metrics(iteration, weights, rollouts, scored, trained, engine, heldout, mismatch, seconds)
-    metrics.update(sampling_rounds=1 + len(refills), weight_version=rollouts.version, policy_version=iteration,
-                   staleness=iteration - rollouts.version, seconds_iteration=time.perf_counter() - t0,
-                   device=device, dtype=run.dtype, **memory_metrics(peaks))
-    served = _served(s, checkpoint)
-    extra = [a for pair in refills for a in pair] + ([ref] if ref is not None else [])
-    return Iteration(checkpoint, served, metrics, [rollouts, scored, *extra, trained, checkpoint, engine],
-                     next_rollouts)
+        engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized)
+    metrics = reports.iteration_metrics(iteration, batch, trained, engine, heldout, mismatch, seconds)
+    metrics.update(seconds_iteration=time.perf_counter() - t0, device=run.device, dtype=run.dtype,
+                   **memory_metrics(peaks))
+    lineage = [*batch.artifacts(), *([ref] if ref is not None else []), trained, checkpoint, engine]
+    return Iteration(checkpoint, _served(s, checkpoint), metrics, lineage, next_rollouts)
 
 
-def rollout_of(s: RLSettings, run: Run, iteration: int, weights: Artifact, refill: int = 0,
-               cursor: int = 0, device: str = "cpu") -> Artifact:
-    """The rollout (or refill round ``refill``) in this process on ``device``, or fanned out as
-    shards over the task runner's engine workers (``--task-runner dask|ray``, CPU engines): the same
-    table either way."""
-    if s.scale_out.task_runner != "local":
-        return rollout_fanout(run, iteration, weights, s.rollout, s.scale_out.rollout_workers, refill, cursor)
-    if refill:
-        return rollout_refill(run, iteration, weights, s.rollout, refill, cursor, device=device)
-    return rollout(run, iteration, weights, s.rollout, cursor=cursor, device=device)
+def sample_round(s: RLSettings, run: Run, iteration: int, weights: Artifact, batch: Batch,
+                 rollouts: Artifact | None = None) -> Batch:
+    """``batch`` with its next sampling round (round 0, or dynamic-sampling refill round r), rolled
+    out on ``weights`` and scored; ``rollouts``: the round's table when it was sampled ahead (only
+    scored here). The one place that decides where: in this process, or fanned out over the task
+    runner's workers (``--task-runner dask|ray``: rollout shards on resident engines, and a sandboxed
+    environment's reward calls); the same tables either way."""
+    r, fan, workers = batch.rounds, s.scale_out.task_runner != "local", s.scale_out.rollout_workers
+    if rollouts is None:
+        rollouts = (rollout_fanout(run, iteration, weights, s.rollout, workers, r, batch.cursor) if fan
+                    else rollout(run, iteration, weights, s.rollout, r, batch.cursor))
+    scored = (score_fanout(run, iteration, rollouts, s.grpo, s.reward, workers, r) if fan and fans_out(run)
+              else score_rewards(run, iteration, rollouts, s.grpo, s.reward, r))
+    return batch.plus(rollouts, scored)
 
 
-def score_of(s: RLSettings, run: Run, iteration: int, rollouts: Artifact, refill: int = 0) -> Artifact:
-    """Rewards and advantages of a rollout (or of refill round ``refill``) in this process, or with a
-    sandboxed environment's reward calls fanned out over the task runner's workers
-    (``--task-runner dask|ray``): the same table either way."""
-    if s.scale_out.task_runner != "local" and fans_out(run):
-        return score_fanout(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, refill,
-                            s.reward, s.scale_out.rollout_workers)
-    if refill:
-        return score_refill(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages, refill,
-                            s.reward)
-    return score_rewards(run, iteration, rollouts, s.rollout.samples_per_prompt, s.grpo.scale_advantages,
-                         reward=s.reward)
-
-
-def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact,
-           informative: int, cursor: int = 0, device: str = "cpu") -> list[tuple[Artifact, Artifact]]:
-    """Dynamic sampling: while fewer than ``prompts_per_iteration`` groups have rewards that differ
-    (``informative`` so far), one more round of new prompts on the same weights, at most
-    ``refill_rounds``. -> (rollouts, scored) of each round, in order."""
-    out = []
-    for r in range(1, s.grpo.refill_rounds + 1):
-        if informative >= s.rollout.prompts_per_iteration:
-            break
-        rollouts = rollout_of(s, run, iteration, weights, r, cursor, device)
-        scored = score_of(s, run, iteration, rollouts, r)
-        informative += scored.info["groups_informative"]
-        out.append((rollouts, scored))
-    return out
+def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact, batch: Batch) -> Batch:
+    """Dynamic sampling: while fewer than ``prompts_per_iteration`` groups of ``batch`` have rewards
+    that differ, one more round of new prompts on the same weights, at most ``refill_rounds``."""
+    while batch.informative < s.rollout.prompts_per_iteration and batch.rounds <= s.grpo.refill_rounds:
+        batch = sample_round(s, run, iteration, weights, batch)
+    return batch
 
 
 @flow(name="rl_run", flow_run_name="{settings.pipeline.run_id}", log_prints=True)
@@ -223,15 +173,15 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     were). With ``keep_checkpoints`` N, older checkpoints are deleted after each iteration
     (``flows/retention.py``)."""
     log = get_run_logger()
-    s, run = settings, run_of(settings)
+    s = settings
+    run = Run.of(s)  # --device cuda without a GPU fails here, before any stage
     recorded = reports.finished_summary(s)
     if recorded is not None:  # nothing to do: no stage, transfer or evaluation runs, no record is rewritten
         log.info(f"run '{run.run_id}' finished its {recorded['iterations']} iterations already: nothing to do "
-                 f"(its records are under runs/{run.run_id}/; a larger --iterations continues it)")
+                 f"(its records are under {run.rel()}/; a larger --iterations continues it)")
         return recorded
     t_start = time.perf_counter()
-    device = device_of(s)  # --device cuda without a GPU fails here, before any stage
-    log.info(f"run '{run.run_id}': stages compute on {device} (--device {s.device.type})")
+    log.info(f"run '{run.run_id}': stages compute on {run.device} (--device {s.device.type})")
     progress_event("iterations", done=0, total=s.pipeline.iterations)
     prep = prepare(s)
     history, done = reports.finished_iterations(s)  # a continued run starts after its last recorded iteration
@@ -266,10 +216,10 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
                 log.info(f"--keep-checkpoints {s.pipeline.keep_checkpoints}: deleted the checkpoints and trainer "
                          f"states of versions {', '.join(map(str, pruned))}")
             progress_event("iterations", done=n + 1, total=s.pipeline.iterations)
-    final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward, device=device)
+    final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward)
     # a continued run's prepare found its work done; the seconds it really cost are the recorded ones
     prep_seconds = (reports.recorded_prepare_seconds(s) if done_before else None) or prep.seconds
-    summary = reports.summary(s, prep_seconds, history, final, time.perf_counter() - t_start, prep.memory, device,
+    summary = reports.summary(s, prep_seconds, history, final, time.perf_counter() - t_start, prep.memory, run.device,
                               run.dtype)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary

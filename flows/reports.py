@@ -29,6 +29,7 @@ import io
 import re
 import json
 import statistics
+from typing import TYPE_CHECKING
 
 from prefect.artifacts import (
     create_markdown_artifact,
@@ -40,7 +41,11 @@ from prefect.artifacts import (
 from prefect.context import FlowRunContext
 
 from k3core.artifacts import Artifact, ArtifactStore
+from k3core.rl.layout import RunLayout
 from k3core.settings import RLSettings
+
+if TYPE_CHECKING:
+    from tasks.common import Batch
 
 TABLE_COLUMNS = ["iteration", "weight_version", "staleness", "reward_mean", "reward_std", "solved_fraction", "heldout_reward",
                  "heldout_greedy_reward", "kl_rollout_trainer_k3", "clip_fraction", "approx_kl", "kl_ref", "ratio_std",
@@ -69,6 +74,11 @@ def artifact_key(kind: str, run_id: str) -> str:
     Prefect, so without the run id one run's reports would supersede another's. Keys allow lowercase
     letters, digits and dashes only; other characters of the run id become dashes."""
     return f"rl-{kind}-" + re.sub(r"[^a-z0-9-]", "-", run_id.lower())
+
+
+def _files(s: RLSettings) -> tuple[ArtifactStore, RunLayout]:
+    """The run's artifact store and its layout under it."""
+    return ArtifactStore(s.pipeline.artifacts), RunLayout(s.pipeline.run_id)
 
 
 def _in_flow() -> bool:
@@ -146,7 +156,8 @@ def task_run_link(a: Artifact, text: str | None = None, ui: str = "") -> str:
 def lineage_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
     """The ``rl-lineage`` table: one row per artifact, oldest first. *produced by* links to the task
     run that published the artifact, each input to the task run that published that input."""
-    run_uri = ArtifactStore(s.pipeline.artifacts).uri(f"runs/{s.pipeline.run_id}")
+    store, layout = _files(s)
+    run_uri = store.uri(layout.rel())
     md = [f"### run `{s.pipeline.run_id}`: where every artifact came from", "",
           f"Paths are relative to the run's directory `{run_uri}`; sha256 is the content hash (a directory's "
           "over its sorted files). *produced by* links to the task run (stage and iteration); each input "
@@ -166,9 +177,9 @@ def lineage_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
 
 def checkpoints_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
     """The ``rl-checkpoints`` note: latest checkpoint, every iteration's checkpoint, validation report."""
-    store = ArtifactStore(s.pipeline.artifacts)
+    store, layout = _files(s)
     run_id = s.pipeline.run_id
-    root_uri, run_uri = store.uri("").rstrip("/"), store.uri(f"runs/{run_id}")
+    root_uri, run_uri = store.uri("").rstrip("/"), store.uri(layout.rel())
     cks = [a for a in lineage if a.kind == "dcp" and "manifest" in a.info]
     report = next((a for a in lineage if a.kind == "report"), None)
     md = [f"### run `{run_id}`: checkpoints and reports", ""]
@@ -183,20 +194,24 @@ def checkpoints_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
         for a in cks:
             rel = _rel(a.uri, run_uri)
             cell = _link_or_code(a.uri, rel) if a.uri.startswith('http') else f'`{rel}`'
-            if not store.exists(f"runs/{run_id}/{rel}"):
+            if not store.exists(layout.rel(rel)):
                 cell += " (deleted: --keep-checkpoints)"
             md.append(f"| {a.version} | {cell} | `{a.sha256[:12]}` | {a.produced_by} |")
     return "\n".join(md)
 
 
-def iteration_metrics(iteration: int, weights: Artifact, rollouts: Artifact, scored: Artifact, trained: Artifact,
-                      engine: Artifact, heldout: dict, mismatch: dict, seconds: dict[str, float]) -> dict:
-    """One row of the run's history: what the iteration's stages measured."""
-    return {"iteration": iteration, "weight_version": weights.version, "qat": trained.info["qat"], **scored.info,
+def iteration_metrics(iteration: int, batch: Batch, trained: Artifact, engine: Artifact, heldout: dict,
+                      mismatch: dict, seconds: dict[str, float]) -> dict:
+    """One row of the run's history: what the iteration's stages measured. The reward statistics and
+    the tokens are the first sampling round's; ``weight_version`` is the version its rollouts were
+    sampled with (``staleness`` behind the policy's, ``iteration``)."""
+    rollouts, scored = batch.rollouts[0], batch.scored[0]
+    return {"iteration": iteration, "weight_version": rollouts.version, "qat": trained.info["qat"], **scored.info,
             **{k: v for k, v in trained.info["metrics"].items() if isinstance(v, (int, float))},
             "rollout_tokens": rollouts.info["tokens"], "transfer_seconds": engine.info["seconds"],
             **{k: v for k, v in heldout.items() if k.startswith("heldout")}, **mismatch,
-            **{f"seconds_{k}": v for k, v in seconds.items()}}
+            **{f"seconds_{k}": v for k, v in seconds.items()},
+            "sampling_rounds": batch.rounds, "policy_version": iteration, "staleness": iteration - rollouts.version}
 
 
 def progress_line(n: int, total: int, m: dict) -> str:
@@ -209,21 +224,21 @@ def record_lineage(s: RLSettings, prepared: list[Artifact], iterations: list[lis
     """``lineage.json`` beside ``metrics.json``: the artifacts of prepare and of each finished
     iteration (what ``finished_iterations`` reads back to continue a run without replaying it)."""
     doc = {"prepare": [a.to_dict() for a in prepared], "iterations": [[a.to_dict() for a in it] for it in iterations]}
-    ArtifactStore(s.pipeline.artifacts).replace_text(f"runs/{s.pipeline.run_id}/lineage.json", json.dumps(doc, indent=1))
+    store, layout = _files(s)
+    store.replace_text(layout.lineage, json.dumps(doc, indent=1))
 
 
 def finished_iterations(s: RLSettings) -> tuple[list[dict], list[list[Artifact]]]:
     """(metrics, artifacts) of the iterations this run has finished and recorded, at most
     ``iterations`` of them; empty when there are none or the records disagree with the checkpoints
     (then the run starts at iteration 0, and its cached stages find their published work)."""
-    store = ArtifactStore(s.pipeline.artifacts)
-    pre = f"runs/{s.pipeline.run_id}"
-    if not (store.exists(f"{pre}/metrics.json") and store.exists(f"{pre}/lineage.json")):
+    store, layout = _files(s)
+    if not (store.exists(layout.metrics) and store.exists(layout.lineage)):
         return [], []
-    history = json.loads(store.read_text(f"{pre}/metrics.json"))
-    lineage = [[Artifact.from_dict(a) for a in it] for it in json.loads(store.read_text(f"{pre}/lineage.json"))["iterations"]]
+    history = json.loads(store.read_text(layout.metrics))
+    lineage = [[Artifact.from_dict(a) for a in it] for it in json.loads(store.read_text(layout.lineage))["iterations"]]
     n = min(len(history), len(lineage), s.pipeline.iterations)
-    if n == 0 or not store.exists(f"{pre}/checkpoints/iter-{n:04d}"):
+    if n == 0 or not store.exists(layout.checkpoint_rel(n)):
         return [], []
     return history[:n], lineage[:n]
 
@@ -232,11 +247,10 @@ def finished_summary(s: RLSettings) -> dict | None:
     """The recorded ``summary.json`` of a run that has finished at least ``iterations`` iterations
     (its final evaluation done, its records and latest checkpoint in place), else None. Replaying
     such a run returns this instead of evaluating again and rewriting its stage timings."""
-    store = ArtifactStore(s.pipeline.artifacts)
-    pre = f"runs/{s.pipeline.run_id}"
-    if not store.exists(f"{pre}/summary.json"):
+    store, layout = _files(s)
+    if not store.exists(layout.summary):
         return None
-    recorded = json.loads(store.read_text(f"{pre}/summary.json"))
+    recorded = json.loads(store.read_text(layout.summary))
     n = recorded.get("iterations")
     if not isinstance(n, int) or n < s.pipeline.iterations:
         return None
@@ -246,11 +260,10 @@ def finished_summary(s: RLSettings) -> dict | None:
 
 def recorded_prepare_seconds(s: RLSettings) -> dict[str, float] | None:
     """The prepare stages' seconds of the run's last summary (``prepare_<stage>`` entries), or None."""
-    store = ArtifactStore(s.pipeline.artifacts)
-    rel = f"runs/{s.pipeline.run_id}/summary.json"
-    if not store.exists(rel):
+    store, layout = _files(s)
+    if not store.exists(layout.summary):
         return None
-    per_stage = json.loads(store.read_text(rel)).get("seconds_per_stage") or {}
+    per_stage = json.loads(store.read_text(layout.summary)).get("seconds_per_stage") or {}
     out = {k[len("prepare_"):]: v for k, v in per_stage.items() if k.startswith("prepare_")}
     return out or None
 
@@ -260,11 +273,11 @@ def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact
     publish the UI artifacts listed in the module docstring. ``history``: one metrics dict per
     iteration done; ``lineage``: every artifact of the run so far, oldest first; ``final``: the run's
     summary (last publication only)."""
-    store = ArtifactStore(s.pipeline.artifacts)
+    store, layout = _files(s)
     run_id = s.pipeline.run_id
     png = curves_png(history)
-    store.replace_text(f"runs/{run_id}/metrics.json", json.dumps(history, indent=1))
-    with store.publish(f"runs/{run_id}/curves-{len(history):04d}.png") as tmp:
+    store.replace_text(layout.metrics, json.dumps(history, indent=1))
+    with store.publish(layout.curves_rel(len(history))) as tmp:
         tmp.write_bytes(png)
     if not _in_flow():
         return
@@ -357,5 +370,6 @@ def summary(s: RLSettings, prepare_seconds: dict[str, float], history: list[dict
         "dtype": dtype,
         "memory_per_stage": memory,
     }
-    ArtifactStore(s.pipeline.artifacts).replace_text(f"runs/{s.pipeline.run_id}/summary.json", json.dumps(out, indent=2))
+    store, layout = _files(s)
+    store.replace_text(layout.summary, json.dumps(out, indent=2))
     return out

@@ -44,8 +44,9 @@ def run_tag(lock: Path) -> str:
 
 def remove_dead_staging(artifacts: str, run_id: str) -> list[Path]:
     from k3core.artifacts import ArtifactStore
+    from k3core.rl.layout import RunLayout
 
-    return ArtifactStore(artifacts).remove_dead_staging(f"runs/{run_id}")
+    return ArtifactStore(artifacts).remove_dead_staging(RunLayout(run_id).rel())
 
 
 def _pdeathsig_preexec():

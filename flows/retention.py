@@ -22,6 +22,7 @@ below the latest published version; each directory loses its completion marker b
 from __future__ import annotations
 
 from k3core.artifacts import ArtifactStore
+from k3core.rl.layout import RunLayout
 from k3core.settings import RLSettings
 
 __all__ = ["checkpoints_to_keep", "prune_checkpoints"]
@@ -40,14 +41,13 @@ def prune_checkpoints(s: RLSettings, latest: int) -> list[int]:
     ``checkpoints_to_keep`` does not keep; return the versions deleted, oldest first."""
     if s.pipeline.keep_checkpoints <= 0:
         return []
-    store = ArtifactStore(s.pipeline.artifacts)
-    pre = f"runs/{s.pipeline.run_id}"
+    store, layout = ArtifactStore(s.pipeline.artifacts), RunLayout(s.pipeline.run_id)
     keep = checkpoints_to_keep(latest, s.pipeline.keep_checkpoints, s.grpo.max_staleness)
     removed = []
     for v in range(1, latest):
         if v in keep:
             continue
-        ckpt, trainer = f"{pre}/checkpoints/iter-{v:04d}", f"{pre}/iter-{v - 1:04d}/trainer"
+        ckpt, trainer = layout.checkpoint_rel(v), layout.trainer_rel(v - 1)
         # the checkpoint first (what resume reads); a crash before the trainer state goes leaves
         # only that state behind, which the next pruning finds and deletes
         found = store.remove(ckpt)

@@ -26,10 +26,11 @@ from collections.abc import Iterator
 def lock_path(artifacts: str, run_id: str) -> Path:
     """The lock file of a run: inside the run directory for a local root, else in the local cache."""
     from k3core.artifacts import ArtifactStore
+    from k3core.rl.layout import RunLayout
 
     store = ArtifactStore(artifacts)
     base = Path(store.base) if store.is_local else store.cache
-    return base / "runs" / run_id / ".lock"
+    return base / RunLayout(run_id).lock
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,10 @@ def run_lock(artifacts: str, run_id: str) -> Iterator[RunLock]:
 def iterations_done(artifacts: str, run_id: str) -> int:
     """Iterations whose checkpoint is published (``latest.json``); 0 for a run never started."""
     from k3core.artifacts import ArtifactStore
+    from k3core.rl.layout import RunLayout
 
     store = ArtifactStore(artifacts)
-    rel = f"runs/{run_id}/latest.json"
+    rel = RunLayout(run_id).latest
     if not store.exists(rel):
         return 0
     return int(json.loads(store.read_text(rel))["iteration"])

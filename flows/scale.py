@@ -6,10 +6,10 @@ reward calls run.
   ``LocalCluster`` of ``--rollout-workers`` single-threaded worker processes on this machine
   (loopback), or the scheduler at ``--dask-address``. The cluster outlives each iteration's flow,
   so every worker keeps its rollout engine resident across iterations (the worker plugin of
-  ``tasks.engines``); each iteration flow joins it with a runner of its own.
+  ``k3core.rl.resident``); each iteration flow joins it with a runner of its own.
 - ``ray``: prefect-ray's ``RayTaskRunner`` on one Ray instance for the whole run: a local one of
   ``--rollout-workers`` CPUs (this process starts it: ``ray.init``), or the cluster at
-  ``--ray-address``; and ``--rollout-workers`` engine actors (``tasks.engines.EngineActor``) that
+  ``--ray-address``; and ``--rollout-workers`` engine actors (``k3core.rl.resident.EngineActor``) that
   live as long as the run, which the shard tasks call. prefect-ray places tasks in pooled worker
   processes of its choosing, so the engines that must stay resident live in actors, not in tasks.
   Each iteration flow's runner finds Ray initialised in this process and uses it (it then neither
@@ -134,7 +134,7 @@ def iteration_runner(scale: ScaleOutSettings, run_id: str) -> Iterator[Callable[
     from distributed import Client, LocalCluster
     from prefect_dask import DaskTaskRunner
 
-    from tasks.engines import worker_plugin
+    from k3core.rl.resident import PLUGIN_NAME, worker_plugin
 
     with contextlib.ExitStack() as stack:
         address = scale.dask_address
@@ -147,7 +147,7 @@ def iteration_runner(scale: ScaleOutSettings, run_id: str) -> Iterator[Callable[
                                                            env=_worker_env()))
             address = cluster.scheduler_address
         client = stack.enter_context(Client(address))
-        client.register_plugin(worker_plugin(), name="k3rl-engines")
+        client.register_plugin(worker_plugin(), name=PLUGIN_NAME)
         yield lambda: DaskTaskRunner(address=address)
 
 
@@ -172,7 +172,7 @@ def _ray_engines(scale: ScaleOutSettings, run_id: str) -> Iterator[list]:
     check_ray(scale)
     import ray
 
-    from tasks.engines import RAY_NAMESPACE, start_actors
+    from k3core.rl.resident import RAY_NAMESPACE, start_actors
 
     owns = not ray.is_initialized()
     if owns:
@@ -184,7 +184,7 @@ def _ray_engines(scale: ScaleOutSettings, run_id: str) -> Iterator[list]:
                 raise ConnectionError(f"{e}; a head started by `ray start` authenticates drivers by token unless it "
                                       "was started with RAY_AUTH_MODE=disabled: run with RAY_AUTH_MODE=token and the "
                                       "cluster's token (~/.ray/auth_token, or RAY_AUTH_TOKEN)") from e
-        else:  # one CPU of Ray's accounting per shard task; the engine actors hold none (tasks.engines)
+        else:  # one CPU of Ray's accounting per shard task; the engine actors hold none (k3core.rl.resident)
             common["runtime_env"]["env_vars"]["PYTHONPATH"] = _import_path()
             # address "local": a new instance, never one a `ray start` left registered on this machine
             ray.init(address="local", num_cpus=scale.rollout_workers, include_dashboard=False,

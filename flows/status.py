@@ -25,10 +25,11 @@ class RunNotFound(ValueError):
 def list_runs(artifacts: str) -> list[str]:
     """Run ids with a directory under ``<artifacts>/runs`` (empty when there is none)."""
     from k3core.artifacts import ArtifactStore
+    from k3core.rl.layout import RUNS
 
     store = ArtifactStore(artifacts)
     try:
-        entries = store.fs.ls(f"{store.base}/runs", detail=True)
+        entries = store.fs.ls(f"{store.base}/{RUNS}", detail=True)
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
@@ -38,6 +39,7 @@ def newest_run(artifacts: str) -> str:
     """The run whose directory changed last (ties, or a store without modification times: the last
     id in sorted order); ``RunNotFound`` when the root holds no run."""
     from k3core.artifacts import ArtifactStore
+    from k3core.rl.layout import RunLayout
 
     runs = list_runs(artifacts)
     if not runs:
@@ -46,7 +48,7 @@ def newest_run(artifacts: str) -> str:
     store = ArtifactStore(artifacts)
 
     def changed(run_id: str) -> float:
-        info = store.fs.info(f"{store.base}/runs/{run_id}")
+        info = store.fs.info(f"{store.base}/{RunLayout(run_id).rel()}")
         t = info.get("mtime") or info.get("LastModified") or 0
         return t.timestamp() if hasattr(t, "timestamp") else float(t)
 
@@ -69,21 +71,21 @@ def _trend(points: list[tuple[int, float]], key: str) -> dict | None:
 def run_status(artifacts: str, run_id: str) -> dict:
     """The summary of run ``run_id`` (JSON-able). Raises ``RunNotFound`` when nothing of it exists."""
     from k3core.artifacts import ArtifactStore
+    from k3core.rl.layout import RunLayout
     from k3core.settings import PipelineSettings
 
     PipelineSettings(run_id=run_id)  # a run id that is a path (``../..``) is refused: SettingsError, exit status 2
-    store = ArtifactStore(artifacts)
-    pre = f"runs/{run_id}"
-    latest = _read_json(store, f"{pre}/latest.json")
-    history = _read_json(store, f"{pre}/metrics.json") or []
-    settings = _read_json(store, f"{pre}/settings.json")
-    started = latest is not None or history or settings is not None or store.exists(f"{pre}/source.validation.json")
+    store, layout = ArtifactStore(artifacts), RunLayout(run_id)
+    latest = _read_json(store, layout.latest)
+    history = _read_json(store, layout.metrics) or []
+    settings = _read_json(store, layout.settings)
+    started = latest is not None or history or settings is not None or store.exists(layout.validation)
     if not started:
         runs = list_runs(artifacts)
-        raise RunNotFound(f"no run '{run_id}' under {store.uri('').rstrip('/')} (no {pre}/latest.json); "
+        raise RunNotFound(f"no run '{run_id}' under {store.uri('').rstrip('/')} (no {layout.latest}); "
                           + (f"runs there: {', '.join(runs)}" if runs else "no runs there"))
     done = int(latest["iteration"]) if latest else 0
-    summary = _read_json(store, f"{pre}/summary.json")
+    summary = _read_json(store, layout.summary)
     final = summary if summary and summary.get("iterations") == done and done > 0 else None
 
     def heldout(metric: str, final_key: str) -> dict | None:

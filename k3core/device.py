@@ -4,8 +4,9 @@ Owns: resolving the ``--device`` setting (``cpu``, ``cuda``, ``auto``) to a ``to
 ``cuda`` where torch sees no GPU; the decode mode a rollout engine uses on that device; and
 ``MemoryProbe``, which measures one stage's peak device memory and peak host RSS; ``to_device``, the
 host-to-device copy that does not wait for the GPU. Does not own: what
-runs where (every stage passes the device on to the k3core functions it calls), the predicted
-figures (``k3core.plan.device_ledger``).
+runs where (a run resolves its device, dtype and decode mode once, ``tasks.common.Run.of``, and its
+stages pass them on to the k3core functions they call), the predicted figures
+(``k3core.plan.device_ledger``).
 
 Peaks, per stage:
 - device: ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats`` at the
@@ -102,11 +103,13 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 def decode_mode(device: torch.device | str, requested: str = "auto") -> str:
     """The rollout engine's decode mode on ``device`` (``k3core.rollout.engine``) for the run's
-    ``--decode`` setting. ``auto``: on CUDA "static" (fixed-shape decode state, no host sync per step);
-    "graph" (float and W4A8 experts, the fast one) stays opt-in until its bf16 GPU tests pass
-    (docs/results/gpu_tests.md); on the CPU "dynamic" (the cache grows with the batch, nothing padded
-    to a bucket), which a CPU runs faster than padded static steps. "graph" anywhere but CUDA is
-    refused with a ``ValueError`` naming the fix."""
+    ``--decode`` setting: the one place "auto" is resolved (engines take a resolved mode). ``auto``:
+    on CUDA "static" (fixed-shape decode state, no host sync per step); on the CPU "dynamic" (the
+    cache grows with the batch, nothing padded to a bucket), which a CPU runs faster than padded
+    static steps. "graph" (CUDA graphs, float and W4A8 experts) is never the automatic choice: it is
+    opt-in while its bf16 engine-level GPU test does not hold it to eager decode
+    (docs/results/gpu_tests.md has the results). "graph" anywhere but CUDA is refused with a
+    ``ValueError`` naming the fix."""
     kind = torch.device(device).type
     if requested == "auto":
         return "static" if kind == "cuda" else "dynamic"

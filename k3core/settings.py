@@ -232,7 +232,8 @@ class EvalSettings(_Section):
     mismatch_sequences: int = _int(16, "mismatch-sequences", "rollouts per iteration for KL(trainer || W4A8 engine) "
                                    "vs KL(trainer || float engine) (0: off)")
     mismatch_every: int = _int(1, "mismatch-every", "measure the mismatch every N iterations (it builds two extra "
-                               "engines from a copy of the trainer: 71 s of a medium iteration's first on an H200)",
+                               "engines from a copy of the trainer and decodes the sampled rollouts through both, "
+                               "token by token: docs/results/gpu_loop.md has its cost at the medium preset)",
                                min=1)
 
     def due(self, iteration: int) -> bool:

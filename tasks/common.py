@@ -14,7 +14,7 @@
   then calls the stage like a function, or ``.submit(...)``s it to run beside what the flow does next
   (the flow's task runner; ``.result()`` joins it). ``stage_timings()`` collects each call's wall time,
   ``stage_memory()`` its peak device memory and host RSS (``k3core.device.MemoryProbe``, on the
-  device the call's ``device`` argument names; a submitted stage is not probed, its memory shows in
+  run's device, ``Run.device``; a submitted stage is not probed, its memory shows in
   the peaks of the stages it runs beside).
 - Fault injection (tests only, ``K3RL_FAULT``, ``k3core/faults.py``): with it set, each stage body
   runs inside ``faults.in_stage`` so its publishes know their stage, and may kill the process after
@@ -43,7 +43,8 @@ from prefect.tasks import MaterializingTask, exponential_backoff
 from k3core import faults
 from k3core.artifacts import Artifact, ArtifactStore
 from k3core.checkpoint.validate import CheckpointValidationError
-from k3core.settings import SettingsError
+from k3core.rl.layout import RunLayout
+from k3core.settings import DECODE_MODES, DTYPES, RLSettings, RolloutSettings, SettingsError
 
 NON_RETRYABLE = (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, PermissionError,
                  CheckpointValidationError, SettingsError)
@@ -87,32 +88,65 @@ def result_root_for(artifact_root: str) -> str:
     return str(p)
 
 
+def _resolved(choices: tuple[str, ...]) -> tuple[str, ...]:
+    """A setting's choices without "auto", which only a device resolves."""
+    return tuple(c for c in choices if c != "auto")
+
+
 @dataclass(frozen=True)
 class Run:
     """A run's identity: where its artifacts live, its id, its environment and its seed, fixed for
-    its whole life; and the dtype its models compute in, resolved per invocation (``--dtype auto``
-    follows the device, which a deployment's ticks may change: trainer states read in either dtype).
-    Every stage takes it first; the artifact layout under ``runs/<run_id>/`` is here."""
+    its whole life; and where and how it computes, resolved once per invocation from the settings
+    (``Run.of``): the device, the dtype its models compute in (``--dtype auto`` follows the device,
+    which a deployment's ticks may change: trainer states read in either dtype) and the embedded
+    engine's decode mode. Every stage takes it first, so Prefect's input cache keys every stage on
+    the device, dtype and decode mode it computed with. The artifact layout under ``runs/<run_id>/``
+    is ``k3core.rl.layout.RunLayout``, which ``layout`` gives."""
 
     artifacts: str
     run_id: str
     env: str = "reverse"
     seed: int = 0
+    device: str = "cpu"  # "cpu" or "cuda": where every stage computes (``k3core.device.run_device``)
     dtype: str = "float32"  # the trainer's and the engine's weights (``k3core.device.compute_dtype``)
-    decode: str = "auto"  # the embedded engine's decode mode (``--decode``, ``k3core.device.decode_mode``)
+    decode: str = "dynamic"  # the embedded engine's decode mode, resolved (``k3core.device.decode_mode``)
+
+    def __post_init__(self):
+        resolved = (("device", self.device, ("cpu", "cuda")), ("dtype", self.dtype, _resolved(DTYPES)),
+                    ("decode", self.decode, _resolved(DECODE_MODES)))
+        problems = [f"{name} {value!r} is not resolved (one of {', '.join(allowed)}; Run.of resolves the settings)"
+                    for name, value, allowed in resolved if value not in allowed]
+        if problems:
+            raise ValueError(f"Run {self.run_id!r}: " + "; ".join(problems))
+
+    @classmethod
+    def of(cls, s: RLSettings) -> Run:
+        """The run ``s`` describes, its device, dtype and decode mode resolved here, once
+        (``k3core.device``): ``--device cuda`` on a machine without one raises ``DeviceUnavailable``
+        (a ``ValueError``) before any stage runs, and so does ``--decode graph`` where the run
+        computes on the CPU."""
+        from k3core.device import compute_dtype, decode_mode, run_device
+
+        device = run_device(s).type
+        return cls(s.pipeline.artifacts, s.pipeline.run_id, s.pipeline.env, s.pipeline.seed, device,
+                   compute_dtype(device, s.device.dtype), decode_mode(device, s.rollout.decode))
 
     @property
     def store(self) -> ArtifactStore:
         return ArtifactStore(self.artifacts)
 
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.run_id)
+
     def rel(self, *parts: str) -> str:
-        return "/".join(("runs", self.run_id, *parts))
+        return self.layout.rel(*parts)
 
     def iter_rel(self, iteration: int, name: str) -> str:
-        return self.rel(f"iter-{iteration:04d}", name)
+        return self.layout.iter_rel(iteration, name)
 
     def checkpoint_rel(self, version: int) -> str:
-        return self.rel("checkpoints", f"iter-{version:04d}")
+        return self.layout.checkpoint_rel(version)
 
     def uri(self, rel: str) -> str:
         return self.store.uri(rel)
@@ -126,6 +160,43 @@ class Run:
         """What a rollout at ``weights`` samples from: the engine weights a transfer pushed (a trainer
         checkpoint, ``dcp``), or the published rollout weights of version 0, which the engine loads."""
         return self.engine_uri(weights.version) if weights.kind == "dcp" else weights.uri
+
+
+@dataclass(frozen=True)
+class Batch:
+    """An iteration's training batch: its sampling rounds (the first, then the dynamic-sampling
+    refills, in order) as rollout and scored tables, the settings they were sampled with, and the
+    data position the first round's prompts start at (``tasks.train.data_position`` of the trainer
+    state). Round ``r`` reads its prompts at ``cursor + r * prompts_per_iteration``."""
+
+    sampling: RolloutSettings
+    cursor: int = 0
+    rollouts: tuple[Artifact, ...] = ()
+    scored: tuple[Artifact, ...] = ()
+
+    @property
+    def rounds(self) -> int:
+        return len(self.scored)
+
+    @property
+    def informative(self) -> int:
+        """Groups whose rewards differ, over every round: what dynamic sampling counts."""
+        return sum(sc.info["groups_informative"] for sc in self.scored)
+
+    @property
+    def next_position(self) -> int:
+        """Where the next iteration's prompts start: past every round's prompts, trained on or not.
+        The one place the data cursor advances (the train step records it in the trainer state; a
+        rollout sampled ahead reads its prompts there)."""
+        return self.cursor + self.sampling.prompts_per_iteration * self.rounds
+
+    def plus(self, rollouts: Artifact, scored: Artifact) -> Batch:
+        """The batch with one more round."""
+        return dataclasses.replace(self, rollouts=(*self.rollouts, rollouts), scored=(*self.scored, scored))
+
+    def artifacts(self) -> list[Artifact]:
+        """Each round's rollouts then its scored table, round by round (the iteration's lineage)."""
+        return [a for pair in zip(self.rollouts, self.scored) for a in pair]
 
 
 _timings: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("k3rl_stage_timings", default=None)
@@ -207,7 +278,7 @@ class Stage:
     """A stage body with its Prefect declaration; calling it runs the body as a task in the current
     flow (or standalone). ``.fn`` is the bare body (tests call it without Prefect)."""
 
-    def __init__(self, fn: Callable, *, run_name: str, key: str, outputs: Callable[..., list[str]] | None,
+    def __init__(self, fn: Callable, *, run_name: str | Callable[..., str], key: str, outputs: Callable[..., list[str]] | None,
                  inputs: Callable[..., list[str]] | None, options: dict[str, Any]):
         self.fn, self.run_name, self.key = fn, run_name, key
         self.outputs, self.inputs, self.options = outputs, inputs, options
@@ -220,7 +291,7 @@ class Stage:
         run: Run = a["run"]
         outputs = list(self.outputs(**a)) if self.outputs else []
         inputs = [u for u in (self.inputs(**a) if self.inputs else []) if u]
-        name = self.run_name.format(**a)
+        name = self.run_name(**a) if callable(self.run_name) else self.run_name.format(**a)
         opts = stage_options(result_root_for(run.artifacts))
         opts.update(self.options)
         fn = self.fn if faults.SPEC is None else _fault_points(self.fn, name, self.key)
@@ -245,7 +316,7 @@ class Stage:
         if peaks is not None:
             from k3core.device import MemoryProbe
 
-            probe = MemoryProbe(self._arguments(*args, **kwargs).get("device", "cpu"))
+            probe = MemoryProbe(run.device)
         t0 = time.perf_counter()
         progress_event("stage_start", name=name)
         try:
@@ -320,10 +391,17 @@ class StageFuture:
         return out
 
 
-def stage(*, run_name: str, key: str | None = None, outputs: Callable[..., list[str]] | None = None,
+def round_run_name(stage_name: str) -> Callable[..., str]:
+    """The task run name of a stage of one sampling round (``refill`` argument): ``<stage>-iterN``,
+    and ``<stage>-iterN-refillR`` for dynamic-sampling round R."""
+    return lambda iteration, refill=0, **_: f"{stage_name}-iter{iteration}" + (f"-refill{refill}" if refill else "")
+
+
+def stage(*, run_name: str | Callable[..., str], key: str | None = None, outputs: Callable[..., list[str]] | None = None,
           inputs: Callable[..., list[str]] | None = None, **options: Any) -> Callable[[Callable], Stage]:
-    """Declare a stage. ``run_name``: the task run name, formatted with the call's arguments
-    (``"rollout-iter{iteration}"``); ``key``: its name in the per-iteration timings (default: the
+    """Declare a stage. ``run_name``: the task run name, a format string of the call's arguments
+    (``"save_checkpoint-iter{iteration}"``) or a function of them (keyword), for a name that depends
+    on an argument's value (a refill round's suffix); ``key``: its name in the per-iteration timings (default: the
     function name); ``outputs``/``inputs``: the URIs it publishes / reads, as functions of the call's
     arguments (keyword); ``options``: Prefect task options over ``stage_options``."""
 

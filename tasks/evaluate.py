@@ -14,10 +14,10 @@ from tasks.common import Run, stage
 
 @stage(run_name="evaluate-{label}", inputs=lambda run, weights, **_: [run.served_uri(weights)])
 def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: RolloutSettings,
-             reward: RewardSettings = RewardSettings(), device: str = "cpu") -> dict:
+             reward: RewardSettings = RewardSettings()) -> dict:
     """``label``: names the task run (``iter5``, ``final``); ``rollout``: the engine URL, the
     completion length and the sampling temperature of the run's rollouts; ``reward``: the sandbox's
-    limits (user and dataset environments); ``device``: where the embedded engine runs. The engine's
+    limits (user and dataset environments). The embedded engine runs on the run's device; its
     decode state is released afterwards (the train step may need the memory)."""
     from k3core.config import K3Config
     from k3core.rl.data import heldout_prompts
@@ -26,7 +26,7 @@ def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: R
     from k3core.tokenizer import ByteTokenizer
     from tasks.rollout import release_decode_state, rollout_client
 
-    client = rollout_client(run.run_id, weights, rollout.url, device, run.dtype, run.decode)
+    client = rollout_client(run, weights, rollout.url)
     client.routing = False  # rewards need tokens only (a real SGLang returns routing only when enabled)
     tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
     env = load_env(run.env)

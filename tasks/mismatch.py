@@ -9,22 +9,21 @@ import math
 import time
 
 from k3core.artifacts import Artifact
-from tasks import trainers
+from k3core.rl import trainers
 from tasks.common import Run, stage
 
 
 @stage(run_name="rollout_mismatch-iter{iteration}", key="mismatch",
        inputs=lambda rollouts, state, **_: [rollouts.uri, state.uri])
 def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifact, n_sequences: int,
-                     temperature: float, device: str = "cpu") -> dict:
+                     temperature: float) -> dict:
     """``state``: the trainer weights at the rollouts' version (a public checkpoint or a DCP trainer
-    state), on ``device`` (the trainer's copies and both engines live there). Returns ``mismatch_*``
-    metrics. The engines score the rollouts through the decode path the run's engine runs
-    (``--decode``: static on CUDA by default, graph when asked)."""
+    state), on the run's device (the trainer's copies and both engines live there). Returns
+    ``mismatch_*`` metrics. The engines score the rollouts through the decode path the run's engine
+    runs (``Run.decode``)."""
     import pyarrow.parquet as pq
     import torch
 
-    from k3core.device import decode_mode
     from k3core.rl.mismatch import measure_mismatch
     from k3core.rl.trainer_state import rng_state, set_rng_state
     from k3core.tokenizer import ByteTokenizer
@@ -37,9 +36,9 @@ def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifa
     seqs = [(r["prompt_ids"], r["output_ids"]) for r in rows if r["output_ids"]]
     rng = rng_state()
     try:  # the metric must not move the process's RNG (the train step's draws depend on it)
-        model = trainers.weights(run.run_id, state, device, run.dtype)
+        model = trainers.weights(run.run_id, state, run.device, run.dtype)
         out = measure_mismatch(model, seqs, ByteTokenizer(model.config).pad_id, temperature, torch.bfloat16,
-                               decode=decode_mode(device, run.decode))
+                               decode=run.decode)
     finally:
         set_rng_state(rng)
     keep = ("w4a8_kl", "bf16_kl", "kl_ratio", "w4a8_k3", "bf16_k3", "w4a8_kl_max", "bf16_kl_max")

@@ -13,14 +13,14 @@ def _rel(run: Run) -> str:
 
 @stage(run_name="quantize_mxfp4", key="quantize", outputs=lambda run, **_: [run.uri(_rel(run))],
        inputs=lambda policy, **_: [policy.uri])
-def quantize_mxfp4(run: Run, policy: Artifact, device: str = "cpu") -> Artifact:
-    """The policy loaded on ``device`` and its routed experts quantised there (``k3core.ops.mxfp4``:
+def quantize_mxfp4(run: Run, policy: Artifact) -> Artifact:
+    """The policy loaded on the run's device and its routed experts quantised there (``k3core.ops.mxfp4``:
     the Triton kernel on CUDA, the torch codec on the CPU; both give the same bytes)."""
     from k3core.checkpoint.hf import save_hf
     from k3core.rl.weights import load_policy
 
     def build(tmp):
-        model = load_policy(policy.path, device=device)
+        model = load_policy(policy.path, device=run.device)
         save_hf(model, tmp / "ckpt", model.config, target="mxfp4")
 
     run.store.publish_once(_rel(run), build, is_dir=True)

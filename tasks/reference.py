@@ -9,32 +9,31 @@ from __future__ import annotations
 
 import threading
 
-import torch
 from prefect import get_run_logger
 
 from k3core.artifacts import Artifact
-from k3core.settings import GRPOSettings, RolloutSettings
-from tasks.common import Run, stage
+from k3core.settings import GRPOSettings
+from tasks.common import Batch, Run, stage
 
 _lock = threading.Lock()
 _models: dict[str, object] = {}  # reference sha256 -> model (frozen; read only)
 
 
-def reference_model(reference: Artifact, device: str = "cpu", dtype: str = "float32"):
-    """The reference policy of ``reference`` on ``device`` in ``dtype`` (read once per process, device
-    and dtype; the caller must not change it)."""
+def reference_model(run: Run, reference: Artifact):
+    """The reference policy of ``reference`` on the run's device in its dtype (read once per process,
+    device and dtype; the caller must not change it)."""
     if reference.kind == "dcp":
         raise ValueError(f"the KL reference {reference.uri} is a trainer state: give a public-layout checkpoint "
                          "(the run's warmed-up or fetched weights)")
     with _lock:
-        key = f"{reference.sha256}@{torch.device(device).type}:{dtype}"
+        key = f"{reference.sha256}@{run.device}:{run.dtype}"
         model = _models.get(key)
         if model is None:
             from k3core.device import torch_dtype
             from k3core.rl.weights import load_policy
 
             _models.clear()  # one reference per process at a time
-            model = load_policy(reference.path, torch_dtype(dtype), device=device).requires_grad_(False)
+            model = load_policy(reference.path, torch_dtype(run.dtype), device=run.device).requires_grad_(False)
             _models[key] = model
         return model
 
@@ -45,13 +44,14 @@ def _rel(run: Run, iteration: int) -> str:
 
 @stage(run_name="reference_logprobs-iter{iteration}", key="reference",
        outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))],
-       inputs=lambda reference, scored, **_: [reference.uri, *(a.uri for a in scored)])
-def reference_logprobs(run: Run, iteration: int, reference: Artifact, scored: tuple[Artifact, ...],
-                       settings: GRPOSettings, sampling: RolloutSettings, device: str = "cpu") -> Artifact:
-    """``scored``: the iteration's scored tables (first round, then refills); their rows are keyed by
+       inputs=lambda reference, batch, **_: [reference.uri, *(a.uri for a in batch.scored)])
+def reference_logprobs(run: Run, iteration: int, reference: Artifact, batch: Batch,
+                       settings: GRPOSettings) -> Artifact:
+    """``batch``: the iteration's scored rounds (first round, then refills); their rows are keyed by
     (prompt_index, sample_index), distinct across rounds. The log-probabilities are the trainer's
-    computation on the reference's weights (``reference_logprobs_table``: the rollouts' temperature,
-    ``settings.micro_batch_tokens``, routing replay as ``settings.routing_replay``)."""
+    computation on the reference's weights on the run's device (``reference_logprobs_table``: the
+    rollouts' temperature, ``settings.micro_batch_tokens``, routing replay as
+    ``settings.routing_replay``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -61,10 +61,10 @@ def reference_logprobs(run: Run, iteration: int, reference: Artifact, scored: tu
     rel = _rel(run, iteration)
 
     def build(tmp):
-        model = reference_model(reference, device, run.dtype)
-        table = pa.concat_tables([pq.read_table(a.path) for a in scored])
+        model = reference_model(run, reference)
+        table = pa.concat_tables([pq.read_table(a.path) for a in batch.scored])
         out = reference_logprobs_table(model, table, settings, ByteTokenizer(model.config).pad_id,
-                                       temperature=sampling.temperature)
+                                       temperature=batch.sampling.temperature)
         pq.write_table(out, tmp)
 
     path = run.store.publish_once(rel, build)

@@ -17,36 +17,35 @@ from __future__ import annotations
 import hashlib
 
 import pyarrow.parquet as pq
-import torch
 from prefect import get_run_logger
 
 from k3core.artifacts import Artifact
+from k3core.rl import engines, resident, trainers
 from k3core.settings import RolloutSettings
-from tasks import engines, trainers
-from tasks.common import Run, stage
+from tasks.common import Run, round_run_name, stage
 
 
-def engine_for(run_id: str, weights: Artifact, device: str = "cpu", dtype: str = "float32", decode: str = "auto"):
-    """The live engine at ``weights.version`` on ``device`` with its non-expert weights in ``dtype``,
-    or a new one there built from the durable artifact. Quantised weights run on the W4A8 engine
-    (MXFP4 routed experts, FP8 activations); the decode mode is ``decode`` on that device
-    (``k3core.device.decode_mode``: "auto" follows the device)."""
-    from k3core.device import decode_mode, torch_dtype
+def engine_for(run: Run, weights: Artifact):
+    """The live engine at ``weights.version`` on the run's device, in its decode mode, with its
+    non-expert weights in the run's dtype, or a new one there built from the durable artifact.
+    Quantised weights run on the W4A8 engine (MXFP4 routed experts, FP8 activations)."""
+    from k3core.device import torch_dtype
     from k3core.rl.weights import build_engine, engine_from_model
 
-    mode = decode_mode(device, decode)
-    eng = engines.get(run_id)
-    if (eng is not None and eng.weight_version == weights.version and eng.device.type == torch.device(device).type
-            and eng.decode_mode == mode):
+    eng = engines.get(run.run_id)
+    if (eng is not None and eng.weight_version == weights.version and eng.device.type == run.device
+            and eng.decode_mode == run.decode):
         return eng
     if weights.kind == "dcp":  # a trainer checkpoint: quantise routed experts on the way
         import copy
 
-        model = copy.deepcopy(trainers.weights(run_id, weights, device, dtype))  # the engine takes its model over
-        eng = engine_from_model(model, weights.version, quantized=weights.info.get("quantized", True), decode=mode)
+        model = copy.deepcopy(trainers.weights(run.run_id, weights, run.device, run.dtype))  # the engine takes it over
+        eng = engine_from_model(model, weights.version, quantized=weights.info.get("quantized", True),
+                                decode=run.decode)
     else:
-        eng = build_engine(weights.path, weights.version, torch_dtype(dtype), device=device, decode=mode)
-    engines.put(run_id, eng)
+        eng = build_engine(weights.path, weights.version, torch_dtype(run.dtype), device=run.device,
+                           decode=run.decode)
+    engines.put(run.run_id, eng)
     return eng
 
 
@@ -62,16 +61,17 @@ def release_decode_state(run_id: str) -> int:
         return 0
 
 
-def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu", dtype: str = "float32",
-                   decode: str = "auto"):
-    """A ``RolloutClient`` serving ``weights.version``: the live embedded engine (on ``device``), or
+def rollout_client(run: Run, weights: Artifact, url: str = "local"):
+    """A ``RolloutClient`` serving ``weights.version``: the live embedded engine (``engine_for``), or
     the server at ``url``, pushed the weights through ``/update_weights_from_disk`` when it serves
     another version (a trainer checkpoint is first written in the public layout,
-    ``k3core.transfer.write_disk``)."""
+    ``k3core.transfer.write_disk``). The one-step-off-policy flow calls it before it submits the next
+    rollout, so that rollout finds its engine ready and never reads the trainer's live model, which
+    the train step running beside it changes in place."""
     from k3core.rollout.client import RolloutClient
 
     if url in (None, "", "local"):
-        return RolloutClient("local", engine=engine_for(run_id, weights, device, dtype, decode))
+        return RolloutClient("local", engine=engine_for(run, weights))
     from k3core.config import K3Config
 
     config = K3Config.from_json_file(f"{weights.path}/config.json")
@@ -86,7 +86,7 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: s
 
     from k3core.transfer import write_disk
 
-    model = trainers.weights(run_id, weights, device, dtype)
+    model = trainers.weights(run.run_id, weights, run.device, run.dtype)
     tmp = tempfile.mkdtemp(prefix="k3rl-push-")
     try:
         write_disk(f"{tmp}/weights", model, model.config, weights.version, weights.info.get("quantized", True))
@@ -94,15 +94,6 @@ def rollout_client(run_id: str, weights: Artifact, url: str = "local", device: s
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return client
-
-
-def serve_version(run_id: str, weights: Artifact, url: str = "local", device: str = "cpu",
-                  dtype: str = "float32", decode: str = "auto") -> None:
-    """Bring the engine (embedded, or the server at ``url``) to ``weights.version`` in the calling
-    thread. The one-step-off-policy flow calls it before it submits the next rollout, so that rollout
-    finds its engine ready and never reads the trainer's live model, which the train step running
-    beside it changes in place."""
-    rollout_client(run_id, weights, url, device, dtype, decode)
 
 
 def _rel(run: Run, iteration: int, refill: int = 0) -> str:
@@ -115,67 +106,15 @@ def _seed(run: Run, iteration: int, refill: int) -> int:
     return int(hashlib.sha256(f"{run.seed}:{iteration}:refill{refill}".encode()).hexdigest()[:8], 16)
 
 
-@stage(run_name="rollout-iter{iteration}",
-       outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
-       inputs=lambda run, weights, **_: [run.served_uri(weights)])
-def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, refill: int = 0,
-            cursor: int = 0, device: str = "cpu") -> Artifact:
-    """``settings.prompts_per_iteration`` prompts x ``samples_per_prompt`` completions. ``refill`` > 0
-    (``rollout_refill``): a dynamic-sampling round of new prompts for the same iteration and weights,
-    in a file of its own, its prompts numbered after the earlier rounds'. ``cursor``: the data
-    position at the start of the iteration (from the trainer state); a dataset environment's round
-    ``refill`` reads its prompts at ``cursor + refill * prompts_per_iteration``. ``device``: where the
-    embedded engine runs; its decode state is released once the batch is written."""
-    from k3core.config import K3Config
+def _prompts(run: Run, iteration: int, settings: RolloutSettings, refill: int, cursor: int) -> list[str]:
+    """The prompts of round ``refill`` of an iteration whose data position starts at ``cursor``
+    (a dataset environment reads them at ``cursor + refill * prompts_per_iteration``)."""
     from k3core.rl.data import training_prompts
     from k3core.rl.envs import load_env
-    from k3core.rl.tables import rollout_table
-    from k3core.rollout.client import WeightVersionMismatch
-    from k3core.rollout.engine import SamplingParams
-    from k3core.tokenizer import ByteTokenizer
 
-    def build(tmp):
-        client = rollout_client(run.run_id, weights, settings.url, device, run.dtype, run.decode)
-        client.check_version(weights.version)
-        tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
-        n = settings.prompts_per_iteration
-        prompts = training_prompts(load_env(run.env), run.seed, iteration, n, run.env, refill=refill,
-                                   position=cursor + refill * n)
-        params = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                                top_p=settings.top_p, stop_token_ids=(tok.eos_id,), n=settings.samples_per_prompt,
-                                seed=_seed(run, iteration, refill))
-        # the client has generate()'s signature
-        table = rollout_table(client, tok, prompts, params, iteration, first_prompt_index=refill * n)
-        versions = set(table.column("weight_version").to_pylist())
-        if versions != {weights.version}:
-            raise WeightVersionMismatch(f"rollout {iteration} came back with weight versions {sorted(versions)}, "
-                                        f"expected {weights.version} only (the weights changed mid-rollout)")
-        pq.write_table(table, tmp)
-
-    path = run.store.publish_once(_rel(run, iteration, refill), build)
-    release_decode_state(run.run_id)
-    table = pq.read_table(path, columns=["output_ids", "weight_version"])
-    tokens = sum(len(x) for x in table.column("output_ids").to_pylist())
-    # the version the rows were sampled with: a batch published earlier (sampled ahead by the previous
-    # version in one-step-off-policy mode, then resumed in another mode) keeps its own
-    (version,) = set(table.column("weight_version").to_pylist())
-    get_run_logger().info(f"iteration {iteration}{f' refill {refill}' if refill else ''}: {table.num_rows} samples, "
-                          f"{tokens} tokens, weight version {version}, engine {settings.url}")
-    return run.store.handle(_rel(run, iteration, refill), "rollouts", version=version, rows=table.num_rows,
-                            tokens=tokens)
-
-
-# The same stage body for a dynamic-sampling refill round, under a task run name that says which.
-rollout_refill = stage(run_name="rollout-iter{iteration}-refill{refill}",
-                       outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
-                       inputs=lambda run, weights, **_: [run.served_uri(weights)])(rollout.fn)
-
-
-# ---- fan-out over resident engine workers ----------------------------------------------------------------
-
-def _shards_rel(run: Run, iteration: int, refill: int, k: int, n: int) -> str:
-    folder = f"rollout-shards-refill{refill}" if refill else "rollout-shards"
-    return run.iter_rel(iteration, f"{folder}/shard-{k}-of-{n}.parquet")
+    n = settings.prompts_per_iteration
+    return training_prompts(load_env(run.env), run.seed, iteration, n, run.env, refill=refill,
+                            position=cursor + refill * n)
 
 
 def _sampling(run: Run, iteration: int, refill: int, settings: RolloutSettings, eos_id: int):
@@ -186,20 +125,77 @@ def _sampling(run: Run, iteration: int, refill: int, settings: RolloutSettings, 
                           seed=_seed(run, iteration, refill))
 
 
-@stage(run_name="rollout-iter{iteration}-shard{shard}-of-{shards}",
-       outputs=lambda run, iteration, refill, shard, shards, **_: [run.uri(_shards_rel(run, iteration, refill, shard,
-                                                                                       shards))],
+def _handle(run: Run, iteration: int, refill: int, settings: RolloutSettings, path, **info) -> Artifact:
+    """The rollout table's handle: its rows, tokens, the weight version its rows were sampled with (a
+    batch published earlier, sampled ahead by the previous version in one-step-off-policy mode and
+    then resumed in another mode, keeps its own) and the group size the scores normalise over."""
+    table = pq.read_table(path, columns=["output_ids", "weight_version"])
+    tokens = sum(len(x) for x in table.column("output_ids").to_pylist())
+    (version,) = set(table.column("weight_version").to_pylist())
+    where = (f"{info['shards']} shards on workers {', '.join(info['workers'])}" if info
+             else f"engine {settings.url}")
+    get_run_logger().info(f"iteration {iteration}{f' refill {refill}' if refill else ''}: {table.num_rows} samples, "
+                          f"{tokens} tokens, weight version {version}, {where}")
+    return run.store.handle(_rel(run, iteration, refill), "rollouts", version=version, rows=table.num_rows,
+                            tokens=tokens, group_size=settings.samples_per_prompt, **info)
+
+
+@stage(run_name=round_run_name("rollout"),
+       outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
+       inputs=lambda run, weights, **_: [run.served_uri(weights)])
+def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, refill: int = 0,
+            cursor: int = 0) -> Artifact:
+    """``settings.prompts_per_iteration`` prompts x ``samples_per_prompt`` completions on the run's
+    device. ``refill`` > 0: a dynamic-sampling round of new prompts for the same iteration and
+    weights, in a file of its own (task run ``rollout-iterN-refillR``), its prompts numbered after
+    the earlier rounds'. ``cursor``: the data position at the start of the iteration (``Batch.cursor``).
+    The embedded engine's decode state is released once the batch is written."""
+    from k3core.config import K3Config
+    from k3core.rl.tables import rollout_table
+    from k3core.rollout.client import WeightVersionMismatch
+    from k3core.tokenizer import ByteTokenizer
+
+    def build(tmp):
+        client = rollout_client(run, weights, settings.url)
+        client.check_version(weights.version)
+        tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
+        prompts = _prompts(run, iteration, settings, refill, cursor)
+        params = _sampling(run, iteration, refill, settings, tok.eos_id)
+        # the client has generate()'s signature
+        table = rollout_table(client, tok, prompts, params, iteration,
+                              first_prompt_index=refill * settings.prompts_per_iteration)
+        versions = set(table.column("weight_version").to_pylist())
+        if versions != {weights.version}:
+            raise WeightVersionMismatch(f"rollout {iteration} came back with weight versions {sorted(versions)}, "
+                                        f"expected {weights.version} only (the weights changed mid-rollout)")
+        pq.write_table(table, tmp)
+
+    path = run.store.publish_once(_rel(run, iteration, refill), build)
+    release_decode_state(run.run_id)
+    return _handle(run, iteration, refill, settings, path)
+
+
+# ---- fan-out over resident engine workers ----------------------------------------------------------------
+
+def _shards_rel(run: Run, iteration: int, refill: int, shard: tuple[int, int]) -> str:
+    folder = f"rollout-shards-refill{refill}" if refill else "rollout-shards"
+    return run.iter_rel(iteration, f"{folder}/shard-{shard[0]}-of-{shard[1]}.parquet")
+
+
+@stage(run_name=lambda iteration, shard, **_: f"rollout-iter{iteration}-shard{shard[0]}-of-{shard[1]}",
+       outputs=lambda run, iteration, refill, shard, **_: [run.uri(_shards_rel(run, iteration, refill, shard))],
        inputs=lambda run, weights, **_: [run.served_uri(weights)])
 def rollout_shard(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, prompts: tuple[str, ...],
-                  shard: int, shards: int, refill: int = 0) -> Artifact:
-    """Shard ``shard`` of ``shards`` of the rollout of ``prompts`` (all of the rollout's prompts; the
-    shard generates its contiguous run of them) on a resident engine at ``weights.version``: this
-    Dask worker's, or on Ray the run's engine actor ``shard`` (another when that one dies)."""
+                  shard: tuple[int, int], refill: int = 0) -> Artifact:
+    """Shard ``shard`` = (k, n), the k-th of n, of the rollout of ``prompts`` (all of the rollout's
+    prompts; the shard generates its contiguous run of them) on a resident engine at
+    ``weights.version``: this Dask worker's, or on Ray the run's engine actor k (another when that one
+    dies, ``k3core.rl.resident.actor_rows``)."""
     from k3core.rl.shards import ShardRequest, shard_bounds
     from k3core.tokenizer import ByteTokenizer
 
-    rel = _shards_rel(run, iteration, refill, shard, shards)
-    bounds = shard_bounds(len(prompts), shards)[shard]
+    rel = _shards_rel(run, iteration, refill, shard)
+    bounds = shard_bounds(len(prompts), shard[1])[shard[0]]
     made_by = {}
 
     def build(tmp):
@@ -210,7 +206,7 @@ def rollout_shard(run: Run, iteration: int, weights: Artifact, settings: Rollout
                            weights.info.get("quantized", True), tuple(prompts), bounds,
                            _sampling(run, iteration, refill, settings, tok.eos_id), iteration, refill * len(prompts),
                            run.dtype)
-        table, made_by["worker"] = engines.shard_rows(req, shard, shards)
+        table, made_by["worker"] = resident.shard_rows(req, *shard, warn=get_run_logger().warning)
         pq.write_table(table, tmp)
 
     path = run.store.publish_once(rel, build)
@@ -226,8 +222,11 @@ def _worker_of(path) -> str:
     return ",".join(sorted(workers)) or "none"
 
 
-def _merge(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, shards: tuple[Artifact, ...],
-           refill: int = 0) -> Artifact:
+@stage(run_name="rollout-iter{iteration}-merge", key="rollout_merge",
+       outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
+       inputs=lambda shards, **_: [a.uri for a in shards])
+def rollout_merge(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings,
+                  shards: tuple[Artifact, ...], refill: int = 0) -> Artifact:
     """The shards' rows as one rollout table (``k3core.rl.shards.merge_shards``), published where the
     one-engine rollout publishes it."""
     from k3core.rl.shards import merge_shards
@@ -239,37 +238,22 @@ def _merge(run: Run, iteration: int, weights: Artifact, settings: RolloutSetting
         pq.write_table(table, tmp)
 
     path = run.store.publish_once(_rel(run, iteration, refill), build)
-    table = pq.read_table(path, columns=["output_ids", "worker"])
-    tokens = sum(len(x) for x in table.column("output_ids").to_pylist())
-    workers = sorted(set(table.column("worker").to_pylist()))
-    get_run_logger().info(f"iteration {iteration}{f' refill {refill}' if refill else ''}: {table.num_rows} samples, "
-                          f"{tokens} tokens, weight version {weights.version}, {len(shards)} shards on workers "
-                          f"{', '.join(workers)}")
-    return run.store.handle(_rel(run, iteration, refill), "rollouts", version=weights.version, rows=table.num_rows,
-                            tokens=tokens, shards=len(shards), workers=workers)
-
-
-rollout_merge = stage(run_name="rollout-iter{iteration}-merge", key="rollout_merge",
-                      outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
-                      inputs=lambda shards, **_: [a.uri for a in shards])(_merge)
+    workers = sorted(set(pq.read_table(path, columns=["worker"]).column("worker").to_pylist()))
+    return _handle(run, iteration, refill, settings, path, shards=len(shards), workers=workers)
 
 
 def rollout_fanout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, shards: int,
                    refill: int = 0, cursor: int = 0) -> Artifact:
-    """The rollout of ``rollout``/``rollout_refill`` (the same prompts: ``cursor`` as there) as
-    ``shards`` ``rollout_shard`` tasks on the flow's task runner, then ``rollout_merge``. Call it
-    from a flow body."""
+    """The rollout of ``rollout`` (the same prompts: ``refill`` and ``cursor`` as there) as ``shards``
+    ``rollout_shard`` tasks on the flow's task runner, then ``rollout_merge``. Call it from a flow
+    body."""
     import time
 
-    from k3core.rl.data import training_prompts
-    from k3core.rl.envs import load_env
     from tasks.common import record_seconds
 
     t0 = time.perf_counter()
-    n = settings.prompts_per_iteration
-    prompts = tuple(training_prompts(load_env(run.env), run.seed, iteration, n, run.env, refill=refill,
-                                     position=cursor + refill * n))
-    futures = [rollout_shard.submit(run, iteration, weights, settings, prompts, k, shards, refill)
+    prompts = tuple(_prompts(run, iteration, settings, refill, cursor))
+    futures = [rollout_shard.submit(run, iteration, weights, settings, prompts, (k, shards), refill)
                for k in range(shards)]
     parts = tuple(f.result() for f in futures)
     record_seconds("rollout", time.perf_counter() - t0)  # the merge times itself (rollout_merge)

@@ -1,7 +1,8 @@
 """save_checkpoint: commit a trained state as the run's checkpoint for that weight version: the
 files (hard-linked where possible), a manifest of their sha256 (``published_sha256``: a linked file's
-digest is the one its trainer-state handle computed, not a second read of 22 GB at medium), then the
-``latest`` pointer, last."""
+digest is the one its trainer-state handle computed, not a second read of the whole state, which
+holds the optimizer's host state beside the weights: docs/results/gpu_loop.md has its size at the
+medium preset), then the ``latest`` pointer, last."""
 
 from __future__ import annotations
 
@@ -42,6 +43,6 @@ def save_checkpoint(run: Run, iteration: int, trained: Artifact) -> Artifact:
     local = store.publish_once(rel, build, is_dir=True)
     pointer = {"run_id": run.run_id, "iteration": trained.version, "checkpoint": store.uri(rel),
                "version": trained.version}
-    store.replace_text(run.rel("latest.json"), json.dumps(pointer, indent=2))  # last: a crash before keeps the old
+    store.replace_text(run.layout.latest, json.dumps(pointer, indent=2))  # last: a crash before keeps the old
     return Artifact(kind="dcp", uri=store.uri(rel), path=str(local / "state"), sha256=sha256_file(local / "manifest.json"),
                     version=trained.version, info={"manifest": store.uri(f"{rel}/manifest.json")})

@@ -18,23 +18,25 @@ import pyarrow.parquet as pq
 
 from k3core.artifacts import Artifact
 from k3core.rl.sandbox import SandboxLimits
-from k3core.settings import RewardSettings
-from tasks.common import Run, stage
+from k3core.settings import GRPOSettings, RewardSettings
+from tasks.common import Run, round_run_name, stage
 
 
 def _rel(run: Run, iteration: int, refill: int = 0) -> str:
     return run.iter_rel(iteration, f"scored-refill{refill}.parquet" if refill else "scored.parquet")
 
 
-@stage(run_name="score_rewards-iter{iteration}", key="score",
+@stage(run_name=round_run_name("score_rewards"), key="score",
        outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
        inputs=lambda rollouts, reward_shards=(), **_: [rollouts.uri, *(a.uri for a in reward_shards)])
-def score_rewards(run: Run, iteration: int, rollouts: Artifact, group_size: int, scale_advantages: bool = True,
-                  refill: int = 0, reward: RewardSettings = RewardSettings(),
+def score_rewards(run: Run, iteration: int, rollouts: Artifact, settings: GRPOSettings,
+                  reward: RewardSettings = RewardSettings(), refill: int = 0,
                   reward_shards: tuple[Artifact, ...] = ()) -> Artifact:
     """The handle's info has the reward statistics and ``groups`` / ``groups_informative`` (groups
-    whose rewards differ: what dynamic sampling counts). ``refill`` > 0 (``score_refill``): the
-    rollouts of that refill round. ``reward_shards``: the ``score_shard`` outputs that hold every
+    whose rewards differ: what dynamic sampling counts). A group is the ``group_size`` samples of
+    one prompt that the rollouts' handle records; ``settings.scale_advantages`` divides by the
+    group's std. ``refill`` > 0: the rollouts of that dynamic-sampling round (task run
+    ``score_rewards-iterN-refillR``). ``reward_shards``: the ``score_shard`` outputs that hold every
     row's reward (fan-out); empty: the rewards are computed here."""
     from k3core.rl.envs import load_env
     from k3core.rl.rewards import merge_outcomes
@@ -42,43 +44,36 @@ def score_rewards(run: Run, iteration: int, rollouts: Artifact, group_size: int,
 
     rows = pq.read_table(rollouts.path)
     outcomes = merge_outcomes([pq.read_table(a.path) for a in reward_shards], rows.num_rows) if reward_shards else None
-    table, stats = score_table(rows, load_env(run.env), run.env, group_size, scale_advantages=scale_advantages,
-                               limits=SandboxLimits.of(reward), outcomes=outcomes)
+    table, stats = score_table(rows, load_env(run.env), run.env, rollouts.info["group_size"],
+                               scale_advantages=settings.scale_advantages, limits=SandboxLimits.of(reward),
+                               outcomes=outcomes)
     run.store.publish_once(_rel(run, iteration, refill), lambda tmp: pq.write_table(table, tmp))
     return run.store.handle(_rel(run, iteration, refill), "scored", version=rollouts.version, **stats)
 
 
-# The same stage body for a dynamic-sampling refill round, under a task run name that says which.
-score_refill = stage(run_name="score_rewards-iter{iteration}-refill{refill}", key="score",
-                     outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
-                     inputs=lambda rollouts, reward_shards=(), **_: [rollouts.uri, *(a.uri for a in reward_shards)])(
-                         score_rewards.fn)
-
-
 # ---- fan-out of sandboxed reward calls over the task runner's workers --------------------------------------
 
-def _shard_rel(run: Run, iteration: int, refill: int, k: int, n: int) -> str:
+def _shard_rel(run: Run, iteration: int, refill: int, shard: tuple[int, int]) -> str:
     folder = f"score-shards-refill{refill}" if refill else "score-shards"
-    return run.iter_rel(iteration, f"{folder}/shard-{k}-of-{n}.parquet")
+    return run.iter_rel(iteration, f"{folder}/shard-{shard[0]}-of-{shard[1]}.parquet")
 
 
-@stage(run_name="score_rewards-iter{iteration}-shard{shard}-of-{shards}",
-       outputs=lambda run, iteration, refill, shard, shards, **_: [run.uri(_shard_rel(run, iteration, refill, shard,
-                                                                                      shards))],
+@stage(run_name=lambda iteration, shard, **_: f"score_rewards-iter{iteration}-shard{shard[0]}-of-{shard[1]}",
+       outputs=lambda run, iteration, refill, shard, **_: [run.uri(_shard_rel(run, iteration, refill, shard))],
        inputs=lambda rollouts, **_: [rollouts.uri])
-def score_shard(run: Run, iteration: int, rollouts: Artifact, reward: RewardSettings, shard: int, shards: int,
+def score_shard(run: Run, iteration: int, rollouts: Artifact, reward: RewardSettings, shard: tuple[int, int],
                 refill: int = 0) -> Artifact:
-    """The reward outcomes of shard ``shard`` of ``shards`` of the rollout table's rows (contiguous,
-    ``k3core.rl.shards.shard_bounds``), scored in a sandbox of this worker process."""
+    """The reward outcomes of shard ``shard`` = (k, n), the k-th of n, of the rollout table's rows
+    (contiguous, ``k3core.rl.shards.shard_bounds``), scored in a sandbox of this worker process."""
     from k3core.rl.envs import load_env
     from k3core.rl.rewards import outcome_table, score_completions
     from k3core.rl.shards import shard_bounds
 
-    rel = _shard_rel(run, iteration, refill, shard, shards)
+    rel = _shard_rel(run, iteration, refill, shard)
 
     def build(tmp):
         table = pq.read_table(rollouts.path, columns=["prompt", "completion"])
-        start, stop = shard_bounds(table.num_rows, shards)[shard]
+        start, stop = shard_bounds(table.num_rows, shard[1])[shard[0]]
         part = table.slice(start, stop - start)
         outcomes = score_completions(load_env(run.env), run.env, part.column("prompt").to_pylist(),
                                      part.column("completion").to_pylist(), SandboxLimits.of(reward))
@@ -95,17 +90,16 @@ def fans_out(run: Run) -> bool:
     return not in_process(run.env, SandboxLimits())
 
 
-def score_fanout(run: Run, iteration: int, rollouts: Artifact, group_size: int, scale_advantages: bool,
-                 refill: int, reward: RewardSettings, shards: int) -> Artifact:
-    """``score_rewards`` (or ``score_refill``) with its reward calls as ``shards`` ``score_shard``
-    tasks on the flow's task runner. Call it from a flow body."""
+def score_fanout(run: Run, iteration: int, rollouts: Artifact, settings: GRPOSettings, reward: RewardSettings,
+                 shards: int, refill: int = 0) -> Artifact:
+    """``score_rewards`` with its reward calls as ``shards`` ``score_shard`` tasks on the flow's task
+    runner. Call it from a flow body."""
     import time
 
     from tasks.common import record_seconds
 
     t0 = time.perf_counter()
-    futures = [score_shard.submit(run, iteration, rollouts, reward, k, shards, refill) for k in range(shards)]
+    futures = [score_shard.submit(run, iteration, rollouts, reward, (k, shards), refill) for k in range(shards)]
     parts = tuple(f.result() for f in futures)
     record_seconds("score", time.perf_counter() - t0)  # the merge adds its own time under the same key
-    stage_fn = score_refill if refill else score_rewards
-    return stage_fn(run, iteration, rollouts, group_size, scale_advantages, refill, reward, parts)
+    return score_rewards(run, iteration, rollouts, settings, reward, refill, parts)

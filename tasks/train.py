@@ -2,7 +2,7 @@
 routing replay, micro-batches) of the trainer state on a scored batch; the new trainer state
 (model, optimizer, RNG, data cursor) is written with torch.distributed.checkpoint through the
 O_DIRECT writer into a staged directory that save_checkpoint then commits. The trained model stays
-live in this process (``tasks.trainers``). With ``procs`` > 1 the step runs as a torchrun job of that
+live in this process (``k3core.rl.trainers``). With ``procs`` > 1 the step runs as a torchrun job of that
 many processes (``k3core.rl.fsdp``: FSDP2, gloo), which save the same trainer state together; the
 next stages then read it from disk."""
 
@@ -14,17 +14,17 @@ from pathlib import Path
 from prefect import get_run_logger
 
 from k3core.artifacts import Artifact
-from k3core.settings import GRPOSettings, RolloutSettings
-from tasks import trainers
-from tasks.common import Run, stage
+from k3core.rl import trainers
+from k3core.settings import GRPOSettings
+from tasks.common import Batch, Run, stage
 
 
 def _rel(run: Run, iteration: int) -> str:
-    return run.iter_rel(iteration, "trainer")
+    return run.layout.trainer_rel(iteration)
 
 
-def _trainer(run: Run, state: Artifact, settings: GRPOSettings, device: str = "cpu"):
-    """(model, optimizer) at ``state`` with the model on ``device``: the live trainer (its saved RNG
+def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
+    """(model, optimizer) at ``state`` with the model on the run's device: the live trainer (its saved RNG
     restored), or read from the trainer state (DCP), or a public-layout checkpoint with a fresh
     optimizer and the RNG seeded from the run's seed (the first iteration). The optimizer's state
     stays on the host (``StreamedAdamW``)."""
@@ -33,10 +33,10 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings, device: str = "c
     from k3core.rl.weights import load_policy
 
     if state.kind != "dcp":
-        model = set_qat(load_policy(state.path, torch_dtype(run.dtype), device=device), settings.qat)
+        model = set_qat(load_policy(state.path, torch_dtype(run.dtype), device=run.device), settings.qat)
         _seed_first_trainer(run)
         return model, make_optimizer(model, settings.lr)
-    trainers.weights(run.run_id, state, device, run.dtype)  # live, or read once from the DCP state
+    trainers.weights(run.run_id, state, run.device, run.dtype)  # live, or read once from the DCP state
     live = trainers.take(run.run_id, state.version)
     set_rng_state(live.rng)
     model, opt, extra = live.model, live.optimizer, live.extra
@@ -64,22 +64,19 @@ def _seed_first_trainer(run: Run) -> None:
 
 @stage(run_name="train_step-iter{iteration}", key="train",
        outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))],
-       inputs=lambda state, scored, refills, reference, **_: [state.uri, scored.uri, *(a.uri for a in refills),
-                                                              reference.uri if reference else ""])
-def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, settings: GRPOSettings,
-               sampling: RolloutSettings, refills: tuple[Artifact, ...] = (), cursor: int = 0,
-               reference: Artifact | None = None, procs: int = 1, device: str = "cpu") -> Artifact:
-    """``sampling``: the settings the rollouts were sampled with (the trainer's log-probabilities use
-    their temperature; ``max_new_tokens`` is the constant of ``seq-sum`` aggregation; at most
-    ``prompts_per_iteration`` informative groups are trained on). ``refills``: the scored tables of
-    dynamic-sampling refill rounds, trained on with ``scored``. Per-update statistics go into the
-    trainer state's ``extra.json`` (``metrics.per_update``). ``cursor``: the data position the
-    iteration's rollouts started at; the state records where the next iteration starts
-    (``data_cursor.position``: past every round's prompts, trained on or not). ``reference``: the
-    frozen reference's log-probabilities of the batch (``tasks.reference``), required when
-    ``settings.kl_coef`` > 0. ``procs``: processes of the step (> 1: a torchrun job, the model
-    sharded with FSDP2; the same update up to floating-point summation order). ``device``: where
-    the model trains (one process; the FSDP2 job runs on the CPU)."""
+       inputs=lambda state, batch, reference, **_: [state.uri, *(a.uri for a in batch.scored),
+                                                    reference.uri if reference else ""])
+def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings: GRPOSettings,
+               reference: Artifact | None = None, procs: int = 1) -> Artifact:
+    """``batch``: the iteration's scored rounds, trained on together, and the settings they were
+    sampled with (the trainer's log-probabilities use their temperature; ``max_new_tokens`` is the
+    constant of ``seq-sum`` aggregation; at most ``prompts_per_iteration`` informative groups are
+    trained on). Per-update statistics go into the trainer state's ``extra.json``
+    (``metrics.per_update``), and the data cursor where the next iteration starts
+    (``data_cursor.position``: ``Batch.next_position``). ``reference``: the frozen reference's
+    log-probabilities of the batch (``tasks.reference``), required when ``settings.kl_coef`` > 0.
+    ``procs``: processes of the step (> 1: a torchrun job, the model sharded with FSDP2, on the CPU;
+    the same update up to floating-point summation order); one process trains on the run's device."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -87,29 +84,26 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
     from k3core.rl.trainer_state import QAT_KEY, rng_state, save_trainer_state
     from k3core.tokenizer import ByteTokenizer
 
-    rel = _rel(run, iteration)
+    rel, sampling = _rel(run, iteration), batch.sampling
     if settings.kl_coef and reference is None:
         raise ValueError(f"--kl-coef {settings.kl_coef} needs the reference's logprobs of iteration {iteration} "
                          "(the reference_logprobs stage); set --kl-coef 0 to train without the penalty")
+    if procs > 1 and run.device != "cpu":
+        raise ValueError(f"--train-procs {procs} runs the FSDP2 job on gloo (CPU); it cannot train on {run.device}")
 
     def build(tmp):
-        position = cursor + sampling.prompts_per_iteration * (1 + len(refills))
         if procs > 1:
-            if device != "cpu":
-                raise ValueError(f"--train-procs {procs} runs the FSDP2 job on gloo (CPU); it cannot train on {device}")
-            metrics = _train_distributed(run, iteration, state, scored, settings, sampling, refills, procs, tmp,
-                                         position)
+            metrics = _train_distributed(run, iteration, state, batch, settings, procs, tmp)
             _log(iteration, metrics)
             return
-        model, opt = _trainer(run, state, settings, device)
-        table = pa.concat_tables([pq.read_table(a.path) for a in (scored, *refills)])
+        model, opt = _trainer(run, state, settings)
+        table = pa.concat_tables([pq.read_table(a.path) for a in batch.scored])
         metrics = train_on_table(model, opt, table, settings, ByteTokenizer(model.config).pad_id,
                                  temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
                                  max_groups=sampling.prompts_per_iteration,
                                  reference=pq.read_table(reference.path) if reference is not None else None)
-        extra = {"iteration": iteration + 1, "data_cursor": {"next_iteration": iteration + 1, "position": position},
-                 "parent": state.uri, "scored": scored.uri, "refills": [a.uri for a in refills],
-                 "reference": reference.uri if reference is not None else None, "metrics": metrics}
+        extra = {**_lineage(iteration, state, batch), "reference": reference.uri if reference is not None else None,
+                 "metrics": metrics}
         save_trainer_state(tmp / "state", model, opt, extra, storage_writer_factory=_writer_factory())
         extra = json.loads((tmp / "state" / "extra.json").read_text())
         trainers.put(run.run_id, trainers.LiveTrainer(iteration + 1, model, opt, extra, rng_state()))
@@ -119,6 +113,13 @@ def train_step(run: Run, iteration: int, state: Artifact, scored: Artifact, sett
     extra = json.loads((local / "extra.json").read_text())
     return run.store.handle(rel, "dcp", version=iteration + 1, inner="state", metrics=extra["metrics"],
                             qat=bool(extra.get(QAT_KEY, False)))
+
+
+def _lineage(iteration: int, state: Artifact, batch: Batch) -> dict:
+    """What a trainer state records of where it came from, and the data cursor it resumes at."""
+    return {"iteration": iteration + 1,
+            "data_cursor": {"next_iteration": iteration + 1, "position": batch.next_position},
+            "parent": state.uri, "scored": batch.scored[0].uri, "refills": [a.uri for a in batch.scored[1:]]}
 
 
 def data_position(state: Artifact) -> int:
@@ -138,9 +139,8 @@ def _log(iteration: int, metrics: dict) -> None:
                           f"{metrics.get('groups_dropped', 0)} of {metrics.get('groups_sampled', 0)} groups uniform (dropped)")
 
 
-def _train_distributed(run: Run, iteration: int, state: Artifact, scored: Artifact, settings: GRPOSettings,
-                       sampling: RolloutSettings, refills: tuple[Artifact, ...], procs: int, tmp,
-                       position: int) -> dict:
+def _train_distributed(run: Run, iteration: int, state: Artifact, batch: Batch, settings: GRPOSettings, procs: int,
+                       tmp) -> dict:
     """The train step as a torchrun job of ``procs`` ranks writing the trainer state into ``tmp/state``.
     A public-layout start (the first iteration) takes this process's RNG state, as the one-process
     step would; a DCP state restores its own."""
@@ -153,6 +153,7 @@ def _train_distributed(run: Run, iteration: int, state: Artifact, scored: Artifa
     from k3core.rl.trainer_state import rng_state
 
     trainers.take(run.run_id, state.version)  # the ranks train from the durable state; drop the stale live copy
+    sampling = batch.sampling
     with tempfile.TemporaryDirectory(prefix="k3rl-train-job-") as work:
         rng = None
         if state.kind != "dcp":
@@ -160,12 +161,10 @@ def _train_distributed(run: Run, iteration: int, state: Artifact, scored: Artifa
             rng = f"{work}/rng.pt"
             torch.save(rng_state(), rng)
         job = TrainJob(state=str(state.path), state_kind="dcp" if state.kind == "dcp" else "public",
-                       tables=[str(a.path) for a in (scored, *refills)], grpo=dataclasses.asdict(settings),
+                       tables=[str(a.path) for a in batch.scored], grpo=dataclasses.asdict(settings),
                        out=str(tmp / "state"), temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
                        max_groups=sampling.prompts_per_iteration, rng=rng, dtype=run.dtype,
-                       extra={"iteration": iteration + 1,
-                              "data_cursor": {"next_iteration": iteration + 1, "position": position},
-                              "parent": state.uri, "scored": scored.uri, "refills": [a.uri for a in refills]})
+                       extra=_lineage(iteration, state, batch))
         return run_train_job(job, procs, work)["metrics"]
 
 

@@ -15,8 +15,8 @@ def _rel(run: Run) -> str:
 
 
 @stage(run_name="warmup", outputs=lambda run, **_: [run.uri(_rel(run))], inputs=lambda checkpoint, **_: [checkpoint.uri])
-def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings, device: str = "cpu") -> Artifact:
-    """The supervised warm-up on ``device``; the published policy is the same public bf16 layout
+def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings) -> Artifact:
+    """The supervised warm-up on the run's device; the published policy is the same public bf16 layout
     whatever the device."""
     from k3core.checkpoint.hf import save_hf
     from k3core.device import torch_dtype
@@ -29,7 +29,7 @@ def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings, device: str
     metrics: dict = {"warmup_steps": settings.steps}
 
     def build(tmp):
-        model = load_policy(checkpoint.path, torch_dtype(run.dtype), device=device)
+        model = load_policy(checkpoint.path, torch_dtype(run.dtype), device=run.device)
         metrics.update(supervised_warmup(model, load_env(run.env), run.env, ByteTokenizer(model.config),
                                          settings.steps, settings.batch, settings.lr, run.seed, log=log.info,
                                          progress=lambda done, total: progress_event(

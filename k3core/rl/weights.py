@@ -50,11 +50,11 @@ def engine_state(model: K3ForCausalLM, quantize_experts: bool, w4a8: bool = True
 
 
 def engine_from_model(model: K3ForCausalLM, weight_version: int, quantized: bool,
-                      act_granularity: str | None = "token", decode: str = "auto") -> RolloutEngine:
+                      act_granularity: str | None = "token", decode: str = "dynamic") -> RolloutEngine:
     """An engine around ``model`` (taken over: with ``quantized`` its routed experts are swapped for
     W4A8 experts in place, on the model's device, and the float expert weights dropped). A later
     transfer into it takes ``engine_state(trainer, quantize_experts=quantized)``. ``decode``: the
-    engine's decode mode (``k3core.device.decode_mode`` picks one per device)."""
+    engine's decode mode, resolved (``k3core.device.decode_mode`` resolves a run's ``--decode``)."""
     if quantized:
         from k3core.rollout.quantized import quantize_engine_model
 
@@ -63,11 +63,11 @@ def engine_from_model(model: K3ForCausalLM, weight_version: int, quantized: bool
 
 
 def build_engine(weights_path: str | Path, weight_version: int, dtype: torch.dtype = torch.float32,
-                 w4a8: bool = True, device: str | torch.device = "cpu", decode: str = "auto") -> RolloutEngine:
+                 w4a8: bool = True, device: str | torch.device = "cpu", decode: str = "dynamic") -> RolloutEngine:
     """An engine on ``device`` from a public-layout checkpoint. An MXFP4 checkpoint gives the W4A8
     engine (packed expert bytes loaded as they are, FP8 activations; ``w4a8=False``: experts
     dequantised on load, activations unquantised); a bf16 checkpoint gives a float engine.
-    ``decode``: the engine's decode mode."""
+    ``decode``: the engine's decode mode, resolved (``k3core.device.decode_mode``)."""
     from k3core.checkpoint.files import CONFIG_NAME
     from k3core.checkpoint.hf import checkpoint_target
 

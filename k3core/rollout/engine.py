@@ -97,14 +97,15 @@ class RolloutEngine:
     ``model``: a ``K3ForCausalLM`` (float or W4A8 experts), taken over: eval mode, inference caches on.
     ``max_batch``: most sequences decoded together; ``max_queue``: most waiting sequences ``submit``
     accepts; ``record_logits``: keep every sampled-from logits row in ``Completion.meta`` (tests);
-    ``decode``: "auto", "dynamic", "static" or "graph" (``k3core.rollout.decode_state``)."""
+    ``decode``: "dynamic", "static" or "graph" (``k3core.rollout.decode_state``), a resolved mode
+    (``k3core.device.decode_mode`` resolves a run's "auto")."""
 
     def __init__(self, model: K3ForCausalLM, weight_version: int = 0, max_batch: int = 256, max_queue: int = 4096,
-                 record_logits: bool = False, decode: str = "auto"):
+                 record_logits: bool = False, decode: str = "dynamic"):
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch}, {max_queue}")
-        if decode not in DECODE_MODES:
-            raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+        if decode not in DECODE_MODES or decode == "auto":  # "auto" has one meaning: k3core.device.decode_mode's
+            raise ValueError(f"decode must be one of {DECODE_MODES[1:]} (resolved), got {decode!r}")
         self.model = model.eval()
         self.model.use_inference_caches = True
         self.model.refresh_inference_caches()

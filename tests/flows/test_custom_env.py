@@ -16,15 +16,17 @@ import pytest
 import torch
 
 from flows.deploy import PROJECT_ROOT
+from k3core.settings import GRPOSettings
 from tasks.common import Run
 
 SPEC = "uppercase_env:make_env"
 
 
-def _rollouts(path):
+def _rollouts(path, group_size: int):
+    """A rollout table's handle, as the rollout stage gives it (the samples per prompt: its groups)."""
     from k3core.artifacts import Artifact
 
-    return Artifact("rollouts", path.as_uri(), str(path), "x", version=0)
+    return Artifact("rollouts", path.as_uri(), str(path), "x", version=0, info={"group_size": group_size})
 
 
 @pytest.fixture
@@ -84,7 +86,7 @@ def test_documented_env_through_rollout_and_the_scoring_stage(env_module, tmp_pa
     path = tmp_path / "rollouts.parquet"
     pq.write_table(table, path)
 
-    out = score_rewards.fn(Run(str(tmp_path / "artifacts"), "c", env=SPEC), 0, _rollouts(path), group)
+    out = score_rewards.fn(Run(str(tmp_path / "artifacts"), "c", env=SPEC), 0, _rollouts(path, group), GRPOSettings())
     scored = pq.read_table(out.path).to_pylist()
     assert len(scored) == len(train) * group
     want = torch.tensor([env.reward(r["prompt"], r["completion"]) for r in scored])
@@ -95,8 +97,8 @@ def test_documented_env_through_rollout_and_the_scoring_stage(env_module, tmp_pa
     torch.testing.assert_close(adv, (g - g.mean(1, keepdim=True)) / (g.std(1, unbiased=False, keepdim=True) + 1e-6))
     assert out.info["reward_mean"] == pytest.approx(float(want.mean()))
     # --scale-advantages false (Dr. GRPO): the reward minus its group's mean, not divided by the std
-    out = score_rewards.fn(Run(str(tmp_path / "artifacts"), "c-unscaled", env=SPEC), 0, _rollouts(path), group,
-                           scale_advantages=False)
+    out = score_rewards.fn(Run(str(tmp_path / "artifacts"), "c-unscaled", env=SPEC), 0, _rollouts(path, group),
+                           GRPOSettings(scale_advantages=False))
     adv = torch.tensor([r["advantage"] for r in pq.read_table(out.path).to_pylist()]).view(-1, group)
     torch.testing.assert_close(adv, g - g.mean(1, keepdim=True))
     assert float(g.std(1).max()) > 0  # some group's rewards differ, so the two scalings are told apart
@@ -124,4 +126,5 @@ def test_a_reward_outside_0_1_fails_scoring_with_the_prompt(env_module, tmp_path
     path = tmp_path / "rollouts.parquet"
     pq.write_table(pa.table(rows, schema=ROLLOUT_SCHEMA), path)
     with pytest.raises(ValueError, match=r"too_big_env:make_env.*returned reward 2\.0 .*for prompt 'up:cab='"):
-        score_rewards.fn(Run(str(tmp_path / "artifacts"), "c", env="too_big_env:make_env"), 0, _rollouts(path), 2)
+        score_rewards.fn(Run(str(tmp_path / "artifacts"), "c", env="too_big_env:make_env"), 0, _rollouts(path, 2),
+                         GRPOSettings())

@@ -15,7 +15,7 @@ import pytest
 
 from flows.pipeline import RLSettings, rl_run
 from k3core.rl.envs import load_env
-from tasks import engines, trainers
+from k3core.rl import engines, trainers
 
 N = 4  # prompts per round
 SEED = 5

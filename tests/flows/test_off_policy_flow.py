@@ -15,7 +15,7 @@ import torch
 from flows.pipeline import RLSettings, rl_run
 from k3core.rl.data import REF_LOGPROBS_SCHEMA
 from k3core.settings import SettingsError
-from tasks import engines, trainers
+from k3core.rl import engines, trainers
 
 # the even-bytes environment of tests/even_bytes_env.py (crash injection included), under this test file's
 # own module name

@@ -20,7 +20,7 @@ from k3core.checkpoint.hf import save_hf
 from k3core.model.moe import RoutedExperts
 from k3core.ops.mxfp4 import dequantize, quantize
 from k3core.rl.trainer_state import load_trainer_state
-from tasks import engines
+from k3core.rl import engines
 
 ENV_MODULE = "even_bytes_env_for_qat_tests"
 # the even-bytes environment of tests/even_bytes_env.py, under this test file's own module name

@@ -11,7 +11,7 @@ import torch
 
 from flows.pipeline import RLSettings, rl_run
 from k3core.rl.data import SCORED_SCHEMA
-from tasks import engines, trainers
+from k3core.rl import engines, trainers
 
 # the even-bytes environment of tests/even_bytes_env.py (crash injection included), under this test file's
 # own module name

@@ -32,7 +32,7 @@ import torch
 pytest.importorskip("prefect_dask", reason="scale-out tests need the test extra (prefect-dask, distributed)")
 
 from flows.pipeline import RLSettings, rl_run  # noqa: E402
-from tasks import engines, trainers  # noqa: E402
+from k3core.rl import engines, trainers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # the even-bytes environment of tests/even_bytes_env.py (crash injection included), under this test file's
@@ -201,7 +201,7 @@ def test_local_ray_run_survives_a_killed_engine_actor(reference, tmp_path, monke
     ray = pytest.importorskip("ray", reason="the Ray run needs the test extra (ray, prefect-ray)")
     from ray._private import auto_init_hook
 
-    from tasks.engines import RAY_NAMESPACE, actor_name
+    from k3core.rl.resident import RAY_NAMESPACE, actor_name
 
     # this thread only looks at the Ray instance the run starts; a Ray call before that must not start one
     monkeypatch.setattr(auto_init_hook, "enable_auto_connect", False)

@@ -13,7 +13,7 @@ import pytest
 
 from k3core.artifacts import Artifact
 from k3core.settings import RLSettings, RolloutSettings
-from tasks.common import Run, stage_timings
+from tasks.common import Batch, Run, stage_timings
 
 PLUGIN_SRC = textwrap.dedent('''
     class Minimal:
@@ -68,23 +68,22 @@ def test_a_stage_declares_its_lineage_where_it_is_defined(tmp_path):
     state = Artifact("dcp", run.uri(run.rel("checkpoints", "iter-0003")), "/unused", "1" * 64, version=3)
     scored = Artifact("scored", run.uri(run.iter_rel(3, "scored.parquet")), "/unused", "2" * 64, version=3)
     from k3core.settings import GRPOSettings
+    from tasks.score import score_rewards
 
-    task, name, inputs = train_step.task(run, 3, state, scored, GRPOSettings(), RolloutSettings())
+    task, name, inputs = train_step.task(run, 3, state, Batch(RolloutSettings(), 0, (), (scored,)), GRPOSettings())
     assert name == "train_step-iter3" and inputs == [state.uri, scored.uri]
     assert [a.key for a in task.assets] == [(tmp_path / "runs/r/iter-0003/trainer").as_uri()]
-    # a dynamic-sampling refill round: the same bodies under their own run names, files and inputs
-    from tasks.rollout import rollout_refill
-    from tasks.score import score_refill
-
-    task, name, inputs = rollout_refill.task(run, 3, w, RolloutSettings(), 2)
-    assert name == "rollout-iter3-refill2" and inputs == [w.uri] and task.fn is rollout.fn
+    # a dynamic-sampling refill round: the same stages under their own run names, files and inputs
+    task, name, inputs = rollout.task(run, 3, w, RolloutSettings(), 2)
+    assert name == "rollout-iter3-refill2" and inputs == [w.uri]
     assert [a.key for a in task.assets] == [(tmp_path / "runs/r/iter-0003/rollouts-refill2.parquet").as_uri()]
     ro2 = Artifact("rollouts", run.uri(run.iter_rel(3, "rollouts-refill2.parquet")), "/unused", "3" * 64, version=3)
-    task, name, inputs = score_refill.task(run, 3, ro2, 8, True, 2)
+    task, name, inputs = score_rewards.task(run, 3, ro2, GRPOSettings(), refill=2)
     assert name == "score_rewards-iter3-refill2" and inputs == [ro2.uri]
     assert [a.key for a in task.assets] == [(tmp_path / "runs/r/iter-0003/scored-refill2.parquet").as_uri()]
+    assert score_rewards.task(run, 3, ro2, GRPOSettings())[1] == "score_rewards-iter3"
     sc2 = Artifact("scored", run.uri(run.iter_rel(3, "scored-refill2.parquet")), "/unused", "4" * 64, version=3)
-    _, _, inputs = train_step.task(run, 3, state, scored, GRPOSettings(), RolloutSettings(), (sc2,))
+    _, _, inputs = train_step.task(run, 3, state, Batch(RolloutSettings(), 0, (), (scored, sc2)), GRPOSettings())
     assert inputs == [state.uri, scored.uri, sc2.uri]
     # after iteration 0 the engine serves weights a transfer pushed: the transfer materializes them as
     # an asset, and rollouts and evaluations name that asset, not the checkpoint it came from
@@ -94,7 +93,7 @@ def test_a_stage_declares_its_lineage_where_it_is_defined(tmp_path):
     task, name, inputs = transfer_weights.task(run, 3, state, True)
     assert [a.key for a in task.assets] == ["engine://r@v3"] and inputs == [state.uri]
     assert rollout.task(run, 4, state, RolloutSettings())[2] == ["engine://r@v3"]
-    assert rollout_refill.task(run, 4, state, RolloutSettings(), 1)[2] == ["engine://r@v3"]
+    assert rollout.task(run, 4, state, RolloutSettings(), 1)[2] == ["engine://r@v3"]
     assert evaluate.task(run, "iter4", state, 4, RolloutSettings())[2] == ["engine://r@v3"]
 
 

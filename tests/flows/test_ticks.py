@@ -7,7 +7,7 @@ import pytest
 
 from flows.deploy import iterations_done, rl_continue
 from k3core.settings import RLSettings
-from tasks import engines, trainers
+from k3core.rl import engines, trainers
 
 TICKS = 10
 

@@ -24,8 +24,8 @@ from prefect.logging import disable_run_logger
 
 from k3core.rl.mismatch import engine_logprobs
 from k3core.settings import GRPOSettings, RolloutSettings
-from tasks import engines, trainers
-from tasks.common import Run
+from k3core.rl import engines, trainers
+from tasks.common import Batch, Run
 from tasks.fetch import fetch_checkpoint
 from tasks.quantize import quantize_mxfp4
 from tasks.rollout import rollout
@@ -49,9 +49,9 @@ def runs(tmp_path_factory):
     out = {}
     with disable_run_logger():
         for device in ("cpu", "cuda"):
-            run = Run(root, f"dev-{device}", env="reverse", seed=0, dtype="float32")
+            run = Run(root, f"dev-{device}", env="reverse", seed=0, device=device, dtype="float32")
             ck = fetch_checkpoint.fn(run, "init:tiny:1")
-            out[device] = dict(run=run, ck=ck, weights=quantize_mxfp4.fn(run, ck, device=device))
+            out[device] = dict(run=run, ck=ck, weights=quantize_mxfp4.fn(run, ck))
     return out
 
 
@@ -60,7 +60,7 @@ def test_greedy_rollout_tokens_match_the_cpu(runs):
     tables = {}
     with disable_run_logger():
         for device, r in runs.items():
-            art = rollout.fn(r["run"], 0, r["weights"], greedy, device=device)
+            art = rollout.fn(r["run"], 0, r["weights"], greedy)
             tables[device] = pq.read_table(art.path).to_pylist()
     assert engines.get(runs["cuda"]["run"].run_id).device.type == "cuda"
     cpu_engine = engines.get(runs["cpu"]["run"].run_id)
@@ -85,14 +85,15 @@ def test_train_step_loss_matches_the_cpu(runs, tmp_path):
     sys.path.insert(0, str(tmp_path))
     try:
         with disable_run_logger():
-            ro = rollout.fn(cpu["run"], 1, cpu["weights"], sampled, device="cpu")
-            scored = score_rewards.fn(dataclasses.replace(cpu["run"], env=f"{ENV_MODULE}:make"), 1, ro, 4)
+            ro = rollout.fn(cpu["run"], 1, cpu["weights"], sampled)
+            scored = score_rewards.fn(dataclasses.replace(cpu["run"], env=f"{ENV_MODULE}:make"), 1, ro, GRPOSettings())
     finally:
         sys.path.remove(str(tmp_path))
     with disable_run_logger():
         assert scored.info["groups_informative"] > 0, "no group with differing rewards: nothing to train on"
-        metrics = {d: train_step.fn(r["run"], 1, r["ck"], scored, GRPOSettings(lr=1e-3), sampled,
-                                    device=d).info["metrics"] for d, r in runs.items()}
+        batch = Batch(sampled, 0, (ro,), (scored,))
+        metrics = {d: train_step.fn(r["run"], 1, r["ck"], batch, GRPOSettings(lr=1e-3)).info["metrics"]
+                   for d, r in runs.items()}
     live = trainers.peek(runs["cuda"]["run"].run_id, 2)
     assert live is not None and next(live.model.parameters()).device.type == "cuda"
     for key in ("loss", "grad_norm"):

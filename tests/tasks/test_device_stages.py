@@ -1,4 +1,4 @@
-"""The stages on a device (``device=`` of the stage bodies), on the CPU here and, marked ``gpu``, on
+"""The stages on a device (``Run.device``), on the CPU here and, marked ``gpu``, on
 CUDA: the in-memory weight transfer gives the engine the disk path gives, and a rollout leaves the
 engine without decode state.
 
@@ -9,6 +9,7 @@ MXFP4 codes come from the same quantiser) and the logprobs along the engine's de
 equal, bit for bit on the CPU. On CUDA the MoE combine accumulates with atomics, so two engines with
 equal bytes differ by rounding: there the tolerance is rounding's."""
 
+import dataclasses
 import gc
 
 import pytest
@@ -25,7 +26,7 @@ from k3core.rl.weights import build_engine
 from k3core.rollout.quantized import expert_format
 from k3core.settings import RolloutSettings
 from k3core.transfer import push_inprocess, write_disk
-from tasks import engines, trainers
+from k3core.rl import engines, trainers
 from tasks.common import Run
 from tasks.transfer import _blank_engine, transfer_weights
 
@@ -53,14 +54,14 @@ def _logprobs(engine) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_in_memory_transfer_equals_the_disk_path(tmp_path, device):
-    run = Run(str(tmp_path / "art"), f"xfer-{device}")
+    run = Run(str(tmp_path / "art"), f"xfer-{device}", device=device)
     engines.clear()
     trainers.clear()
     model = _trainer(3, device)
     trainers.put(run.run_id, trainers.LiveTrainer(1, model, None, {}, rng_state()))
     checkpoint = Artifact(kind="dcp", uri="file:///unused", path=str(tmp_path / "unused"), sha256="", version=1)
     with disable_run_logger():
-        art = transfer_weights.fn(run, 0, checkpoint, True, device=device)
+        art = transfer_weights.fn(run, 0, checkpoint, True)
     mem = engines.get(run.run_id)
     assert art.version == mem.weight_version == 1 and art.uri == f"engine://{run.run_id}@v1"
     assert mem.device.type == device and expert_format(mem.model) == "w4a8"
@@ -106,9 +107,9 @@ def test_rollout_stage_leaves_no_decode_state(tmp_path, monkeypatch):
     run = Run(str(tmp_path), "rel", env="add", decode="static")  # --decode static
     assert _static_states() == 0
     with disable_run_logger():
-        weights = quantize_mxfp4.fn(run, fetch_checkpoint.fn(run, "init:tiny:1"), device="cpu")
+        weights = quantize_mxfp4.fn(run, fetch_checkpoint.fn(run, "init:tiny:1"))
         out = rollout.fn(run, 0, weights, RolloutSettings(prompts_per_iteration=2, samples_per_prompt=3,
-                                                          max_new_tokens=4), device="cpu")
+                                                          max_new_tokens=4))
     eng = engines.get(run.run_id)
     assert out.info["rows"] == 6 and eng.decode_mode == "static"
     assert len(released) == 1 and released[0] > 0  # the state existed and was handed back
@@ -117,8 +118,9 @@ def test_rollout_stage_leaves_no_decode_state(tmp_path, monkeypatch):
 
 
 def test_the_decode_setting_reaches_the_transferred_and_the_rollout_engine(tmp_path):
-    """``--decode`` (``Run.decode``): the engine the transfer fills decodes in that mode, a rollout at
-    the same version and mode takes that engine, and a rollout asking another mode gets a new one."""
+    """``--decode`` (``Run.decode``, resolved by ``Run.of``): the engine the transfer fills decodes in
+    that mode, a rollout at the same version and mode takes that engine, and a rollout asking another
+    mode gets a new one."""
     from tasks.rollout import engine_for
 
     run = Run(str(tmp_path / "art"), "decode-mode", decode="static")
@@ -128,11 +130,11 @@ def test_the_decode_setting_reaches_the_transferred_and_the_rollout_engine(tmp_p
     checkpoint = Artifact(kind="dcp", uri="file:///unused", path=str(tmp_path / "unused"), sha256="", version=1,
                           info={"quantized": True})
     with disable_run_logger():
-        transfer_weights.fn(run, 0, checkpoint, True, device="cpu")
+        transfer_weights.fn(run, 0, checkpoint, True)
     eng = engines.get(run.run_id)
     assert eng.decode_mode == "static"
-    assert engine_for(run.run_id, checkpoint, "cpu", run.dtype, run.decode) is eng
-    other = engine_for(run.run_id, checkpoint, "cpu", run.dtype, "auto")
+    assert engine_for(run, checkpoint) is eng
+    other = engine_for(dataclasses.replace(run, decode="dynamic"), checkpoint)
     assert other is not eng and other.decode_mode == "dynamic" and other.weight_version == 1
     engines.clear()
     trainers.clear()

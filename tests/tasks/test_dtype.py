@@ -19,8 +19,8 @@ from prefect.logging import disable_run_logger
 
 from k3core import device as D
 from k3core.settings import GRPOSettings, RLSettings, RolloutSettings, SettingsError
-from tasks import engines, trainers
-from tasks.common import Run
+from k3core.rl import engines, trainers
+from tasks.common import Batch, Run
 
 ENV_MODULE = "even_bytes_env_for_dtype_tests"
 ENV_SRC = (Path(__file__).resolve().parents[1] / "even_bytes_env.py").read_text()
@@ -91,9 +91,10 @@ def scored(tmp_path_factory):
         with disable_run_logger():
             run = Run(str(root / "art"), "fp32", env=f"{ENV_MODULE}:make", seed=0)
             ck = fetch_checkpoint.fn(run, "init:tiny:1")
-            sc = score_rewards.fn(run, 0, rollout.fn(run, 0, ck, sampling), 4)
+            ro = rollout.fn(run, 0, ck, sampling)
+            sc = score_rewards.fn(run, 0, ro, GRPOSettings())
         assert sc.info["groups_informative"] > 0
-        yield dict(run=run, ck=ck, scored=sc, sampling=sampling)
+        yield dict(run=run, ck=ck, scored=sc, batch=Batch(sampling, 0, (ro,), (sc,)))
     finally:
         engines.clear()
         trainers.clear()
@@ -108,11 +109,11 @@ def test_the_bf16_train_step_matches_fp32_to_bf16_rounding(scored):
     with disable_run_logger():
         for dtype in ("float32", "bfloat16"):
             run = dataclasses.replace(scored["run"], run_id=f"train-{dtype}", dtype=dtype)
-            art = train_step.fn(run, 0, scored["ck"], scored["scored"], GRPOSettings(lr=1e-3), scored["sampling"])
+            art = train_step.fn(run, 0, scored["ck"], scored["batch"], GRPOSettings(lr=1e-3))
             metrics[dtype] = art.info["metrics"]
             live = trainers.peek(run.run_id, 1)
             assert trainers.dtype_of(live.model) == getattr(torch, dtype)
-            eng = engine_for(run.run_id, art, dtype=dtype)
+            eng = engine_for(run, art)
             assert trainers.dtype_of(eng.model) == getattr(torch, dtype)
     assert metrics["float32"]["updates"] == metrics["bfloat16"]["updates"] > 0
     # one on-policy update: the loss is ~0 by construction (ratio 1, advantages summing to 0 per group:
@@ -134,7 +135,7 @@ def test_a_worker_engine_takes_the_runs_dtype(scored):
     assert trainers.dtype_of(eng.model) == torch.bfloat16
     with disable_run_logger():
         run = dataclasses.replace(scored["run"], run_id="worker-bf16", dtype="bfloat16")
-        state = train_step.fn(run, 0, ck, scored["scored"], GRPOSettings(lr=1e-3), scored["sampling"])
+        state = train_step.fn(run, 0, ck, scored["batch"], GRPOSettings(lr=1e-3))
     pushed = holder.engine("w", state.path, state.kind, 1, False, "bfloat16")
     assert pushed is eng and eng.weight_version == 1 and trainers.dtype_of(eng.model) == torch.bfloat16
     assert trainers.dtype_of(ResidentEngines().engine("w", ck.path, ck.kind, 0, False).model) == torch.float32

@@ -3,6 +3,7 @@ same weights, in files of their own, its groups numbered after the first round's
 drops the uniform groups of every round and trains on at most ``prompts_per_iteration`` of the rest;
 the flow's ``refill`` loop stops at the target or at ``--refill-rounds``."""
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -13,8 +14,8 @@ import torch
 from prefect.logging import disable_run_logger
 
 from k3core.settings import GRPOSettings, RLSettings, RolloutSettings
-from tasks import engines, trainers
-from tasks.common import Run
+from k3core.rl import engines, trainers
+from tasks.common import Batch, Run
 
 ENV_MODULE = "even_bytes_env_for_refill_tests"
 # the even-bytes environment of tests/even_bytes_env.py, under this test file's own module name
@@ -32,8 +33,8 @@ def _informative(table) -> int:
 @pytest.fixture(scope="module")
 def rounds(tmp_path_factory):
     from tasks.fetch import fetch_checkpoint
-    from tasks.rollout import rollout, rollout_refill
-    from tasks.score import score_refill, score_rewards
+    from tasks.rollout import rollout
+    from tasks.score import score_rewards
 
     root = tmp_path_factory.mktemp("refill")
     (root / f"{ENV_MODULE}.py").write_text(ENV_SRC)
@@ -46,9 +47,9 @@ def rounds(tmp_path_factory):
         with disable_run_logger():
             ck = fetch_checkpoint.fn(run, "init:tiny:1")
             ro0 = rollout.fn(run, 0, ck, sampling)
-            sc0 = score_rewards.fn(run, 0, ro0, G)
-            ro1 = rollout_refill.fn(run, 0, ck, sampling, 1)
-            sc1 = score_refill.fn(run, 0, ro1, G, True, 1)
+            sc0 = score_rewards.fn(run, 0, ro0, GRPOSettings())
+            ro1 = rollout.fn(run, 0, ck, sampling, 1)
+            sc1 = score_rewards.fn(run, 0, ro1, GRPOSettings(), refill=1)
         yield dict(run=run, sampling=sampling, ck=ck, ro0=ro0, sc0=sc0, ro1=ro1, sc1=sc1)
     finally:
         engines.clear()
@@ -82,8 +83,8 @@ def test_train_step_trains_on_every_round_up_to_the_batch_size(rounds):
     inf0, inf1 = rounds["sc0"].info["groups_informative"], rounds["sc1"].info["groups_informative"]
     assert 0 < inf0 < P and inf1 > 0, "the case needs a first round short of informative groups"
     with disable_run_logger():
-        tr = train_step.fn(rounds["run"], 0, rounds["ck"], rounds["sc0"], GRPOSettings(lr=1e-3), rounds["sampling"],
-                           (rounds["sc1"],))
+        batch = Batch(rounds["sampling"], 0, (rounds["ro0"], rounds["ro1"]), (rounds["sc0"], rounds["sc1"]))
+        tr = train_step.fn(rounds["run"], 0, rounds["ck"], batch, GRPOSettings(lr=1e-3))
     m = tr.info["metrics"]
     trained = min(P, inf0 + inf1)
     assert m["groups_sampled"] == 2 * P and m["groups_dropped"] == 2 * P - inf0 - inf1
@@ -92,6 +93,7 @@ def test_train_step_trains_on_every_round_up_to_the_batch_size(rounds):
     extra = json.loads(Path(tr.path, "extra.json").read_text())
     assert extra["refills"] == [rounds["sc1"].uri] and extra["scored"] == rounds["sc0"].uri
     assert [u["sequences"] for u in extra["metrics"]["per_update"]] == [G * trained]  # one update, its statistics
+    assert extra["data_cursor"] == {"next_iteration": 1, "position": 2 * P}  # past both rounds' prompts
 
 
 def test_the_refill_loop_stops_at_the_target_or_the_cap(rounds, prefect_harness):
@@ -100,15 +102,20 @@ def test_the_refill_loop_stops_at_the_target_or_the_cap(rounds, prefect_harness)
     run = rounds["run"]
     s = RLSettings.from_dict({"preset": "tiny", "env": run.env, "artifacts": run.artifacts, "run_id": run.run_id,
                               "rollout": dataclass_dict(rounds["sampling"]), "refill_rounds": 3})
-    assert refill(s, run, 0, rounds["ck"], informative=P) == []  # enough already: no extra rollout
-    assert refill(s.replace(refill_rounds=0), run, 0, rounds["ck"], informative=0) == []
+    first = Batch(rounds["sampling"], 0, (rounds["ro0"],), (rounds["sc0"],))
+    enough = Batch(rounds["sampling"], 0, (rounds["ro0"],), (dataclasses.replace(
+        rounds["sc0"], info={**rounds["sc0"].info, "groups_informative": P}),))
+    assert refill(s, run, 0, rounds["ck"], enough) == enough  # enough already: no extra rollout
+    assert refill(s.replace(refill_rounds=0), run, 0, rounds["ck"], first) == first
     engines.clear()
     with disable_run_logger():
-        out = refill(s, run, 0, rounds["ck"], informative=rounds["sc0"].info["groups_informative"])
-    assert 1 <= len(out) <= 3
-    counts = [rounds["sc0"].info["groups_informative"]] + [sc.info["groups_informative"] for _, sc in out]
+        batch = refill(s, run, 0, rounds["ck"], first)
+    out = list(zip(batch.rollouts[1:], batch.scored[1:]))
+    assert 1 <= len(out) <= 3 and batch.rollouts[0] == rounds["ro0"]
+    counts = [sc.info["groups_informative"] for sc in batch.scored]
     assert sum(counts[:-1]) < P  # every round ran because the earlier ones fell short
     assert sum(counts) >= P or len(out) == 3  # it stopped at the target or at the cap
+    assert batch.next_position == (1 + len(out)) * P  # the next iteration's prompts follow every round's
     for r, (ro, sc) in enumerate(out, start=1):
         assert ro.produced_by == f"rollout-iter0-refill{r}" and sc.produced_by == f"score_rewards-iter0-refill{r}"
         assert sc.inputs == (ro.uri,) and Path(sc.path).name == f"scored-refill{r}.parquet"
@@ -118,6 +125,4 @@ def test_the_refill_loop_stops_at_the_target_or_the_cap(rounds, prefect_harness)
 
 
 def dataclass_dict(x):
-    import dataclasses
-
     return dataclasses.asdict(x)

@@ -22,7 +22,7 @@ from k3core.tokenizer import ByteTokenizer
 from k3core.transfer import write_disk
 from k3core.artifacts import Artifact
 from k3core.settings import RolloutSettings
-from tasks import engines, trainers
+from k3core.rl import engines, trainers
 from tasks.common import Run
 from tasks.evaluate import evaluate
 

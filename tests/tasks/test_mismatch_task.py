@@ -10,7 +10,7 @@ from k3core.artifacts import Artifact
 from k3core.rl.trainer_state import make_optimizer, save_trainer_state
 from k3core.rl.weights import load_policy
 from k3core.settings import RolloutSettings
-from tasks import engines, trainers
+from k3core.rl import engines, trainers
 from tasks.common import Run
 from tasks.fetch import fetch_checkpoint
 from tasks.mismatch import rollout_mismatch
@@ -28,7 +28,7 @@ def test_mismatch_stage_reports_both_kls_and_their_ratio(tmp_path):
         ro = rollout.fn(run, 0, w, RolloutSettings(prompts_per_iteration=3, samples_per_prompt=4, max_new_tokens=5))
     from k3core.rollout.quantized import expert_format
 
-    assert expert_format(engine_for("m", w).model) == "w4a8"  # quantised weights: the W4A8 engine
+    assert expert_format(engine_for(run, w).model) == "w4a8"  # quantised weights: the W4A8 engine
     engines.clear()
     # A DCP trainer state, saved under other RNG states: loading it restores those, and the stage must
     # put the process's own back (its later stages sample with them).

@@ -13,7 +13,7 @@ from k3core.checkpoint.hf import init_checkpoint, load_model
 from k3core.rl.trainer_state import make_optimizer, save_trainer_state
 from k3core.artifacts import Artifact
 from k3core.settings import RolloutSettings
-from tasks import engines
+from k3core.rl import engines
 from tasks.common import Run
 from tasks.rollout import rollout
 

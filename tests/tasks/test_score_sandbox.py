@@ -17,7 +17,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from k3core.artifacts import Artifact
 from k3core.rl.data import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from k3core.rl.rewards import RewardOutcome, merge_outcomes, outcome_table
-from k3core.settings import RewardSettings
+from k3core.settings import GRPOSettings, RewardSettings
 from tasks.common import RETRIES, Run
 from tasks.score import score_fanout, score_rewards
 
@@ -33,12 +33,12 @@ def _rollouts(path: Path, prompt: str, completions: list[str]) -> Artifact:
                          weight_version=0, worker="local").items():
             rows[k].append(v)
     pq.write_table(pa.table(rows, schema=ROLLOUT_SCHEMA), path)
-    return Artifact("rollouts", path.as_uri(), str(path), "x", version=0)
+    return Artifact("rollouts", path.as_uri(), str(path), "x", version=0, info={"group_size": 2})
 
 
 @flow(name="score-sandbox-test")
 def _score(run: Run, rollouts: Artifact, reward: RewardSettings):
-    return score_rewards(run, 0, rollouts, 2, reward=reward)
+    return score_rewards(run, 0, rollouts, GRPOSettings(), reward)
 
 
 def test_escaping_completions_score_zero_with_reasons_and_the_stage_completes(tmp_path, monkeypatch,
@@ -73,7 +73,7 @@ def test_a_raising_reward_fails_the_stage_once_naming_the_prompt(tmp_path, monke
 
 @flow(name="score-fanout-test", task_runner=ThreadPoolTaskRunner(max_workers=3))
 def _score_fanout(run: Run, rollouts: Artifact, reward: RewardSettings, shards: int):
-    return score_fanout(run, 0, rollouts, 2, True, 0, reward, shards)
+    return score_fanout(run, 0, rollouts, GRPOSettings(), reward, shards)
 
 
 def test_fanned_out_scoring_equals_local_scoring(tmp_path, monkeypatch, prefect_harness):

@@ -12,8 +12,8 @@ from prefect.logging import disable_run_logger
 from k3core.artifacts import Artifact
 from k3core.rl.data import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from k3core.settings import GRPOSettings, RolloutSettings
-from tasks import engines, trainers
-from tasks.common import Run
+from k3core.rl import engines, trainers
+from tasks.common import Batch, Run
 from tasks.fetch import fetch_checkpoint
 from tasks.quantize import quantize_mxfp4
 from tasks.rollout import rollout
@@ -37,9 +37,9 @@ def pipeline(tmp_path_factory):
         w = quantize_mxfp4.fn(run, ck)
         sampling = RolloutSettings(prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens=5)
         ro = rollout.fn(run, 0, w, sampling)
-        sc = score_rewards.fn(run, 0, ro, 4)
+        sc = score_rewards.fn(run, 0, ro, GRPOSettings())
         t = pq.read_table(sc.path)
-        tr = train_step.fn(run, 0, ck, sc, GRPOSettings(lr=1e-3), sampling)
+        tr = train_step.fn(run, 0, ck, Batch(sampling, 0, (ro,), (sc,)), GRPOSettings(lr=1e-3))
         sv = save_checkpoint.fn(run, 0, tr)
         xf = transfer_weights.fn(run, 0, sv, quantized=False)
     return dict(root=root, run=run, ck=ck, rep=rep, w=w, ro=ro, sc=sc, tr=tr, sv=sv, xf=xf, table=t)
@@ -144,7 +144,7 @@ def test_bad_inputs_fail_clearly_and_keep_artifacts(pipeline, tmp_path):
         with pytest.raises(ValueError, match="unknown preset"):
             fetch_checkpoint.fn(Run(str(tmp_path), "x"), "init:huge:0")
         with pytest.raises(ValueError, match="unknown environment"):
-            score_rewards.fn(Run(root, "t", env="no-such-env"), 9, pipeline["ro"], 4)
+            score_rewards.fn(Run(root, "t", env="no-such-env"), 9, pipeline["ro"], GRPOSettings())
         # a corrupt checkpoint: a truncated shard fails validation and publishes no report
         import shutil
 

@@ -20,8 +20,8 @@ from k3core.rl.weights import build_engine
 from k3core.rollout.engine import SamplingParams
 from k3core.settings import GRPOSettings, RolloutSettings
 from k3core.tokenizer import ByteTokenizer
-from tasks import trainers
-from tasks.common import Run
+from k3core.rl import trainers
+from tasks.common import Batch, Run
 from tasks.fetch import fetch_checkpoint
 from tasks.train import train_step
 
@@ -53,7 +53,7 @@ def test_train_step_as_two_process_fsdp_job_equals_one_process(tmp_path):
         states = {}
         for procs in (1, 2):  # both seed the minibatch shuffle from the run's seed (0): the same draws
             run = Run(str(tmp_path / f"art{procs}"), f"p{procs}")
-            states[procs] = train_step.fn(run, 0, ck, scored, settings, sampling, procs=procs)
+            states[procs] = train_step.fn(run, 0, ck, Batch(sampling, 0, (), (scored,)), settings, procs=procs)
     one, two = states[1], states[2]
     assert two.kind == one.kind == "dcp" and two.version == one.version == 1
     assert two.info["metrics"]["train_procs"] == 2 and two.info["metrics"]["updates"] == 2

@@ -1,41 +1,27 @@
-"""The process's live rollout engines, one per run id (the embedded engine's "server").
+"""Resident engine workers of a fanned-out rollout (``--task-runner dask|ray``): the processes that
+keep a ``k3core.rl.shards.ResidentEngines`` (engines built once per worker, pushed each newer weight
+version) and run rollout shards on it.
 
-A transfer pushes new weights into the live engine; a rollout uses it when its version is the one
-asked for, and otherwise (a fresh process after a crash, a skipped cached transfer) rebuilds it from
-the durable artifact of that version. Correctness never depends on this registry: it only saves work.
-
-Rollout shards (``--task-runner dask|ray``) run on resident engines, ``k3core.rl.shards.ResidentEngines``
-built once per worker and pushed each newer weight version: on Dask, the worker plugin's, in the
-process that runs the shard's task; on Ray, those of the run's engine actors (``EngineActor``), which
-the shard's task calls (``shard_rows``), because prefect-ray runs tasks in whichever pooled Ray
-worker process is free and only an actor pins state to one process.
+Owns: on Dask, the worker plugin that gives each worker process its ``ResidentEngines``; on Ray, the
+run's engine actors (``EngineActor``, ``start_actors``) and the failover of a shard from a dead actor
+to the next (``actor_rows``), because prefect-ray runs tasks in whichever pooled Ray worker process
+is free and only an actor pins state to one process; ``shard_rows``, which runs a shard wherever the
+calling task landed. Does not own: cutting and merging shards (``k3core.rl.shards``), publishing them
+or placing their tasks (the orchestration layer: ``tasks.rollout``, ``flows.scale``). Dask and Ray
+are imported only when a function that needs them runs.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from collections.abc import Callable
 
 _lock = threading.Lock()
-_engines: dict[str, object] = {}
 
 
-def get(run_id: str):
-    with _lock:
-        return _engines.get(run_id)
-
-
-def put(run_id: str, engine) -> None:
-    with _lock:
-        _engines[run_id] = engine
-
-
-def clear() -> None:
-    with _lock:
-        _engines.clear()
-
-
-# ---- resident engines of Dask workers (rollout shards, tasks.rollout.rollout_shard) -------------------
+# ---- resident engines of Dask workers -----------------------------------------------------------------
 
 PLUGIN_NAME = "k3rl-engines"
 _process_engines = None
@@ -85,12 +71,12 @@ def resident_engines():
         return _process_engines, "local" if worker is None else str(worker.name)
 
 
-def shard_rows(req, shard: int, shards: int):
+def shard_rows(req, shard: int, shards: int, warn: Callable[[str], None] | None = None):
     """(the rows of rollout shard ``req``, the worker that made them): on a Ray worker, by the run's
-    engine actors (``actor_rows``); elsewhere (a Dask worker, or this process) on this process's
-    resident engines."""
+    engine actors (``actor_rows``, which reports a failover through ``warn``); elsewhere (a Dask
+    worker, or this process) on this process's resident engines."""
     if in_ray_worker():
-        return actor_rows(req, shard, shards)
+        return actor_rows(req, shard, shards, warn)
     holder, worker = resident_engines()
     return holder.rollout(req, worker), worker
 
@@ -162,11 +148,14 @@ def start_actors(run_id: str, n: int) -> list:
             for k in range(n)]
 
 
-def actor_rows(req, shard: int, shards: int):
+def actor_rows(req, shard: int, shards: int, warn: Callable[[str], None] | None = None):
     """Shard ``req`` on actor ``shard`` of the run's ``shards``; when that actor dies under it (its
-    process killed, its node lost), on the next one, and so on: a dead worker costs only its shard.
-    An error the shard raises itself (a stale weight version, a bug) is raised here."""
+    process killed, its node lost), on the next one, and so on: a dead worker costs only its shard,
+    and ``warn`` (default: this module's logger) is told which actor died. An error the shard raises
+    itself (a stale weight version, a bug) is raised here."""
     import ray
+
+    warn = warn or logging.getLogger(__name__).warning
 
     errors = []
     for j in range(shards):
@@ -179,7 +168,7 @@ def actor_rows(req, shard: int, shards: int):
         try:
             table = ray.get(actor.rollout.remote(req))
         except ray.exceptions.RayActorError as e:
-            _logger().warning(f"engine actor {name} died during rollout shard {shard} of {shards} "
+            warn(f"engine actor {name} died during rollout shard {shard} of {shards} "
                               f"({type(e).__name__}); running the shard on the next actor")
             errors.append(f"{name}: {type(e).__name__}")
             continue
@@ -187,14 +176,3 @@ def actor_rows(req, shard: int, shards: int):
     raise RuntimeError(f"no engine actor of run {req.run_id!r} could run rollout shard {shard} of {shards} "
                        f"(started by flows.scale for --task-runner ray): {'; '.join(errors)}")
 
-
-def _logger():
-    """The task run's logger inside a Prefect task; this module's outside one."""
-    try:
-        from prefect import get_run_logger
-
-        return get_run_logger()
-    except Exception:  # no run context (a direct call)
-        import logging
-
-        return logging.getLogger(__name__)

@@ -1,0 +1,79 @@
+"""Where a run's artifacts live under the artifact root: ``runs/<run_id>/``.
+
+Owns: every path of a run relative to the artifact root (the prepared weights, each iteration's
+files, checkpoints, the records the flow keeps beside them, the lock), for the stages that publish
+them and for the readers that find a run by its id alone (``k3rl status``, the run lock, resume,
+retention). Does not own: the store those paths live in (``k3core.artifacts.ArtifactStore``), what
+the files hold (the stages and ``flows.reports``). No torch, no Prefect: readers that only summarise
+a run import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["RUNS", "RunLayout"]
+
+RUNS = "runs"  # the folder of every run under the artifact root
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The relative paths (``/``-separated, as ``ArtifactStore`` takes them) of run ``run_id``."""
+
+    run_id: str
+
+    def rel(self, *parts: str) -> str:
+        """``runs/<run_id>/<parts...>`` (the run's directory without ``parts``)."""
+        return "/".join((RUNS, self.run_id, *parts))
+
+    def iter_rel(self, iteration: int, name: str) -> str:
+        """A file of iteration ``iteration``: ``iter-NNNN/<name>``."""
+        return self.rel(f"iter-{iteration:04d}", name)
+
+    def trainer_rel(self, iteration: int) -> str:
+        """The trainer state the train step of ``iteration`` publishes (weight version ``iteration + 1``)."""
+        return self.iter_rel(iteration, "trainer")
+
+    def checkpoint_rel(self, version: int) -> str:
+        """The committed checkpoint of weight ``version`` (what ``latest.json`` and resume point at)."""
+        return self.rel("checkpoints", f"iter-{version:04d}")
+
+    def curves_rel(self, iterations: int) -> str:
+        """The reward and KL curves after ``iterations`` iterations (PNG)."""
+        return self.rel(f"curves-{iterations:04d}.png")
+
+    @property
+    def latest(self) -> str:
+        """The pointer to the last committed checkpoint, written last by each save."""
+        return self.rel("latest.json")
+
+    @property
+    def metrics(self) -> str:
+        """One metrics dict per finished iteration."""
+        return self.rel("metrics.json")
+
+    @property
+    def lineage(self) -> str:
+        """The artifacts of prepare and of each finished iteration (what resume reads back)."""
+        return self.rel("lineage.json")
+
+    @property
+    def summary(self) -> str:
+        """The end-of-run report."""
+        return self.rel("summary.json")
+
+    @property
+    def settings(self) -> str:
+        """The recorded settings of a scheduled run (its first ``rl_continue`` tick writes them)."""
+        return self.rel("settings.json")
+
+    @property
+    def validation(self) -> str:
+        """The source checkpoint's validation report."""
+        return self.rel("source.validation.json")
+
+    @property
+    def lock(self) -> str:
+        """The run's lock file (``flows.runlock``: on local disk, in the cache of a remote root)."""
+        return self.rel(".lock")
