@@ -6,8 +6,9 @@ the prompt count and N), generating one shard (``shard_table``; ``ShardRequest``
 shard needs to a worker process), putting shard tables back in the one-engine order
 (``merge_shards``), and ``ResidentEngines``: a worker's engines, one per run, built once and then
 pushed each newer weight version (``k3core.transfer.push_inprocess``, which refuses a version that
-is not newer). Does not own: placing shards on workers (Prefect's task runner: Dask workers, Ray
-actors), storage (the caller publishes tables), or the engine itself.
+is not newer). Does not own: the worker processes that keep a ``ResidentEngines`` (the Dask
+plugin and the Ray engine actors: ``k3core.rl.resident``), placing shards on them (Prefect's task
+runner), storage (the caller publishes tables), or the engine itself.
 
 Why N does not change the table: prompt ``i`` of a rollout gets request seed
 ``derive_seed(seed, i)`` in whichever shard it lands (``RolloutEngine.generate(first_index=...)``),
