@@ -9,8 +9,8 @@ into ``--rollout-workers`` contiguous shards of the rollout table's rows, each a
 on the flow's task runner (a worker process with its own sandbox), published as
 ``iter-N/score-shards/shard-K-of-N.parquet``; ``score_rewards`` then takes the outcomes from those
 files in row order (``k3core.rl.rewards.merge_outcomes``) instead of calling the sandbox: the same
-scored table as local scoring. Built-in environments score in process (microseconds a call) and are
-never fanned out."""
+scored table as local scoring. Built-in environments score in process, where a call costs less than
+sending it to a worker, and are never fanned out."""
 
 from __future__ import annotations
 
