@@ -63,20 +63,40 @@ def prefect_harness():
         yield
 
 
+def helper_module(name: str):
+    """A helper module of ``tests/`` (``s3_local``, ``prefect_local``): the suite imports in
+    ``importlib`` mode, which puts no test directory on ``sys.path``."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    key = f"k3rl_test_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[key] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[key]
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory):
+    """One real ``prefect server start`` for the session (``tests/prefect_local.py``), for end-to-end
+    chains of ``k3rl run`` processes that report to a server (``PREFECT_API_URL``) instead of each
+    starting an embedded one. Tests that need a server configured their own way start their own."""
+    server = helper_module("prefect_local").PrefectServer(tmp_path_factory.mktemp("prefect-server")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def local_s3():
     """A real S3 server for the session: moto's, on 127.0.0.1 at a free port, with storage-layer
     fault injection (``tests/s3_local.py``). Needs the ``s3`` extra (s3fs, moto[server]), which the
     ``test`` extra includes."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("k3rl_test_s3_local", Path(__file__).with_name("s3_local.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    server = mod.LocalS3()
+    server = helper_module("s3_local").LocalS3()
     try:
         yield server
     finally:

@@ -5,14 +5,12 @@ lock is held (Cancelled, nothing run) and adds one iteration to a run when it is
 once the server cancels the second before it starts (no traceback); the scheduled deployment
 gets auto-scheduled runs carrying the schedule's run id. (Ticks racing each other: test_deploy_lock.py.)"""
 
+import importlib.util
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from datetime import datetime, timedelta, UTC
 from pathlib import Path
 
@@ -31,41 +29,16 @@ def _tiny(**pipeline) -> dict:
     return {**TINY, "pipeline": {**TINY["pipeline"], **pipeline}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _local_server_helpers():
+    """free_port, wait_healthy and stop of ``tests/prefect_local.py`` (one copy of that logic)."""
+    spec = importlib.util.spec_from_file_location("_k3rl_test_prefect_local", Path(__file__).parents[1] / "prefect_local.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"prefect server not healthy after {timeout} s")
-
-
-def _stop(proc: subprocess.Popen | None, grace: float) -> None:
-    """Stop a process started in its own session, with every child (the server's services, the
-    runner's flow-run processes): SIGTERM, then SIGKILL after ``grace`` seconds."""
-    if proc is None or proc.poll() is not None:
-        return
-    if grace > 0:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=60)
+_h = _local_server_helpers()
+_free_port, _wait_healthy, _stop = _h.free_port, _h.wait_healthy, _h.stop
 
 
 def _test_yaml(tmp_path: Path, artifacts: str) -> Path:

@@ -1,16 +1,28 @@
-"""Kill -9 at every stage: real ``k3rl run`` processes (``python -m flows.cli``, tiny preset, Prefect's
-embedded server) SIGKILLed by ``K3RL_FAULT=<stage>:<point>`` (``k3core/faults.py``), then resumed by
-the same command. The table of docs/reliability.md ("Kill -9 at every stage") is this file.
+"""Kill -9 at every stage: real ``k3rl run`` processes (``python -m flows.cli``, tiny preset) SIGKILLed by
+``K3RL_FAULT=<stage>:<point>`` (``k3core/faults.py``), then resumed by the same command. The table of
+docs/reliability.md ("Kill -9 at every stage") is this file.
 
-One chain per point (``before-publish``, ``mid-write``, ``after-publish``): the chain's first process
-is killed at its point in the first stage; the same command, run again, resumes and is killed at
-the point in the next stage, and so on through every stage of the run in the order the run reaches
-them; a last, unarmed run of the command finishes. So every kill is followed by a resume, and each
-chain costs one process per stage. After every kill, and after the resume that follows it:
+Each recovery is tested once per stage, in two chains. A chain's first process is killed at its
+point in the first stage; the same command, run again, resumes and is killed at the point of the
+next stage, and so on through every stage of the run in the order the run reaches them; a last,
+unarmed run of the command finishes. So every kill is followed by a resume, and each chain costs
+one process per stage.
+
+- ``staging``: every stage that publishes a file, killed with its artifact in staging, alternately
+  ``mid-write`` (half written) and ``before-publish`` (complete, not renamed). Both leave a staging
+  path of the dead pid and nothing published, and a resume recovers from both the same way: it
+  removes the staging path and runs the stage again. Each process runs Prefect's embedded server.
+- ``after-publish``: every stage, killed after its body returned (published, not recorded by
+  Prefect), so the resume must find the finished work instead of redoing it. Its processes report
+  to one ``prefect server start`` for the test session (``PREFECT_API_URL``), as a deployment's
+  would: a server that outlives the killed process must see its flow runs marked Crashed too.
+
+After every kill, and after the resume that follows it:
 
 - the killed process got SIGKILL at the point (exit -9), and left what that point leaves: a staging
   path (``.tmp-*``) of its pid for ``mid-write`` and ``before-publish``;
-- its embedded Prefect server is gone (no process serving this chain's PREFECT_HOME remains);
+- its embedded Prefect server, where it ran one, is gone (no process serving this chain's
+  PREFECT_HOME remains);
 - the resume took over the run's lock from the killed pid and said so, removed every staging path
   the killed process left, and marked the killed process's flow runs Crashed (in Prefect's database);
 - no artifact published before the kill was written again (same inode, same mtime): no rollout,
@@ -50,17 +62,23 @@ PUBLISHING = ["fetch_checkpoint", "validate_checkpoint", "warmup", "quantize_mxf
 ALL_STAGES = ["fetch_checkpoint", "validate_checkpoint", "warmup", "quantize_mxfp4", "rollout-iter1",
               "score_rewards-iter1", "rollout_mismatch-iter1", "train_step-iter1", "save_checkpoint-iter1",
               "transfer_weights-iter1", "evaluate-final"]
-CHAINS = {"before-publish": PUBLISHING, "mid-write": PUBLISHING, "after-publish": ALL_STAGES}
+STAGING_POINTS = ("mid-write", "before-publish")
+CHAINS = {"staging": [(stage, STAGING_POINTS[i % 2]) for i, stage in enumerate(PUBLISHING)],
+          "after-publish": [(stage, "after-publish") for stage in ALL_STAGES]}
 # rewritten on purpose by every run (pointers and reports, replaced atomically): not published artifacts
 POINTERS = {"latest.json", "metrics.json", "lineage.json", "summary.json"}
 SERVER_APP = b"prefect.server.api.server:create_app"
 
 
-def _k3rl(artifacts: Path, home: Path, fault: str | None) -> tuple[subprocess.CompletedProcess, int]:
-    """Run the command once (``fault``: the K3RL_FAULT value, None: unarmed); (result, pid)."""
+def _k3rl(artifacts: Path, home: Path, fault: str | None, api: str | None = None
+          ) -> tuple[subprocess.CompletedProcess, int]:
+    """Run the command once (``fault``: the K3RL_FAULT value, None: unarmed; ``api``: the Prefect
+    server to report to, None: the process's own embedded server in ``home``); (result, pid)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_") and k != "K3RL_FAULT"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), PREFECT_HOME=str(home),
                PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1")
+    if api:
+        env["PREFECT_API_URL"] = api
     if fault:
         env["K3RL_FAULT"] = fault
     p = subprocess.Popen([sys.executable, "-m", "flows.cli", *ARGS, "--artifacts", str(artifacts)], cwd=ROOT, env=env,
@@ -179,15 +197,20 @@ def baseline(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("point", list(CHAINS))
-def test_kill_at_every_stage_then_resume_equals_an_uninterrupted_run(point, baseline, tmp_path):
-    artifacts, home = tmp_path / "artifacts", tmp_path / "prefect-home"
-    run = artifacts / "runs" / RUN_ID
+@pytest.mark.parametrize("chain", list(CHAINS))
+def test_kill_at_every_stage_then_resume_equals_an_uninterrupted_run(chain, baseline, tmp_path, request):
+    artifacts, run = tmp_path / "artifacts", tmp_path / "artifacts" / "runs" / RUN_ID
+    if chain == "after-publish":  # the session's server: its database holds the flow runs
+        server = request.getfixturevalue("prefect_server")
+        api, home = server.api, server.home
+    else:  # each process's own embedded server, in this chain's PREFECT_HOME
+        api, home = None, tmp_path / "prefect-home"
+    at_start = set(_flow_runs(home)) if (home / "prefect.db").exists() else set()  # other tests' flow runs
     killed_pid, killed_flow_runs = None, set()
-    for target in [*CHAINS[point], None]:
+    for target, point in [*CHAINS[chain], (None, None)]:
         published = _published(run) if run.exists() else {}
         before = _flow_runs(home) if (home / "prefect.db").exists() else {}
-        done, pid = _k3rl(artifacts, home, f"{target}:{point}" if target else None)
+        done, pid = _k3rl(artifacts, home, f"{target}:{point}" if target else None, api)
         step = f"{target}:{point}" if target else "the final resume"
         log = done.stdout[-4000:]
 
@@ -211,15 +234,18 @@ def test_kill_at_every_stage_then_resume_equals_an_uninterrupted_run(point, base
         staged = [p for p in _staging(run) if p.name.split(".")[-2] == str(pid)]
         if point != "after-publish":
             assert staged, f"{step}: the kill left no staging path of pid {pid}"
-        _no_server_left(home)
+        if api is None:
+            _no_server_left(home)
         after = _flow_runs(home)
         killed_flow_runs = {i for i, (_, s) in after.items() if s == "RUNNING" and i not in before}
         assert killed_flow_runs, f"{step}: the killed process left no Running flow run to mark"
         killed_pid = pid
 
-    _no_server_left(home)
+    if api is None:
+        _no_server_left(home)
     assert _staging(run) == []
-    assert {s for _, s in _flow_runs(home).values()} <= {"COMPLETED", "CRASHED"}
+    states = _flow_runs(home)
+    assert {s for i, (_, s) in states.items() if i not in at_start} <= {"COMPLETED", "CRASHED"}
     final = _final_state(artifacts)
     assert final["iteration"] == baseline["iteration"] == 2
     _assert_same(_drop_timings(final), _drop_timings(baseline))
