@@ -38,9 +38,10 @@ def _source_fetched(artifacts: str, run_id: str) -> bool:
     again, so a source moved away since must not refuse it). Local roots only: a remote root's
     marker is left to the fetch stage, which finds it and skips."""
     from k3core.artifacts import COMPLETE
+    from k3core.rl.layout import RunLayout
 
     path = _local_path(artifacts)
-    return path is not None and (path / "runs" / run_id / "source" / COMPLETE).is_file()
+    return path is not None and (path / RunLayout(run_id).rel("source") / COMPLETE).is_file()
 
 
 def _local_path(url: str) -> Path | None:
@@ -109,7 +110,9 @@ def check_artifact_root(artifacts: str, run_id: str) -> None:
     if path.exists() and not path.is_dir():
         raise ValueError(f"--artifacts {artifacts} is a file, not a directory; point --artifacts at a directory "
                          "(it is created when missing)")
-    for target in (path / "runs" / run_id, path):
+    from k3core.rl.layout import RunLayout
+
+    for target in (path / RunLayout(run_id).rel(), path):
         where = _nearest_existing(target)
         if not where.is_dir():
             raise ValueError(f"--artifacts {artifacts}: {where} is a file, so the artifact root cannot be created "

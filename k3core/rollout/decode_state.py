@@ -22,9 +22,8 @@ whose weights moved are captured again. Prefill is the same eager forward in eve
 What can be captured: float experts, and W4A8 experts where their Triton kernel runs (CUDA), which
 builds its tile table on the device from the expert counts
 (``k3core.ops.w4a8.grouped_mm_triton.device_tiles``). Weight-only MXFP4 experts (the torch path)
-read the counts on the host and cannot be captured. The engine's "auto" is "dynamic"; "graph" is
-opt-in until its engine-level GPU test with joins and leaves
-(tests/k3core/rollout/test_cuda_graph_decode.py) passes; its outcomes and the modes' speeds are in
+read the counts on the host and cannot be captured. The engine takes a resolved mode: "auto" has
+one meaning, ``k3core.device.decode_mode``'s. The modes' outcomes and speeds are in
 docs/results/rollout_decode.md.
 """
 
@@ -41,7 +40,7 @@ from k3core.rollout.decode_graphs import DecodeGraphs, bucket
 
 
 def resolve_decode(model: K3ForCausalLM, decode: str) -> str:
-    """The mode an engine around ``model`` runs for ``decode`` ("auto" -> "dynamic"); a mode the
+    """The mode an engine around ``model`` runs for a resolved ``decode``; a mode the
     model's device or experts cannot run is refused with a ``ValueError`` naming the way out."""
     from k3core.ops.w4a8 import triton_available
     from k3core.rollout.quantized import expert_format
@@ -51,8 +50,6 @@ def resolve_decode(model: K3ForCausalLM, decode: str) -> str:
     # W4A8 experts: the Triton kernel's tile table is built on the device (no host read of the
     # counts); weight-only MXFP4 (w4a16) runs the torch path, which reads them
     capturable = fmt in ("bf16", "none") or (fmt == "w4a8" and device.type == "cuda" and triton_available())
-    if decode == "auto":  # "graph" once its engine-level GPU test passes (module docstring)
-        return "dynamic"
     if decode == "graph" and device.type != "cuda":
         raise ValueError(f"decode='graph' needs a CUDA model (this one is on {device}); use 'static' or 'dynamic'")
     if decode == "graph" and not capturable:

@@ -152,7 +152,7 @@ def test_weight_update_keeps_inference_cache_storage():
 
 def test_decode_mode_is_checked():
     model = _model(0, torch.float32)
-    assert RolloutEngine(model).decode_mode == "dynamic"  # CPU: auto is the dynamic path
+    assert RolloutEngine(model).decode_mode == "dynamic"  # the engine's default mode
     assert RolloutEngine(model, decode="static").decode_mode == "static"
     with pytest.raises(ValueError, match="needs a CUDA model"):
         RolloutEngine(model, decode="graph")
