@@ -3,6 +3,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
+# pytest-xdist workers of `make test` / `make test-quick`: the end-to-end tests spend much of their time
+# waiting on subprocesses and servers, so two workers overlap them on a 2-core machine; whole files go
+# to one worker (--dist loadfile), so a module's fixtures are built once.
+TEST_WORKERS ?= 2
 # The SGLang release whose K3 code the interop suite (tests/interop) checks k3rl against; installed
 # without its dependencies (they are CUDA builds), see the `interop` extra in pyproject.toml.
 SGLANG_VERSION := 0.5.23
@@ -31,11 +35,11 @@ run: setup-run
 
 # Every test (CI runs this).
 test: setup
-	$(BIN)/python -m pytest tests $(ARGS)
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # The inner loop: every test not marked `slow` (an unmarked test may take at most 20 s, tests/conftest.py).
 test-quick: setup
-	$(BIN)/python -m pytest tests -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -90,7 +90,7 @@ def uninstall_cpu_stubs() -> None:
     """Take the stub finder and the stub modules away (the rest of a test session sees no torchvision)."""
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
-    for name in [n for n, m in sys.modules.items() if isinstance(m, _StubModule)]:
+    for name in [n for n, m in list(sys.modules.items()) if isinstance(m, _StubModule)]:  # a copy: a thread may import meanwhile
         del sys.modules[name]
 
 
