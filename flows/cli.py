@@ -126,7 +126,7 @@ def _run_locked(a, s, lock_file) -> int:
     from prefect import tags
 
     from flows import resume
-    from flows.console import progress_wanted, run_progress
+    from flows.console import progress_wanted, run_progress, stage_heartbeat
     from flows.pipeline import rl_run
 
     from k3core.device import run_device
@@ -136,6 +136,7 @@ def _run_locked(a, s, lock_file) -> int:
           f"'{s.model.preset}', env '{s.pipeline.env}', {s.pipeline.iterations} iterations, device "
           f"{run_device(s).type}, artifacts at {s.pipeline.artifacts}\n"
           f"k3rl: to resume or continue it: {resume_command(a.argv, run_id)}", file=sys.stderr, flush=True)
+    from flows.estimate import estimate_line
     from flows.reports import finished_summary
 
     summary = finished_summary(s)
@@ -144,6 +145,7 @@ def _run_locked(a, s, lock_file) -> int:
               f"follows (a larger --iterations continues it)", file=sys.stderr, flush=True)
         print(json.dumps(summary, indent=2) if a.json else _format_summary(summary))
         return 0
+    print(f"k3rl: {estimate_line(s)}", file=sys.stderr, flush=True)
     removed = resume.remove_dead_staging(s.pipeline.artifacts, run_id)
     if removed:
         print(f"k3rl: run '{run_id}': removed {len(removed)} staging path(s) of a killed process "
@@ -155,7 +157,8 @@ def _run_locked(a, s, lock_file) -> int:
         print(f"k3rl: run '{run_id}': marked {len(crashed)} flow run(s) of a killed process Crashed "
               f"({', '.join(crashed)})", file=sys.stderr)
     try:
-        with run_progress(not a.no_progress and progress_wanted()), tags(tag):
+        bar = not a.no_progress and progress_wanted()
+        with run_progress(bar), stage_heartbeat(not a.no_progress and not bar), tags(tag):
             summary = rl_run(s)
     except KeyboardInterrupt:
         print(f"k3rl: interrupted; run the same command again to resume run '{run_id}'", file=sys.stderr)
@@ -321,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(r)
     r.add_argument("--json", action="store_true", help="print the summary as JSON")
     r.add_argument("--no-progress", action="store_true",
-                   help="no progress bar (it is drawn on stderr only when stderr is a terminal)")
+                   help="no progress display: neither the bar (drawn on stderr when it is a terminal) nor the "
+                        "heartbeat lines naming a long stage in flight (written when stderr is a file or pipe)")
     r.set_defaults(fn=cmd_run)
     pr = sub.add_parser("prepare", help="fetch, validate, warm up and quantize (no RL iterations)")
     _add_run_args(pr)

@@ -5,8 +5,9 @@ as the warm-up does), fed by ``tasks.common.progress_event``.
 Owns: whether the bar is drawn and how. Does not own: the events (stages and ``rl_run`` send them)
 or the log lines (Prefect's logging configuration).
 
-The bar is drawn only when stderr is a terminal (and ``TERM`` is not ``dumb``); into a file, a pipe
-or CI nothing of it is written, and the log lines are the whole record. Prefect prints its log lines
+The bar is drawn only when stderr is a terminal (and ``TERM`` is not ``dumb``). Into a file, a pipe
+or CI the bar is replaced by a heartbeat (``stage_heartbeat``): a line naming the stage in flight
+each time it has run another ``every_s`` seconds, so a long stage is never a silent gap in the log. Prefect prints its log lines
 through a rich ``Console`` of its own handler (``PrefectConsoleHandler``, on the root logger); the
 bar is drawn through that same console, so a log line appears above the bar instead of tearing it.
 """
@@ -17,10 +18,12 @@ import contextlib
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import IO
 
-__all__ = ["BAR_CHARACTER", "progress_wanted", "run_progress"]
+__all__ = ["BAR_CHARACTER", "progress_wanted", "run_progress", "stage_heartbeat"]
 
 BAR_CHARACTER = "\u2501"  # rich draws its bars with this character (tests look for it)
 
@@ -97,3 +100,47 @@ def run_progress(enabled: bool) -> Iterator[None]:
         console.pop_theme()
         for h, c in saved.items():
             h.console = c
+
+
+@contextlib.contextmanager
+def stage_heartbeat(enabled: bool, every_s: float = 30.0, stream: IO | None = None) -> Iterator[None]:
+    """While the block runs, write ``k3rl: <stage> in flight for N s`` to ``stream`` (default stderr)
+    each time the stage in flight has run another ``every_s`` seconds (nothing when ``enabled`` is
+    False). Stages shorter than ``every_s`` add no line: Prefect's ``Finished`` lines cover them."""
+    if not enabled:
+        yield
+        return
+    from tasks.common import add_progress_listener, remove_progress_listener
+
+    current: list = [None, 0.0]  # [stage name, its start on the monotonic clock]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def on_event(kind: str, info: dict) -> None:
+        with lock:
+            if kind == "stage_start":
+                current[:] = [info["name"], time.monotonic()]
+            elif kind == "stage_end" and current[0] == info["name"]:
+                current[:] = [None, 0.0]
+
+    def beat() -> None:
+        told: tuple = (None, 0)  # (stage, beats written for it)
+        while not stop.wait(min(1.0, every_s / 4)):
+            with lock:
+                name, start = current
+            if name is None:
+                continue
+            beats = int((time.monotonic() - start) // every_s)
+            if beats > (told[1] if told[0] == (name, start) else 0):
+                told = ((name, start), beats)
+                print(f"k3rl: {name} in flight for {beats * every_s:g} s", file=stream or sys.stderr, flush=True)
+
+    add_progress_listener(on_event)
+    thread = threading.Thread(target=beat, name="k3rl-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        remove_progress_listener(on_event)

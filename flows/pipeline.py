@@ -199,6 +199,7 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
                   else prep.weights)
         log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
     reference = prep.policy if s.grpo.kl_coef else None
+    t_loop = time.perf_counter()
     with iteration_runner(s.scale_out, run.run_id) as runner:  # a Dask or Ray cluster outlives each iteration
         for n in range(len(done), s.pipeline.iterations):
             iterate = rl_iteration if runner is None else rl_iteration.with_options(task_runner=runner())
@@ -208,7 +209,8 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
             policy, weights = it.policy, it.weights
             history.append(it.metrics)
             done.append(it.lineage)
-            log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics))
+            pace = (time.perf_counter() - t_loop) / (n + 1 - done_before)  # seconds per iteration so far
+            log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics, pace * (s.pipeline.iterations - n - 1)))
             reports.record_lineage(s, prep.lineage(), done)
             reports.publish_iteration(s, history, _flat(prep, done))
             pruned = prune_checkpoints(s, latest=it.policy.version)  # after the records: resume never needs them

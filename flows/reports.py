@@ -214,10 +214,18 @@ def iteration_metrics(iteration: int, batch: Batch, trained: Artifact, engine: A
             "sampling_rounds": batch.rounds, "policy_version": iteration, "staleness": iteration - rollouts.version}
 
 
-def progress_line(n: int, total: int, m: dict) -> str:
+def progress_line(n: int, total: int, m: dict, seconds_left: float | None = None) -> str:
+    """The log line of iteration ``n``: training reward, the held-out rewards when evaluated, and the
+    time left at the pace so far (``seconds_left``)."""
+    held = (f" held-out {m['heldout_reward']:.3f} (greedy {m['heldout_greedy_reward']:.3f})"
+            if "heldout_greedy_reward" in m else f" held-out {m['heldout_reward']:.3f}" if "heldout_reward" in m else "")
+    left = f", about {_duration(seconds_left)} left" if seconds_left is not None and n + 1 < total else ""
     return (f"[{n + 1}/{total}] reward {m['reward_mean']:.3f} solved {m['solved_fraction']:.2f} "
-            f"KL(rollout||trainer) {m.get('kl_rollout_trainer_k3', 0):.4f}"
-            + (f" held-out {m['heldout_reward']:.3f}" if "heldout_reward" in m else ""))
+            f"KL(rollout||trainer) {m.get('kl_rollout_trainer_k3', 0):.4f}{held}{left}")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def record_lineage(s: RLSettings, prepared: list[Artifact], iterations: list[list[Artifact]]) -> None:

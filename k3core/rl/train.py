@@ -375,7 +375,7 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(f"non-finite gradient norm {grad_norm} in update {len(updates) + 1} of "
                                          f"{n_updates}: that update was not applied")
-            optimizer.step()
+            ramped_step(optimizer, cfg.lr_warmup_steps)
             u = asdict(merge_stats(parts))
             u.update(grad_norm=grad_norm, sequences=len(mseqs), micro_batches=len(micro))
             updates.append({k: u[k] for k in _PER_UPDATE})
@@ -448,6 +448,40 @@ def attach_reference(seqs: list[RLSequence], table: pa.Table, ref: pa.Table) -> 
             raise ValueError(f"no reference logprobs for prompt {p} sample {s}: the reference table was computed on "
                              "another batch (recompute it on this one)")
         seq.ref_logprobs = by_key[(p, s)]
+
+
+def optimizer_steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Steps the optimizer has applied: its first parameter's ``step`` state (AdamW and StreamedAdamW
+    keep one, saved with the trainer state); 0 before any. An optimizer that keeps no step count
+    (SGD) reads 0 forever: run it with ``lr_warmup_steps`` 0."""
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            return 0 if step is None else int(step)
+    return 0
+
+
+def warmup_factor(optimizer: torch.optim.Optimizer, warmup_steps: int) -> float:
+    """The learning-rate factor of the optimizer's next step: ``(taken + 1) / warmup_steps`` during
+    its first ``warmup_steps`` steps, then 1 (0 steps: always 1)."""
+    return min(1.0, (optimizer_steps_taken(optimizer) + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+def ramped_step(optimizer: torch.optim.Optimizer, warmup_steps: int) -> None:
+    """``optimizer.step()`` at its groups' learning rates times ``warmup_factor``; the groups keep
+    their own rates (the factor is applied for this step only, so it never compounds)."""
+    factor = warmup_factor(optimizer, warmup_steps)
+    if factor == 1.0:
+        optimizer.step()
+        return
+    rates = [g["lr"] for g in optimizer.param_groups]
+    for g, lr in zip(optimizer.param_groups, rates):
+        g["lr"] = lr * factor
+    try:
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, rates):
+            g["lr"] = lr
 
 
 def train_on_table(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, table: pa.Table, cfg: GRPOSettings,

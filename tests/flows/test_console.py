@@ -97,6 +97,28 @@ def test_bar_rows_on_a_terminal(tmp_path):
     assert final and all(" 0/? " in r for r in final), final
 
 
+def test_heartbeat_names_a_long_stage_in_a_pipe():
+    """Without a terminal, a stage in flight longer than the beat gets a line per beat naming it; a
+    stage shorter than the beat gets none, and no line follows the stage's end."""
+    import io
+    import time
+
+    from flows.console import stage_heartbeat
+    from tasks.common import progress_event
+
+    out = io.StringIO()
+    with stage_heartbeat(True, every_s=0.4, stream=out):
+        progress_event("stage_start", name="rollout-iter0")
+        progress_event("stage_end", name="rollout-iter0")
+        progress_event("stage_start", name="train_step-iter0")
+        time.sleep(1.1)
+        progress_event("stage_end", name="train_step-iter0")
+        time.sleep(0.6)
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == ["k3rl: train_step-iter0 in flight for 0.4 s", "k3rl: train_step-iter0 in flight for 0.8 s"], lines
+    assert len(lines) <= 3 and all("train_step-iter0" in x for x in lines), lines  # a slow tick may add the third beat
+
+
 @pytest.mark.parametrize("latest,keep,staleness,kept", [
     (5, 0, 0, {1, 2, 3, 4, 5}),   # 0: keep everything
     (5, 1, 0, {5}),               # the latest is what resume reads
@@ -232,3 +254,23 @@ def test_tiny_run_console_retention_replay_and_resume(tmp_path, prefect_harness)
     settings = _settings_from_args(build_parser().parse_args([*argv, "--iterations", "4"]))
     assert rl_run(settings) == continued
     assert _files(run_dir) == before
+
+
+def test_estimate_follows_the_work():
+    """The first-line estimate adds each stage's calibrated cost: twice the iterations add the
+    per-iteration cost once more, no warm-up removes its cost, and where nothing is calibrated (a GPU
+    preset) there is no number, only the sentence that says so."""
+    from flows.estimate import CALIBRATIONS, estimate, estimate_line
+    from k3core.settings import RLSettings
+
+    base = RLSettings.from_dict({"iterations": 10, "eval_every": 0})
+    double = RLSettings.from_dict({"iterations": 20, "eval_every": 0})
+    cold = RLSettings.from_dict({"iterations": 10, "eval_every": 0, "warmup_steps": 0})
+    e1, e2, e0 = (estimate(x, cores=2) for x in (base, double, cold))
+    cal = CALIBRATIONS["small"]
+    per_iteration = (cal.iteration + 128 * (cal.rollout_token * 7 + cal.score_sample) + 128 * cal.train_sample
+                     + cal.mismatch_sequence * 16 / base.evaluation.mismatch_every)
+    assert abs((e2 - e1) - 10 * per_iteration) < 1e-6
+    assert abs((e1 - e0) - 25 * 32 * cal.warmup_sequence) < 1e-6
+    assert estimate(RLSettings.from_dict({"preset": "medium"}), cores=2) is None
+    assert "no time estimate" in estimate_line(RLSettings.from_dict({"preset": "medium"}))

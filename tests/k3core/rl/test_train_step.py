@@ -40,10 +40,12 @@ def _train():
 
 
 def _step(model, optimizer, seqs, *, temperature, seq_sum_norm=None, **settings):
-    """``grpo_train_step`` with routing replay and these GRPO settings."""
+    """``grpo_train_step`` with routing replay and these GRPO settings, at the optimizer's own rate
+    (no warm-up ramp: the references below take plain steps; the ramp has its own test)."""
     from k3core.settings import GRPOSettings
 
     settings["routing_replay"] = True
+    settings.setdefault("lr_warmup_steps", 0)
     return _train().grpo_train_step(model, optimizer, seqs, GRPOSettings(**settings), PAD, temperature=temperature,
                                     seq_sum_norm=seq_sum_norm)
 
@@ -533,3 +535,29 @@ def test_dynamic_sampling_drops_uniform_groups():
     assert (met["skipped"], met["groups_sampled"], met["groups_dropped"], met["sequences"]) == (1.0, 2, 2, 0)
     for p, q in zip(m2.parameters(), _model().parameters()):
         assert torch.equal(p, q)
+
+
+def test_lr_warmup_ramps_then_holds_and_continues_after_a_reload():
+    """``ramped_step`` equals Adam stepped by hand at lr * min(1, (k + 1) / N) on step k, keeps the
+    group's own rate between steps, and a reloaded optimizer state continues the ramp where it
+    stopped (Adam keeps its step count in its state)."""
+    from k3core.rl.train import ramped_step, warmup_factor
+
+    torch.manual_seed(0)
+    grads = [torch.randn(5) for _ in range(7)]
+    a, b = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(5))
+    ramped, by_hand = torch.optim.Adam([a], lr=0.1), torch.optim.Adam([b], lr=0.1)
+    for k, g in enumerate(grads):
+        a.grad, b.grad = g.clone(), g.clone()
+        ramped_step(ramped, 4)
+        by_hand.param_groups[0]["lr"] = 0.1 * min(1.0, (k + 1) / 4)
+        by_hand.step()
+        assert torch.equal(a, b), k
+        assert ramped.param_groups[0]["lr"] == 0.1
+    half = torch.optim.Adam([torch.nn.Parameter(torch.zeros(5))], lr=0.1)
+    for g in grads[:2]:
+        half.param_groups[0]["params"][0].grad = g.clone()
+        ramped_step(half, 4)
+    again = torch.optim.Adam([torch.nn.Parameter(torch.zeros(5))], lr=0.1)
+    again.load_state_dict(half.state_dict())
+    assert warmup_factor(again, 4) == pytest.approx(3 / 4) and warmup_factor(again, 0) == 1.0
