@@ -177,7 +177,7 @@ class GRPOSettings(_Section):
                            "first update, so later updates are off-policy and the PPO clip engages)", min=1)
     minibatches: int = _int(1, "minibatches", "optimizer steps per pass: the rollout batch is shuffled and split into "
                             "this many minibatches (updates per iteration = ppo-epochs x minibatches)", min=1)
-    lr_warmup_steps: int = _int(16, "lr-warmup-steps", "optimizer steps over which the learning rate rises linearly "
+    lr_warmup_steps: int = _int(0, "lr-warmup-steps", "optimizer steps over which the learning rate rises linearly "
                                 "to --lr (counted by the trainer state, so a resumed run continues the ramp): the "
                                 "first Adam steps move every weight by about lr whatever its gradient, which "
                                 "undoes a warmed-up policy at full lr (0: no ramp)")
