@@ -64,11 +64,11 @@ def cmd_init(a) -> int:
 
     try:
         r = init_checkpoint(a.preset, a.out, seed=a.seed, format=a.format,
-                            max_shard_bytes=a.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+                            max_shard_bytes=a.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES, tokenizer=a.tokenizer)
     except ValueError as e:
         return _err(str(e), 2)
     print(f"{r.path}: fresh '{a.preset}' checkpoint (seed {a.seed}, {r.target}), {len(r.shards)} shards, "
-          f"{r.num_keys} tensors, {r.total_size / 2**20:.1f} MiB")
+          f"{r.num_keys} tensors, {r.total_size / 2**20:.1f} MiB, tokenizer {a.tokenizer}")
     return 0
 
 
@@ -159,6 +159,11 @@ def add_checkpoint_subcommands(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=0,
                    help="weight seed, a non-negative integer: same preset and seed, same bytes (default 0)")
     p.add_argument("--max-shard-bytes", type=_size, default=None, help="shard bound (default 5GB)")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="bytes (the CPU presets' byte vocabulary, no tokenizer files), bpe (the bundled 2k-token BPE "
+                        "in the release's layout, with K3's special tokens and chat template) or DIR (a tokenizer in "
+                        "the release's layout, tiktoken.model + tokenizer_config.json, or a tokenizer.json): its data "
+                        "files are copied, never its code, and the config's vocabulary follows it (default bytes)")
     handler(p, cmd_init)
 
     p = sub.add_parser("fetch", help="copy a checkpoint from a URL (file, memory, s3, hf://org/name@rev): "

@@ -115,13 +115,14 @@ def _native_state(model_or_state_dict, layout: Layout) -> Mapping[str, torch.Ten
 
 def save_hf(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], path: str | os.PathLike,
             config: K3Config | None = None, target: str = "bf16",
-            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> SaveResult:
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extra_files: Mapping[str, Path] | None = None) -> SaveResult:
     """Write a native K3 model (or its state dict) to ``path`` in the public layout.
 
     ``target="bf16"``: every tensor in its public dtype (bf16, fp32 for the tensors the release keeps
     fp32). ``target="mxfp4"``: routed experts as MXFP4 pairs (``k3core.ops.mxfp4.quantize``), and
     ``config.json`` declares ``quantization_config``. ``path`` is replaced as a whole (files in it that
     are not checkpoint files, e.g. a tokenizer, are kept); see the module docstring for crash safety.
+    ``extra_files``: name -> file copied into the checkpoint with it (a tokenizer), in its manifest.
     """
     if config is None:
         config = getattr(model_or_state_dict, "config", None)
@@ -129,11 +130,12 @@ def save_hf(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], path: s
             raise ValueError("save_hf needs config= when given a state dict")
     layout = public_layout(config, target)
     state = _native_state(model_or_state_dict, layout)
-    return _write_checkpoint(path, layout, max_shard_bytes, lambda ent: _export(ent, state[ent.native]))
+    return _write_checkpoint(path, layout, max_shard_bytes, lambda ent: _export(ent, state[ent.native]), extra_files)
 
 
 def _write_checkpoint(path: str | os.PathLike, layout: Layout, max_shard_bytes: int,
-                      produce: Callable[[Entry], list[torch.Tensor]]) -> SaveResult:
+                      produce: Callable[[Entry], list[torch.Tensor]],
+                      extra_files: Mapping[str, Path] | None = None) -> SaveResult:
     """Plan shards, stream every entry's stored tensors (``produce``) into them, then config, then the
     index, in a staging directory published over ``path`` in one step."""
     path = Path(path).absolute()
@@ -163,6 +165,8 @@ def _write_checkpoint(path: str | os.PathLike, layout: Layout, max_shard_bytes: 
         layout.config.replace(quantization_config=qc).to_json_file(staging / CONFIG_NAME)
         atomic_write_json(staging / INDEX_NAME, {"metadata": {"total_size": total},
                                                  "weight_map": dict(sorted(weight_map.items()))})
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, staging / name)
         write_manifest(staging)
         publish_dir(staging, path, keep=_not_checkpoint_file)
     except BaseException:
@@ -361,13 +365,43 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
 
 
 def init_checkpoint(preset_or_config: str | K3Config, out_dir: str | os.PathLike, seed: int = 0,
-                    format: str = "bf16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> SaveResult:
+                    format: str = "bf16", max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                    tokenizer: str | os.PathLike = "bytes") -> SaveResult:
     """A fresh random model (``K3ForCausalLM.reset_parameters(seed)``) saved in the public layout
-    (``format`` "bf16" or "mxfp4"). Same preset and seed -> the same bytes."""
+    (``format`` "bf16" or "mxfp4"). Same preset and seed -> the same bytes.
+
+    ``tokenizer``: "bytes" (no tokenizer files: the byte vocabulary of the CPU presets), "bpe" (the
+    bundled K3-layout BPE, ``k3core.tokenizer.BUNDLED_K3_BPE``) or a directory holding a tokenizer
+    in the release's layout or as ``tokenizer.json``. Its data files are copied into the checkpoint
+    (never a ``tokenization_*.py``), and the config's vocabulary and bos/eos/pad become the
+    tokenizer's."""
     config = K3Config.preset(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
     config = config.replace(quantization_config=None)
+    extra: dict[str, Path] = {}
+    if str(tokenizer) != "bytes":
+        config, extra = _with_tokenizer(config, tokenizer)
     model = meta_model(config)
     materialize(model, "cpu")
     model.reset_parameters(seed)
     model.cast(torch.bfloat16)
-    return save_hf(model, out_dir, config, target=format, max_shard_bytes=max_shard_bytes)
+    return save_hf(model, out_dir, config, target=format, max_shard_bytes=max_shard_bytes, extra_files=extra)
+
+
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json")
+
+
+def _with_tokenizer(config: K3Config, tokenizer: str | os.PathLike) -> tuple[K3Config, dict[str, Path]]:
+    """``config`` sized for ``tokenizer`` ("bpe" or a directory), and the data files to copy."""
+    from k3core.tokenizer import BUNDLED_K3_BPE, load_tokenizer
+
+    directory = BUNDLED_K3_BPE if str(tokenizer) == "bpe" else Path(tokenizer)
+    if not directory.is_dir():
+        raise ValueError(f"--tokenizer {tokenizer}: not 'bytes', 'bpe' or a directory holding a tokenizer")
+    tok = load_tokenizer(directory)
+    if tok.eos_id is None or tok.pad_id is None:
+        raise ValueError(f"the tokenizer in {directory} names no eos or pad token (tokenizer_config.json's eos_token, "
+                         "pad_token): the model needs both")
+    config = config.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+                            bos_token_id=tok.bos_id if tok.bos_id is not None else tok.eos_id)
+    return config, {name: directory / name for name in TOKENIZER_FILES if (directory / name).is_file()}

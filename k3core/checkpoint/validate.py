@@ -96,6 +96,25 @@ def _audit_config(root: Path, config: K3Config | None) -> tuple[K3Config, str]:
     return ckpt, ("mxfp4" if qc is not None else "bf16")
 
 
+def _audit_tokenizer(root: Path, config: K3Config) -> dict | None:
+    """The checkpoint's tokenizer files (``tiktoken.model``, ``tokenizer.json``) read as data
+    (``k3core.tokenizer.load_tokenizer``, never the checkpoint's code) and checked against the model:
+    every id it produces has an embedding row and its bos/eos/pad are the config's. None when the
+    checkpoint carries no tokenizer files."""
+    from k3core.tokenizer import check_against_config, load_tokenizer
+    from k3core.tokenizer.files import HF_TOKENIZER_FILE, TIKTOKEN_FILE
+
+    if not any((root / name).is_file() for name in (TIKTOKEN_FILE, HF_TOKENIZER_FILE)):
+        return None
+    try:
+        tok = load_tokenizer(root, config)
+        check_against_config(tok, config)
+    except (ValueError, OSError) as e:
+        _fail("tokenizer", f"{root}: {e}")
+    return {"format": type(tok).__name__, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+            "pad_id": tok.pad_id, "chat_template": tok.chat_template is not None}
+
+
 # ------------------------------------------------------------------------------------- index
 def _read_weight_map(root: Path) -> tuple[dict[str, str], dict]:
     p = root / INDEX_NAME
@@ -308,6 +327,7 @@ def audit_structure(path: str | os.PathLike, config: K3Config | None = None) -> 
     if not root.is_dir():
         _fail("path", f"{root} is not a directory")
     ckpt_cfg, target = _audit_config(root, config)
+    _audit_tokenizer(root, config or ckpt_cfg)
     wm, _ = _read_weight_map(root)
     _audit_pairs(wm)
     layout = public_layout(config or ckpt_cfg, target)
@@ -344,6 +364,7 @@ def validate_checkpoint(path: str | os.PathLike, config: K3Config | None = None,
     except PinMismatchError as e:
         _fail("pin", str(e))
     ckpt_cfg, target = _audit_config(root, config)
+    tokenizer = _audit_tokenizer(root, config or ckpt_cfg)
     if pin_obj is not None:
         _check_pin_heads(root, pin_obj)
     wm, index = _read_weight_map(root)
@@ -381,6 +402,7 @@ def validate_checkpoint(path: str | os.PathLike, config: K3Config | None = None,
             "tensor_bytes": shard_stats["tensor_bytes"],
             "file_bytes": sum(h["size"] for h in hashes.values()),
         },
+        "tokenizer": tokenizer,
         "index_total_size": (index.get("metadata") or {}).get("total_size"),
         "out_of_scope": {"prefixes": list(OUT_OF_SCOPE_PREFIXES), "tensors": out_of_scope, "shards_with_any": oos_shards,
                          "note": "vision tower / projector: recognised, hashed, not audited (text backbone only)"},

@@ -1,0 +1,49 @@
+"""A checkpoint's tokenizer travels as data files and is checked against its model: `checkpoint init
+--tokenizer bpe` writes the bundled tokenizer (in the manifest, config sized for it), validation
+reads it back and fails closed when it does not fit the model, and `k3rl run`'s validate stage
+refuses a checkpoint whose tokenizer its byte-tokenizing stages would contradict."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from k3core.checkpoint.hf import init_checkpoint
+from k3core.checkpoint.validate import CheckpointValidationError, validate_checkpoint
+from k3core.config import K3Config
+from k3core.tokenizer import BUNDLED_K3_BPE, load_tokenizer
+
+TEXT = "<|im_user|>user<|im_middle|>rev:abcd= 12+34= 你好 don't<|im_end|>"
+
+
+def test_init_with_bpe_writes_the_bundled_tokenizer_and_validates(tmp_path):
+    init_checkpoint("tiny", tmp_path / "ck", seed=1, tokenizer="bpe")
+    report = validate_checkpoint(tmp_path / "ck")
+    bundled = load_tokenizer(BUNDLED_K3_BPE)
+    config = K3Config.from_json_file(tmp_path / "ck" / "config.json")
+    assert (config.vocab_size, config.bos_token_id, config.eos_token_id, config.pad_token_id) == (
+        bundled.vocab_size, bundled.bos_id, bundled.eos_id, bundled.pad_id)
+    assert report["tokenizer"]["vocab_size"] == bundled.vocab_size and report["tokenizer"]["chat_template"]
+    assert {"tiktoken.model", "tokenizer_config.json"} <= set(report["files"])  # hashed, in the manifest
+    assert load_tokenizer(tmp_path / "ck", config).encode(TEXT) == bundled.encode(TEXT)
+
+
+def test_a_tokenizer_larger_than_the_model_fails_validation(tmp_path):
+    init_checkpoint("tiny", tmp_path / "ck", seed=1)  # the byte vocabulary: 260 ids
+    assert validate_checkpoint(tmp_path / "ck")["tokenizer"] is None
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        shutil.copyfile(BUNDLED_K3_BPE / name, tmp_path / "ck" / name)
+    with pytest.raises(CheckpointValidationError, match=r"tokenizer.* ids but config.json.s vocab_size is 260.*bos at id 2048"):
+        validate_checkpoint(tmp_path / "ck")
+
+
+def test_the_run_refuses_a_checkpoint_with_its_own_tokenizer(tmp_path):
+    from k3core.artifacts import Artifact
+    from tasks.common import Run
+    from tasks.validate import validate_checkpoint as stage
+
+    init_checkpoint("tiny", tmp_path / "ck", seed=1, tokenizer="bpe")
+    with pytest.raises(ValueError, match="tokenize prompts as bytes"):
+        stage.fn(Run(str(tmp_path), "t"), Artifact("hf", "file:///ck", str(tmp_path / "ck"), "x"))
+    assert not (tmp_path / "runs" / "t" / "source.validation.json").exists()
