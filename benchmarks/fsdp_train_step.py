@@ -37,6 +37,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
+from k3core.rl.prompting import PromptFormat
 from k3core.checkpoint.hf import init_checkpoint, quantize_checkpoint
 from k3core.rl.data import training_prompts
 from k3core.rl.envs import ReverseEnv
@@ -71,7 +72,7 @@ def main() -> None:
     tok = ByteTokenizer(engine.model.config)
     env = EvenBytes()
     params = SamplingParams(max_new_tokens=8, temperature=1.0, n=8, stop_token_ids=(tok.eos_id,), seed=1)
-    table, _ = score_table(rollout_table(engine, tok, training_prompts(env, 0, 0, a.prompts, "reverse"), params, 0), env,
+    table, _ = score_table(rollout_table(engine, PromptFormat.of(tok, mode="raw"), training_prompts(env, 0, 0, a.prompts, "reverse"), params, 0), env,
                            "even-bytes", 8)
     pq.write_table(table, tmp / "scored.parquet")
     del engine

@@ -50,13 +50,14 @@ def trained_model(args):
     from k3core.model import K3ForCausalLM
     from k3core.rl.envs import load_env
     from k3core.rl.warmup import supervised_warmup
+    from k3core.rl.prompting import PromptFormat
     from k3core.tokenizer import ByteTokenizer
 
     model = K3ForCausalLM(K3Config.preset("small"))
     model.reset_parameters(args.seed)
     tok = ByteTokenizer(model.config)
     steps = 20 if args.quick else args.train_steps
-    info = supervised_warmup(model, load_env(args.env), args.env, tok, steps, 32, 1e-3, args.seed)
+    info = supervised_warmup(model, load_env(args.env), args.env, PromptFormat.of(tok, mode="raw"), steps, 32, 1e-3, args.seed)
     return model, f"small preset, {steps} supervised warm-up steps (loss {info['warmup_loss_last']:.3f})"
 
 

@@ -146,7 +146,7 @@ def cmd_rollout_server(args: argparse.Namespace) -> int:
                                 "the public layout (e.g. one made by `k3rl checkpoint init`)")
     engine = engine_from_checkpoint(args.checkpoint, args.dtype, args.experts, args.weight_version,
                                     args.max_batch, args.max_queue)
-    app = create_app(engine, tokenizer_for(engine.config), str(args.checkpoint), limits=limits, api_key=api_key)
+    app = create_app(engine, tokenizer_for(engine.config, str(args.checkpoint)), str(args.checkpoint), limits=limits, api_key=api_key)
     print(f"k3rl: serving {args.checkpoint} (weight version {engine.weight_version}) on http://{args.host}:{args.port}"
           f"{' (API key required)' if api_key else ''}; weight updates from disk under {', '.join(roots)}",
           flush=True)

@@ -67,11 +67,11 @@ def check_source(source: str, preset: str) -> None:
             resolve_filesystem(source)
         except ImportError as e:
             raise ValueError(f"--source {source!r}: {e}; use a directory, a file://, s3:// or hf:// URL, or "
-                             "init:PRESET[:SEED] for a fresh checkpoint") from None
+                             "init:PRESET[:SEED[:TOKENIZER]] for a fresh checkpoint") from None
         return
     if not path.exists():
         raise ValueError(f"--source {source}: no such directory; give a checkpoint directory (config.json, index, "
-                         "shards), or init:PRESET[:SEED] for a fresh one")
+                         "shards), or init:PRESET[:SEED[:TOKENIZER]] for a fresh one")
     if not path.is_dir():
         raise ValueError(f"--source {source} is a file; give the checkpoint's directory (config.json, index, shards)")
     try:

@@ -104,8 +104,9 @@ class ModelSettings(_Section):
     """The model and where its weights come from."""
 
     preset: str = _str("small", "preset", "model preset: tiny, small, medium or full")
-    source: str = _str("", "source", "checkpoint URL (file://, memory://, s3://, hf://) or init:PRESET[:SEED]; "
-                       "empty: a fresh seeded checkpoint of the preset (init:PRESET:SEED)")
+    source: str = _str("", "source", "checkpoint URL (file://, memory://, s3://, hf://) or init:PRESET[:SEED[:TOKENIZER]] "
+                       "(TOKENIZER bytes, the default, or bpe: the bundled BPE with K3's special tokens and chat "
+                       "template); empty: a fresh seeded checkpoint of the preset (init:PRESET:SEED)")
 
     def problems(self) -> list[str]:
         out = super().problems()
@@ -118,14 +119,16 @@ class ModelSettings(_Section):
             from k3core.config import PRESETS
 
             parts = self.source.split(":")
-            if len(parts) not in (2, 3) or parts[1] not in PRESETS or (len(parts) == 3 and not parts[2].isdigit()):
-                out.append(f"--source {self.source!r}: expected init:PRESET[:SEED] with PRESET one of "
-                           f"{sorted(PRESETS)} and SEED a non-negative integer")
+            if (len(parts) not in (2, 3, 4) or parts[1] not in PRESETS or (len(parts) >= 3 and not parts[2].isdigit())
+                    or (len(parts) == 4 and parts[3] not in ("bytes", "bpe"))):
+                out.append(f"--source {self.source!r}: expected init:PRESET[:SEED[:TOKENIZER]] with PRESET one of "
+                           f"{sorted(PRESETS)}, SEED a non-negative integer and TOKENIZER bytes or bpe")
         return out
 
 
 # The rollout engine's decode modes (k3core.rollout.engine); "auto" follows the device (k3core.device.decode_mode).
 DECODE_MODES = ("auto", "dynamic", "static", "graph")
+PROMPT_FORMATS = ("auto", "chat", "raw")  # k3core.rl.prompting
 
 
 @dataclass
@@ -277,6 +280,9 @@ class PipelineSettings(_Section):
     iterations: int = _int(30, "iterations", "RL iterations")
     env: str = _str("reverse", "env", "built-in environment (add, reverse), a dataset with its verifier "
                     "(dataset:math:URL, dataset:code:URL; math and code: the bundled ones) or module.path:factory")
+    prompt_format: str = _str("auto", "prompt-format", "how prompts are written: chat (a system and a user turn in "
+                              "the checkpoint's chat template; completions end at <|im_end|>), raw (the prompt text), "
+                              "or auto (chat where the checkpoint's tokenizer has a chat template, else raw)")
     seed: int = _int(0, "seed", "seed of prompts, sampling and a fresh checkpoint")
     keep_checkpoints: int = _int(0, "keep-checkpoints", "keep the newest N checkpoints (trainer states) of the "
                                  "run and delete older ones after each iteration; resume's own always stay "
@@ -290,6 +296,8 @@ class PipelineSettings(_Section):
                            "not starting with '.' or '-', at most 128 characters)")
         if isinstance(self.env, str) and not self.env:
             out.append("--env is empty: use a built-in (add, reverse) or module.path:factory")
+        if isinstance(self.prompt_format, str) and self.prompt_format not in PROMPT_FORMATS:
+            out.append(f"--prompt-format {self.prompt_format!r}: choose one of {', '.join(PROMPT_FORMATS)}")
         return out
 
 

@@ -33,7 +33,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
 from prefect import Task
@@ -45,6 +45,9 @@ from k3core.artifacts import Artifact, ArtifactStore
 from k3core.checkpoint.validate import CheckpointValidationError
 from k3core.rl.layout import RunLayout
 from k3core.settings import DECODE_MODES, DTYPES, RLSettings, RolloutSettings, SettingsError
+
+if TYPE_CHECKING:
+    from k3core.rl.prompting import PromptFormat
 
 NON_RETRYABLE = (ValueError, TypeError, KeyError, NotImplementedError, FileNotFoundError, PermissionError,
                  CheckpointValidationError, SettingsError)
@@ -110,6 +113,7 @@ class Run:
     device: str = "cpu"  # "cpu" or "cuda": where every stage computes (``k3core.device.run_device``)
     dtype: str = "float32"  # the trainer's and the engine's weights (``k3core.device.compute_dtype``)
     decode: str = "dynamic"  # the embedded engine's decode mode, resolved (``k3core.device.decode_mode``)
+    prompt_format: str = "auto"  # chat, raw or auto (``k3core.rl.prompting``; auto follows the tokenizer)
 
     def __post_init__(self):
         resolved = (("device", self.device, ("cpu", "cuda")), ("dtype", self.dtype, _resolved(DTYPES)),
@@ -129,7 +133,8 @@ class Run:
 
         device = run_device(s).type
         return cls(s.pipeline.artifacts, s.pipeline.run_id, s.pipeline.env, s.pipeline.seed, device,
-                   compute_dtype(device, s.device.dtype), decode_mode(device, s.rollout.decode))
+                   compute_dtype(device, s.device.dtype), decode_mode(device, s.rollout.decode),
+                   s.pipeline.prompt_format)
 
     @property
     def store(self) -> ArtifactStore:
@@ -150,6 +155,23 @@ class Run:
 
     def uri(self, rel: str) -> str:
         return self.store.uri(rel)
+
+    def tokenizer_dir(self, weights: str | os.PathLike) -> str:
+        """Where this run's tokenizer is read: the files ``fetch_checkpoint`` published beside the
+        source (``RunLayout.tokenizer``); for a stage called outside a run that fetched its checkpoint,
+        the tokenizer of ``weights`` (a checkpoint directory)."""
+        fetched = self.store.exists(self.layout.tokenizer)
+        return str(self.store.open_local(self.layout.tokenizer) if fetched else weights)
+
+    def prompts(self, config, weights: str | os.PathLike) -> PromptFormat:
+        """How this run writes prompts and reads completions: its tokenizer (``tokenizer_dir``, read as
+        data, never executed) for a model of ``config``, its environment, its ``--prompt-format``."""
+        from k3core.rl.envs import load_env
+        from k3core.rl.prompting import PromptFormat
+        from k3core.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(self.tokenizer_dir(weights), config)
+        return PromptFormat.of(tok, load_env(self.env), self.prompt_format)
 
     def engine_uri(self, version: int) -> str:
         """The weights live in this run's rollout engine at ``version`` (an asset the transfer stage

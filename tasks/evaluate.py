@@ -23,15 +23,14 @@ def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: R
     from k3core.rl.data import heldout_prompts
     from k3core.rl.envs import load_env
     from k3core.rl.evaluate import evaluate as run_eval
-    from k3core.tokenizer import ByteTokenizer
     from tasks.rollout import release_decode_state, rollout_client
 
     client = rollout_client(run, weights, rollout.url)
     client.routing = False  # rewards need tokens only (a real SGLang returns routing only when enabled)
-    tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
+    fmt = run.prompts(K3Config.from_json_file(f"{weights.path}/config.json"), weights.path)
     env = load_env(run.env)
     prompts = heldout_prompts(env, run.seed, n_prompts, run.env)
-    out = run_eval(client, tok, env, run.env, prompts, rollout.max_new_tokens, rollout.temperature, seed=run.seed,
+    out = run_eval(client, fmt, env, run.env, prompts, rollout.max_new_tokens, rollout.temperature, seed=run.seed,
                    expected_version=weights.version, limits=SandboxLimits.of(reward))
     out["version"] = weights.version
     release_decode_state(run.run_id)

@@ -26,7 +26,6 @@ def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifa
 
     from k3core.rl.mismatch import measure_mismatch
     from k3core.rl.trainer_state import rng_state, set_rng_state
-    from k3core.tokenizer import ByteTokenizer
 
     t0 = time.perf_counter()
     table = pq.read_table(rollouts.path, columns=["prompt_ids", "output_ids"])
@@ -37,7 +36,7 @@ def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifa
     rng = rng_state()
     try:  # the metric must not move the process's RNG (the train step's draws depend on it)
         model = trainers.weights(run.run_id, state, run.device, run.dtype)
-        out = measure_mismatch(model, seqs, ByteTokenizer(model.config).pad_id, temperature, torch.bfloat16,
+        out = measure_mismatch(model, seqs, model.config.pad_token_id, temperature, torch.bfloat16,
                                decode=run.decode)
     finally:
         set_rng_state(rng)

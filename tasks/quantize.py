@@ -16,12 +16,12 @@ def _rel(run: Run) -> str:
 def quantize_mxfp4(run: Run, policy: Artifact) -> Artifact:
     """The policy loaded on the run's device and its routed experts quantised there (``k3core.ops.mxfp4``:
     the Triton kernel on CUDA, the torch codec on the CPU; both give the same bytes)."""
-    from k3core.checkpoint.hf import save_hf
+    from k3core.checkpoint.hf import save_hf, tokenizer_files
     from k3core.rl.weights import load_policy
 
     def build(tmp):
         model = load_policy(policy.path, device=run.device)
-        save_hf(model, tmp / "ckpt", model.config, target="mxfp4")
+        save_hf(model, tmp / "ckpt", model.config, target="mxfp4", extra_files=tokenizer_files(policy.path))
 
     run.store.publish_once(_rel(run), build, is_dir=True)
     return run.store.handle(_rel(run), "hf-mxfp4", version=policy.version, inner="ckpt")

@@ -56,14 +56,13 @@ def reference_logprobs(run: Run, iteration: int, reference: Artifact, batch: Bat
     import pyarrow.parquet as pq
 
     from k3core.rl.train import reference_logprobs_table
-    from k3core.tokenizer import ByteTokenizer
 
     rel = _rel(run, iteration)
 
     def build(tmp):
         model = reference_model(run, reference)
         table = pa.concat_tables([pq.read_table(a.path) for a in batch.scored])
-        out = reference_logprobs_table(model, table, settings, ByteTokenizer(model.config).pad_id,
+        out = reference_logprobs_table(model, table, settings, model.config.pad_token_id,
                                        temperature=batch.sampling.temperature)
         pq.write_table(out, tmp)
 

@@ -117,11 +117,11 @@ def _prompts(run: Run, iteration: int, settings: RolloutSettings, refill: int, c
                             position=cursor + refill * n)
 
 
-def _sampling(run: Run, iteration: int, refill: int, settings: RolloutSettings, eos_id: int):
+def _sampling(run: Run, iteration: int, refill: int, settings: RolloutSettings, stop_ids: tuple[int, ...]):
     from k3core.rollout.engine import SamplingParams
 
     return SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                          top_p=settings.top_p, stop_token_ids=(eos_id,), n=settings.samples_per_prompt,
+                          top_p=settings.top_p, stop_token_ids=stop_ids, n=settings.samples_per_prompt,
                           seed=_seed(run, iteration, refill))
 
 
@@ -153,16 +153,15 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
     from k3core.config import K3Config
     from k3core.rl.tables import rollout_table
     from k3core.rollout.client import WeightVersionMismatch
-    from k3core.tokenizer import ByteTokenizer
 
     def build(tmp):
         client = rollout_client(run, weights, settings.url)
         client.check_version(weights.version)
-        tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
+        fmt = run.prompts(K3Config.from_json_file(f"{weights.path}/config.json"), weights.path)
         prompts = _prompts(run, iteration, settings, refill, cursor)
-        params = _sampling(run, iteration, refill, settings, tok.eos_id)
+        params = _sampling(run, iteration, refill, settings, fmt.stop_ids)
         # the client has generate()'s signature
-        table = rollout_table(client, tok, prompts, params, iteration,
+        table = rollout_table(client, fmt, prompts, params, iteration,
                               first_prompt_index=refill * settings.prompts_per_iteration)
         versions = set(table.column("weight_version").to_pylist())
         if versions != {weights.version}:
@@ -192,7 +191,6 @@ def rollout_shard(run: Run, iteration: int, weights: Artifact, settings: Rollout
     ``weights.version``: this Dask worker's, or on Ray the run's engine actor k (another when that one
     dies, ``k3core.rl.resident.actor_rows``)."""
     from k3core.rl.shards import ShardRequest, shard_bounds
-    from k3core.tokenizer import ByteTokenizer
 
     rel = _shards_rel(run, iteration, refill, shard)
     bounds = shard_bounds(len(prompts), shard[1])[shard[0]]
@@ -201,11 +199,12 @@ def rollout_shard(run: Run, iteration: int, weights: Artifact, settings: Rollout
     def build(tmp):
         from k3core.config import K3Config
 
-        tok = ByteTokenizer(K3Config.from_json_file(f"{weights.path}/config.json"))
+        fmt = run.prompts(K3Config.from_json_file(f"{weights.path}/config.json"), weights.path)
         req = ShardRequest(run.run_id, str(weights.path), weights.kind, weights.version,
                            weights.info.get("quantized", True), tuple(prompts), bounds,
-                           _sampling(run, iteration, refill, settings, tok.eos_id), iteration, refill * len(prompts),
-                           run.dtype)
+                           _sampling(run, iteration, refill, settings, fmt.stop_ids), iteration, refill * len(prompts),
+                           run.dtype, tuple(tuple(fmt.prompt_ids(p)) for p in prompts),
+                           run.tokenizer_dir(weights.path), fmt.chat)
         table, made_by["worker"] = resident.shard_rows(req, *shard, warn=get_run_logger().warning)
         pq.write_table(table, tmp)
 

@@ -82,7 +82,6 @@ def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings
 
     from k3core.rl.train import train_on_table
     from k3core.rl.trainer_state import QAT_KEY, rng_state, save_trainer_state
-    from k3core.tokenizer import ByteTokenizer
 
     rel, sampling = _rel(run, iteration), batch.sampling
     if settings.kl_coef and reference is None:
@@ -98,7 +97,7 @@ def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings
             return
         model, opt = _trainer(run, state, settings)
         table = pa.concat_tables([pq.read_table(a.path) for a in batch.scored])
-        metrics = train_on_table(model, opt, table, settings, ByteTokenizer(model.config).pad_id,
+        metrics = train_on_table(model, opt, table, settings, model.config.pad_token_id,
                                  temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
                                  max_groups=sampling.prompts_per_iteration,
                                  reference=pq.read_table(reference.path) if reference is not None else None)

@@ -18,23 +18,21 @@ def _rel(run: Run) -> str:
 def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings) -> Artifact:
     """The supervised warm-up on the run's device; the published policy is the same public bf16 layout
     whatever the device."""
-    from k3core.checkpoint.hf import save_hf
+    from k3core.checkpoint.hf import save_hf, tokenizer_files
     from k3core.device import torch_dtype
     from k3core.rl.envs import load_env
     from k3core.rl.warmup import supervised_warmup
     from k3core.rl.weights import load_policy
-    from k3core.tokenizer import ByteTokenizer
-
     log = get_run_logger()
     metrics: dict = {"warmup_steps": settings.steps}
 
     def build(tmp):
         model = load_policy(checkpoint.path, torch_dtype(run.dtype), device=run.device)
-        metrics.update(supervised_warmup(model, load_env(run.env), run.env, ByteTokenizer(model.config),
+        metrics.update(supervised_warmup(model, load_env(run.env), run.env, run.prompts(model.config, checkpoint.path),
                                          settings.steps, settings.batch, settings.lr, run.seed, log=log.info,
                                          progress=lambda done, total: progress_event(
                                              "stage_step", name="warmup", done=done, total=total)))
-        save_hf(model, tmp / "ckpt", model.config, target="bf16")
+        save_hf(model, tmp / "ckpt", model.config, target="bf16", extra_files=tokenizer_files(checkpoint.path))
 
     run.store.publish_once(_rel(run), build, is_dir=True)
     return run.store.handle(_rel(run), "hf", version=0, inner="ckpt", **metrics)

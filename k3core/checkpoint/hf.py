@@ -391,6 +391,13 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer_config.json", 
                    "special_tokens_map.json")
 
 
+def tokenizer_files(directory: str | os.PathLike) -> dict[str, Path]:
+    """The tokenizer data files ``directory`` holds (of ``TOKENIZER_FILES``), by name: what a checkpoint
+    written from a model loaded out of ``directory`` copies (``save_hf(extra_files=...)``)."""
+    directory = Path(directory)
+    return {name: directory / name for name in TOKENIZER_FILES if (directory / name).is_file()}
+
+
 def _with_tokenizer(config: K3Config, tokenizer: str | os.PathLike) -> tuple[K3Config, dict[str, Path]]:
     """``config`` sized for ``tokenizer`` ("bpe" or a directory), and the data files to copy."""
     from k3core.tokenizer import BUNDLED_K3_BPE, load_tokenizer
@@ -404,4 +411,4 @@ def _with_tokenizer(config: K3Config, tokenizer: str | os.PathLike) -> tuple[K3C
                          "pad_token): the model needs both")
     config = config.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
                             bos_token_id=tok.bos_id if tok.bos_id is not None else tok.eos_id)
-    return config, {name: directory / name for name in TOKENIZER_FILES if (directory / name).is_file()}
+    return config, tokenizer_files(directory)

@@ -3,7 +3,8 @@
 Owns: ``validate_checkpoint`` (and its JSON report). The checks, in the order the first failure is
 reported:
 
-1. ``config.json`` parses as a K3 config (and equals ``config`` when one is given); a
+1. ``config.json`` parses as a K3 config (and equals ``config`` when one is given, its vocabulary
+   size and bos/eos/pad ids excepted where the checkpoint carries its own tokenizer); a
    ``quantization_config`` present must be exactly the release's MXFP4 declaration.
 2. With a pin: config and index sha256 match it.
 3. Index: a ``weight_map``; every MXFP4 ``weight_scale`` has its ``weight_packed`` (and back) in the
@@ -66,7 +67,22 @@ def _fail(check: str, message: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ config
-def _audit_config(root: Path, config: K3Config | None) -> tuple[K3Config, str]:
+def _has_tokenizer(root: Path) -> bool:
+    from k3core.tokenizer.files import HF_TOKENIZER_FILE, TIKTOKEN_FILE
+
+    return any((root / name).is_file() for name in (TIKTOKEN_FILE, HF_TOKENIZER_FILE))
+
+
+def _vocabulary_of(config: K3Config, ckpt: K3Config) -> K3Config:
+    """``config`` (a preset: the architecture) with ``ckpt``'s vocabulary size and bos/eos/pad ids,
+    which a checkpoint carrying its own tokenizer decides (the tokenizer is then checked against them)."""
+    return config.replace(vocab_size=ckpt.vocab_size, bos_token_id=ckpt.bos_token_id, eos_token_id=ckpt.eos_token_id,
+                          pad_token_id=ckpt.pad_token_id)
+
+
+def _audit_config(root: Path, config: K3Config | None) -> tuple[K3Config, str, K3Config]:
+    """(the checkpoint's config, its layout target, the config it must match: ``config``, sized to
+    the checkpoint's own tokenizer where it carries one, else the checkpoint's own)."""
     p = root / CONFIG_NAME
     if not p.is_file():
         _fail("config", f"{p} is missing")
@@ -86,6 +102,8 @@ def _audit_config(root: Path, config: K3Config | None) -> tuple[K3Config, str]:
         diff = sorted(k for k in set(qc) | set(want) if qc.get(k) != want.get(k)) if isinstance(qc, dict) else ["<not an object>"]
         _fail("quantization_config", f"{p}: quantization_config differs from the release's MXFP4 declaration "
                                      f"in {diff} (see k3core.config.mxfp4_quantization_config())")
+    if config is not None and _has_tokenizer(root):
+        config = _vocabulary_of(config, ckpt)
     if config is not None:
         a = config.replace(quantization_config=None).to_hf_dict()["text_config"]
         b = ckpt.replace(quantization_config=None).to_hf_dict()["text_config"]
@@ -93,7 +111,7 @@ def _audit_config(root: Path, config: K3Config | None) -> tuple[K3Config, str]:
         if diff:
             _fail("config", f"{p} does not describe the expected model: {diff[0]} is {b.get(diff[0])!r}, "
                             f"expected {a.get(diff[0])!r}")
-    return ckpt, ("mxfp4" if qc is not None else "bf16")
+    return ckpt, ("mxfp4" if qc is not None else "bf16"), config or ckpt
 
 
 def _audit_tokenizer(root: Path, config: K3Config) -> dict | None:
@@ -102,9 +120,8 @@ def _audit_tokenizer(root: Path, config: K3Config) -> dict | None:
     every id it produces has an embedding row and its bos/eos/pad are the config's. None when the
     checkpoint carries no tokenizer files."""
     from k3core.tokenizer import check_against_config, load_tokenizer
-    from k3core.tokenizer.files import HF_TOKENIZER_FILE, TIKTOKEN_FILE
 
-    if not any((root / name).is_file() for name in (TIKTOKEN_FILE, HF_TOKENIZER_FILE)):
+    if not _has_tokenizer(root):
         return None
     try:
         tok = load_tokenizer(root, config)
@@ -326,11 +343,11 @@ def audit_structure(path: str | os.PathLike, config: K3Config | None = None) -> 
     root = Path(path)
     if not root.is_dir():
         _fail("path", f"{root} is not a directory")
-    ckpt_cfg, target = _audit_config(root, config)
-    _audit_tokenizer(root, config or ckpt_cfg)
+    ckpt_cfg, target, expected = _audit_config(root, config)
+    _audit_tokenizer(root, expected)
     wm, _ = _read_weight_map(root)
     _audit_pairs(wm)
-    layout = public_layout(config or ckpt_cfg, target)
+    layout = public_layout(expected, target)
     _audit_keys(layout, wm)
     _audit_shards(root, layout, wm)
     return ckpt_cfg
@@ -363,13 +380,13 @@ def validate_checkpoint(path: str | os.PathLike, config: K3Config | None = None,
         pin_obj = pin if isinstance(pin, Pin) or pin is None else load_pin(pin)
     except PinMismatchError as e:
         _fail("pin", str(e))
-    ckpt_cfg, target = _audit_config(root, config)
-    tokenizer = _audit_tokenizer(root, config or ckpt_cfg)
+    ckpt_cfg, target, expected = _audit_config(root, config)
+    tokenizer = _audit_tokenizer(root, expected)
     if pin_obj is not None:
         _check_pin_heads(root, pin_obj)
     wm, index = _read_weight_map(root)
     pairs = _audit_pairs(wm)
-    layout = public_layout(config or ckpt_cfg, target)
+    layout = public_layout(expected, target)
     out_of_scope = _audit_keys(layout, wm)
     shard_stats = _audit_shards(root, layout, wm)
     t_audit = time.monotonic()

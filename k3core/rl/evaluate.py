@@ -7,11 +7,11 @@ import torch
 from k3core.rl.rewards import score_completions
 from k3core.rl.sandbox import SandboxLimits
 from k3core.rollout.engine import RolloutEngine, SamplingParams
-from k3core.tokenizer import ByteTokenizer
+from k3core.rl.prompting import PromptFormat
 
 
 @torch.no_grad()
-def evaluate(client, tok: ByteTokenizer, env, env_spec: str, prompts: list[str], max_new_tokens: int,
+def evaluate(client, fmt: PromptFormat, env, env_spec: str, prompts: list[str], max_new_tokens: int,
              temperature: float = 1.0, samples: int = 4, seed: int = 0, expected_version=None,
              limits: SandboxLimits | None = None) -> dict:
     """Held-out prompts (never trained on), two ways:
@@ -21,7 +21,8 @@ def evaluate(client, tok: ByteTokenizer, env, env_spec: str, prompts: list[str],
     ``client``: a ``RolloutClient`` (the local engine or a server URL: same seeds, same samples) or a
     ``RolloutEngine``; ``expected_version``: refuse (``WeightVersionMismatch``) an engine serving, or
     a completion produced by, any other weight version. Rewards as in scoring (``k3core.rl.rewards``:
-    with ``limits``, user and dataset environments in the sandbox; None: in this process)."""
+    with ``limits``, user and dataset environments in the sandbox; None: in this process). ``fmt``:
+    how prompts become ids and completions text (``k3core.rl.prompting``)."""
     from k3core.rollout.client import RolloutClient
 
     if isinstance(client, RolloutEngine):
@@ -29,14 +30,14 @@ def evaluate(client, tok: ByteTokenizer, env, env_spec: str, prompts: list[str],
 
     def score(comps):
         outcomes = score_completions(env, env_spec, [prompts[c.prompt_index] for c in comps],
-                                     [tok.decode(c.output_ids) for c in comps], limits)
+                                     [fmt.completion_text(c.output_ids) for c in comps], limits)
         return [o.reward for o in outcomes]
 
     def generate(params):
-        return client.generate(ids, params, pad_id=tok.pad_id, expected_version=expected_version)
+        return client.generate(ids, params, pad_id=fmt.pad_id, expected_version=expected_version)
 
-    stop = (tok.eos_id,)
-    ids = [tok.encode(p) for p in prompts]
+    stop = fmt.stop_ids
+    ids = [fmt.prompt_ids(p) for p in prompts]
     sampled = generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
                                       stop_token_ids=stop, n=samples, seed=seed))
     greedy = generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop))

@@ -116,7 +116,6 @@ def train_rank(job: TrainJob) -> dict:
     from k3core.rl.train import DataParallel, train_on_table
     from k3core.rl.trainer_state import QAT_KEY, save_trainer_state
     from k3core.settings import GRPOSettings
-    from k3core.tokenizer import ByteTokenizer
 
     settings = GRPOSettings(**job.grpo)
     model, opt, state_extra = _load(job)
@@ -125,7 +124,7 @@ def train_rank(job: TrainJob) -> dict:
         raise ValueError(f"trainer state {job.state} was trained with QAT {was}, the job asks for {settings.qat}")
     table = pa.concat_tables([pq.read_table(p) for p in job.tables])
     dp = DataParallel(dist.get_rank(), dist.get_world_size())
-    metrics = train_on_table(model, opt, table, settings, ByteTokenizer(model.config).pad_id,
+    metrics = train_on_table(model, opt, table, settings, model.config.pad_token_id,
                              temperature=job.temperature, seq_sum_norm=job.seq_sum_norm, max_groups=job.max_groups,
                              dp=dp)
     metrics["train_procs"] = dp.world

@@ -69,6 +69,12 @@ class RunLayout:
         return self.rel("settings.json")
 
     @property
+    def tokenizer(self) -> str:
+        """The source checkpoint's tokenizer files and its config.json (``fetch_checkpoint``): what
+        every stage tokenizes with, small enough to read on any machine without the weights."""
+        return self.rel("tokenizer")
+
+    @property
     def validation(self) -> str:
         """The source checkpoint's validation report."""
         return self.rel("source.validation.json")

@@ -21,6 +21,7 @@ from k3core.rl.trainer_state import make_optimizer
 from k3core.rl.weights import engine_from_model, engine_state
 from k3core.rollout.engine import SamplingParams
 from k3core.settings import GRPOSettings
+from k3core.rl.prompting import PromptFormat
 from k3core.tokenizer import ByteTokenizer
 
 
@@ -36,14 +37,14 @@ def rl_in_process(env, spec: str, config: K3Config, seed: int, iterations: int, 
     torch.manual_seed(seed)
     model = K3ForCausalLM(config)
     model.reset_parameters(seed)
-    tok = ByteTokenizer(config)
+    tok = PromptFormat(ByteTokenizer(config), chat=False)
     engine = engine_from_model(copy.deepcopy(model).eval(), 0, quantized=False)
     optimizer = make_optimizer(model, settings.lr)
     reference = copy.deepcopy(model).requires_grad_(False) if settings.kl_coef else None
 
     def sampling(n: int, sample_seed: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, n=n, seed=sample_seed,
-                              stop_token_ids=(tok.eos_id,))
+                              stop_token_ids=tok.stop_ids)
 
     held = heldout_prompts(env, seed, heldout, spec)
 

@@ -43,10 +43,11 @@ def shard_bounds(prompts: int, shards: int) -> list[tuple[int, int]]:
     return [(k * prompts // shards, (k + 1) * prompts // shards) for k in range(shards)]
 
 
-def shard_table(engine, tok, prompts: list[str], bounds: tuple[int, int], params, iteration: int,
-                first_prompt_index: int, worker: str) -> pa.Table:
+def shard_table(engine, fmt, prompts: list[str], bounds: tuple[int, int], params, iteration: int,
+                first_prompt_index: int, worker: str, prompt_ids=None) -> pa.Table:
     """Rows of ``prompts[start:stop]`` as the whole rollout would give them (seeds and prompt
-    indices of their positions), each marked with ``worker``; an empty shard has no rows."""
+    indices of their positions), each marked with ``worker``; an empty shard has no rows. ``fmt``: a
+    ``k3core.rl.prompting.PromptFormat``; ``prompt_ids``: every prompt's ids, rendered by the caller."""
     from k3core.rl.tables import rollout_table
 
     start, stop = bounds
@@ -54,8 +55,8 @@ def shard_table(engine, tok, prompts: list[str], bounds: tuple[int, int], params
         from k3core.rl.data import ROLLOUT_SCHEMA
 
         return ROLLOUT_SCHEMA.empty_table()
-    return rollout_table(engine, tok, prompts[start:stop], params, iteration, first_prompt_index, shard_start=start,
-                         worker=worker)
+    return rollout_table(engine, fmt, prompts[start:stop], params, iteration, first_prompt_index, shard_start=start,
+                         worker=worker, prompt_ids=None if prompt_ids is None else prompt_ids[start:stop])
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,9 @@ class ShardRequest:
     ``kind`` "dcp"; ``version``; ``quantized``: MXFP4 routed experts on the W4A8 engine), all of the
     rollout's ``prompts`` and this shard's ``bounds`` in them, and the rollout's sampling ``params``
     (a ``SamplingParams``), ``iteration`` and ``first_prompt_index``; ``dtype``: the engine's weights
-    (the run's ``--dtype``, as the trainer's)."""
+    (the run's ``--dtype``, as the trainer's); ``prompt_ids``: every prompt's token ids, rendered by
+    the stage (``k3core.rl.prompting``), ``tokenizer``: the run's tokenizer directory (data files and
+    config.json, ``RunLayout.tokenizer``) and ``chat``: whether completions end at end-of-turn ids."""
 
     run_id: str
     path: str
@@ -78,6 +81,9 @@ class ShardRequest:
     iteration: int
     first_prompt_index: int = 0
     dtype: str = "float32"
+    prompt_ids: tuple[tuple[int, ...], ...] | None = None
+    tokenizer: str | None = None
+    chat: bool = False
 
 
 def merge_shards(tables: list[pa.Table], prompts: int, samples: int, first_prompt_index: int = 0) -> pa.Table:
@@ -149,12 +155,14 @@ class ResidentEngines:
         (built or pushed as ``engine`` says), each marked with ``worker``. Rows that carry another
         weight version are refused (``WeightVersionMismatch``): the engine changed under the shard."""
         from k3core.rollout.client import WeightVersionMismatch
-        from k3core.tokenizer import ByteTokenizer
+        from k3core.rl.prompting import PromptFormat
+        from k3core.tokenizer import ByteTokenizer, load_tokenizer
 
         eng = self.engine(req.run_id, req.path, req.kind, req.version, req.quantized, req.dtype)
-        tok = ByteTokenizer(eng.model.config)
-        table = shard_table(eng, tok, list(req.prompts), req.bounds, req.params, req.iteration, req.first_prompt_index,
-                            worker)
+        config = eng.model.config
+        tok = ByteTokenizer(config) if req.tokenizer is None else load_tokenizer(req.tokenizer, config)
+        table = shard_table(eng, PromptFormat(tok, req.chat), list(req.prompts), req.bounds, req.params, req.iteration,
+                            req.first_prompt_index, worker, req.prompt_ids)
         versions = set(table.column("weight_version").to_pylist())
         if versions - {req.version}:
             raise WeightVersionMismatch(f"rollout {req.iteration} shard {req.bounds} came back with weight versions "

@@ -11,22 +11,25 @@ from k3core.rl.rewards import score_completions
 from k3core.rl.sandbox import SandboxLimits
 from k3core.rl.grpo import group_advantages, uniform_groups
 from k3core.rollout.engine import RolloutEngine, SamplingParams
-from k3core.tokenizer import ByteTokenizer
+from k3core.rl.prompting import PromptFormat
 
 
-def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str], params: SamplingParams,
+def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], params: SamplingParams,
                   iteration: int, first_prompt_index: int = 0, *, shard_start: int = 0,
-                  worker: str = "local") -> pa.Table:
+                  worker: str = "local", prompt_ids: list[list[int]] | None = None) -> pa.Table:
     """One row per completion; ``prompt_index`` counts from ``first_prompt_index`` (refill rounds of
     dynamic sampling number their prompts after the earlier rounds', so groups stay distinct).
     ``shard_start`` > 0: ``prompts`` are a rollout's prompts from that position on (a shard,
     ``k3core.rl.shards``): they get that rollout's seeds and prompt indices (``engine`` must be a
-    ``RolloutEngine``). ``worker``: recorded in every row."""
-    ids = [tok.encode(p) for p in prompts]
+    ``RolloutEngine``). ``worker``: recorded in every row. ``fmt``: how prompts become ids and
+    completions text (``k3core.rl.prompting``); ``prompt_ids``: the prompts' ids when the caller
+    rendered them already (a shard on a worker without the environment). Rows keep the ids the
+    engine saw and sampled; ``completion`` is their text, for rewards and display only."""
+    ids = [fmt.prompt_ids(p) for p in prompts] if prompt_ids is None else [list(x) for x in prompt_ids]
     if shard_start:
-        comps = engine.generate(ids, params, pad_id=tok.pad_id, first_index=shard_start)
+        comps = engine.generate(ids, params, pad_id=fmt.pad_id, first_index=shard_start)
     else:
-        comps = engine.generate(ids, params, pad_id=tok.pad_id)
+        comps = engine.generate(ids, params, pad_id=fmt.pad_id)
     first_prompt_index += shard_start
     rows = {f.name: [] for f in ROLLOUT_SCHEMA}
     for c in comps:
@@ -36,7 +39,7 @@ def rollout_table(engine: RolloutEngine, tok: ByteTokenizer, prompts: list[str],
         rows["prompt"].append(prompts[c.prompt_index])
         rows["prompt_ids"].append(c.prompt_ids)
         rows["output_ids"].append(c.output_ids)
-        rows["completion"].append(tok.decode(c.output_ids))
+        rows["completion"].append(fmt.completion_text(c.output_ids))
         rows["logprobs"].append(c.logprobs)
         rows["routing"].append(c.routing.reshape(-1).tolist())
         rows["finish_reason"].append(c.finish_reason)

@@ -9,13 +9,15 @@ import torch
 from k3core.model import K3ForCausalLM
 from k3core.rl.train import RLSequence, sft_step
 from k3core.rl.trainer_state import make_optimizer
-from k3core.tokenizer import ByteTokenizer
+from k3core.rl.prompting import PromptFormat
 
 
-def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, tok: ByteTokenizer, steps: int, batch_size: int,
+def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, fmt: PromptFormat, steps: int, batch_size: int,
                       lr: float, seed: int, log=None, progress=None) -> dict:
     """Teach the answer format from ``env.reference`` on training prompts (never held-out ones).
-    ``log(text)``: every tenth step's loss; ``progress(done, steps)``: after every step (a display)."""
+    ``log(text)``: every tenth step's loss; ``progress(done, steps)``: after every step (a display).
+    ``fmt``: the prompts as the rollouts write them, the answer ending as a sampled one would
+    (``k3core.rl.prompting``)."""
     from k3core.rl.data import training_prompts
 
     if not hasattr(env, "reference"):
@@ -25,8 +27,8 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, tok: ByteTokeniz
     losses, t0 = [], time.perf_counter()
     for step in range(steps):
         prompts = training_prompts(env, seed + 7919, step, batch_size, env_spec)
-        seqs = [RLSequence(tok.encode(p), tok.encode(env.reference(p), bos=False) + [tok.eos_id]) for p in prompts]
-        losses.append(sft_step(model, opt, seqs, tok.pad_id)["loss"])
+        seqs = [RLSequence(fmt.prompt_ids(p), fmt.answer_ids(env.reference(p))) for p in prompts]
+        losses.append(sft_step(model, opt, seqs, fmt.pad_id)["loss"])
         if log and (step % 10 == 0 or step == steps - 1):
             log(f"warm-up step {step + 1}/{steps}: loss {losses[-1]:.3f}")
         if progress:
@@ -51,5 +53,8 @@ def warmed_up_model(config, steps: int = 25, seed: int = 0, env_spec: str = "rev
     if before is not None:
         before(model)
     if steps:
-        supervised_warmup(model, load_env(env_spec), env_spec, ByteTokenizer(config), steps, batch_size, lr, seed)
+        from k3core.tokenizer import ByteTokenizer
+
+        supervised_warmup(model, load_env(env_spec), env_spec, PromptFormat(ByteTokenizer(config), chat=False), steps,
+                          batch_size, lr, seed)
     return model.eval()

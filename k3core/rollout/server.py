@@ -680,11 +680,13 @@ def _version(v: int | str | None, current):
     return int(v) if isinstance(v, str) and v.lstrip("-").isdigit() else v
 
 
-def tokenizer_for(config):
-    """The byte-level tokenizer where the vocabulary is one (the CPU presets), else None."""
-    from k3core.tokenizer import ByteTokenizer
+def tokenizer_for(config, checkpoint: str | None = None):
+    """The tokenizer of the served checkpoint directory (its data files, ``k3core.tokenizer.load_tokenizer``;
+    never its code), the byte tokenizer where the vocabulary is one and there are no files, else None
+    (requests then give ``input_ids``)."""
+    from k3core.tokenizer import ByteTokenizer, load_tokenizer
 
     try:
-        return ByteTokenizer(config)
+        return load_tokenizer(checkpoint, config) if checkpoint is not None else ByteTokenizer(config)
     except ValueError:
         return None

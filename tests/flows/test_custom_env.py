@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from flows.deploy import PROJECT_ROOT
+from k3core.rl.prompting import PromptFormat
 from k3core.settings import GRPOSettings
 from tasks.common import Run
 
@@ -81,7 +82,7 @@ def test_documented_env_through_rollout_and_the_scoring_stage(env_module, tmp_pa
     engine = engine_from_model(K3ForCausalLM(cfg).eval(), weight_version=0, quantized=False)
     tok = ByteTokenizer(cfg)
     group = 4
-    table = rollout_table(engine, tok, train, SamplingParams(max_new_tokens=4, temperature=1.0, n=group, seed=0,
+    table = rollout_table(engine, PromptFormat.of(tok, mode="raw"), train, SamplingParams(max_new_tokens=4, temperature=1.0, n=group, seed=0,
                                                              stop_token_ids=(tok.eos_id,)), iteration=0)
     path = tmp_path / "rollouts.parquet"
     pq.write_table(table, path)

@@ -12,6 +12,7 @@ import torch
 from prefect.logging import disable_run_logger
 
 from flows.cli_serve import launch
+from k3core.rl.prompting import PromptFormat
 from k3core.checkpoint.hf import init_checkpoint, load_model, save_hf
 from k3core.rl.data import heldout_prompts
 from k3core.rl.envs import load_env
@@ -91,7 +92,7 @@ def test_a_server_at_another_version_is_refused(served):
     env, tok = load_env(ENV), ByteTokenizer(load_model(root / "b", dtype=torch.float32).config)
     prompts = heldout_prompts(env, 0, 2, ENV)
     with pytest.raises(WeightVersionMismatch, match=r"serves weight version 5, the caller expects 6"):
-        stage_evaluate(client, tok, env, ENV, prompts, 3, 1.0, expected_version=6)
+        stage_evaluate(client, PromptFormat.of(tok, mode="raw"), env, ENV, prompts, 3, 1.0, expected_version=6)
 
 
 def test_a_checkpoint_declaring_another_version_is_refused(served, tmp_path):

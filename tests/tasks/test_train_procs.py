@@ -11,6 +11,7 @@ import pytest
 import torch
 from prefect.logging import disable_run_logger
 
+from k3core.rl.prompting import PromptFormat
 from k3core.artifacts import Artifact, sha256_file
 from k3core.rl.data import training_prompts
 from k3core.rl.envs import ReverseEnv
@@ -44,7 +45,7 @@ def test_train_step_as_two_process_fsdp_job_equals_one_process(tmp_path):
         tok = ByteTokenizer(engine.model.config)
         env = EvenBytes()
         params = SamplingParams(max_new_tokens=5, temperature=1.0, n=4, stop_token_ids=(tok.eos_id,), seed=9)
-        table, stats = score_table(rollout_table(engine, tok, training_prompts(env, 0, 0, 4, "reverse"), params, 0),
+        table, stats = score_table(rollout_table(engine, PromptFormat.of(tok, mode="raw"), training_prompts(env, 0, 0, 4, "reverse"), params, 0),
                                    env, "even-bytes", 4)
         assert stats["groups_informative"] == 4
         pq.write_table(table, tmp_path / "scored.parquet")

@@ -1,7 +1,7 @@
 """A checkpoint's tokenizer travels as data files and is checked against its model: `checkpoint init
 --tokenizer bpe` writes the bundled tokenizer (in the manifest, config sized for it), validation
-reads it back and fails closed when it does not fit the model, and `k3rl run`'s validate stage
-refuses a checkpoint whose tokenizer its byte-tokenizing stages would contradict."""
+reads it back and fails closed when it does not fit the model, and a preset checks the architecture
+while the tokenizer decides the vocabulary."""
 
 from __future__ import annotations
 
@@ -38,12 +38,15 @@ def test_a_tokenizer_larger_than_the_model_fails_validation(tmp_path):
         validate_checkpoint(tmp_path / "ck")
 
 
-def test_the_run_refuses_a_checkpoint_with_its_own_tokenizer(tmp_path):
-    from k3core.artifacts import Artifact
-    from tasks.common import Run
-    from tasks.validate import validate_checkpoint as stage
-
+def test_a_preset_checks_the_architecture_and_the_tokenizer_sizes_the_vocabulary(tmp_path):
+    """`k3rl run --preset tiny` on a tiny checkpoint with the BPE passes (its vocabulary is the
+    tokenizer's, not the byte preset's 260), and a checkpoint of another architecture still fails."""
     init_checkpoint("tiny", tmp_path / "ck", seed=1, tokenizer="bpe")
-    with pytest.raises(ValueError, match="tokenize prompts as bytes"):
-        stage.fn(Run(str(tmp_path), "t"), Artifact("hf", "file:///ck", str(tmp_path / "ck"), "x"))
-    assert not (tmp_path / "runs" / "t" / "source.validation.json").exists()
+    report = validate_checkpoint(tmp_path / "ck", config=K3Config.preset("tiny"))
+    assert report["tokenizer"]["vocab_size"] == load_tokenizer(BUNDLED_K3_BPE).vocab_size
+    with pytest.raises(CheckpointValidationError, match="does not describe the expected model"):
+        validate_checkpoint(tmp_path / "ck", config=K3Config.preset("small"))
+    (tmp_path / "ck" / "tiktoken.model").unlink()
+    (tmp_path / "ck" / "tokenizer.json").unlink()  # no tokenizer left: the preset's byte vocabulary applies
+    with pytest.raises(CheckpointValidationError, match="bos_token_id is 2048, expected 256"):
+        validate_checkpoint(tmp_path / "ck", config=K3Config.preset("tiny"))

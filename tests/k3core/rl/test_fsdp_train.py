@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from k3core.rl.prompting import PromptFormat
 from k3core.checkpoint.hf import init_checkpoint
 from k3core.rl.data import training_prompts
 from k3core.rl.envs import ReverseEnv
@@ -43,7 +44,7 @@ def _scored(tmp_path, model, seed):
     env = EvenBytes()
     engine = engine_from_model(copy.deepcopy(model).eval(), 0, quantized=False)
     params = SamplingParams(max_new_tokens=7, temperature=1.0, n=4, stop_token_ids=(tok.eos_id,), seed=seed)
-    rollouts = rollout_table(engine, tok, training_prompts(env, seed, 0, 4, "reverse"), params, 0)
+    rollouts = rollout_table(engine, PromptFormat.of(tok, mode="raw"), training_prompts(env, seed, 0, 4, "reverse"), params, 0)
     table, stats = score_table(rollouts, env, "even-bytes", 4)
     assert stats["groups_informative"] == 4
     path = tmp_path / f"scored-{seed}.parquet"

@@ -83,6 +83,7 @@ def test_reference_logprobs_of_the_policy_itself_give_no_penalty():
     from k3core.rl.weights import engine_from_model
     from k3core.rollout.engine import SamplingParams
     from k3core.settings import GRPOSettings
+    from k3core.rl.prompting import PromptFormat
     from k3core.tokenizer import ByteTokenizer
 
     config = K3Config.preset("tiny")
@@ -93,7 +94,7 @@ def test_reference_logprobs_of_the_policy_itself_give_no_penalty():
     env = LowercaseShare()
     engine = engine_from_model(copy.deepcopy(model).eval(), 0, quantized=False)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, n=4, seed=5, stop_token_ids=(tok.eos_id,))
-    batch = rollout_table(engine, tok, heldout_prompts(env, 0, 4, "t"), params, 0)
+    batch = rollout_table(engine, PromptFormat.of(tok, mode="raw"), heldout_prompts(env, 0, 4, "t"), params, 0)
     scored, _ = score_table(batch, env, "t", 4)
     settings = GRPOSettings(kl_coef=1.0, micro_batch_tokens=40)
     ref = reference_logprobs_table(copy.deepcopy(model), scored, settings, tok.pad_id)

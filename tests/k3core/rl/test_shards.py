@@ -8,6 +8,7 @@ import pyarrow as pa
 import pytest
 import torch
 
+from k3core.rl.prompting import PromptFormat
 from k3core.checkpoint.hf import init_checkpoint, quantize_checkpoint
 from k3core.rl.data import training_prompts
 from k3core.rl.envs import load_env
@@ -47,8 +48,8 @@ def test_merged_shards_equal_the_one_engine_rollout(tiny, shards):
     tok = ByteTokenizer(engine.model.config)
     prompts = training_prompts(load_env("reverse"), 0, 0, 5, "reverse")
     params = SamplingParams(max_new_tokens=6, temperature=1.0, n=3, stop_token_ids=(tok.eos_id,), seed=17)
-    whole = rollout_table(engine, tok, prompts, params, 0, first_prompt_index=10)
-    parts = [shard_table(engine, tok, prompts, b, params, 0, 10, f"w{k}") for k, b in enumerate(shard_bounds(5, shards))]
+    whole = rollout_table(engine, PromptFormat.of(tok, mode="raw"), prompts, params, 0, first_prompt_index=10)
+    parts = [shard_table(engine, PromptFormat.of(tok, mode="raw"), prompts, b, params, 0, 10, f"w{k}") for k, b in enumerate(shard_bounds(5, shards))]
     merged = merge_shards(list(reversed(parts)), 5, 3, first_prompt_index=10)  # arrival order does not matter
     for col in whole.column_names:
         if col == "worker":
@@ -68,7 +69,7 @@ def test_merge_refuses_missing_or_doubled_rows(tiny):
     tok = ByteTokenizer(engine.model.config)
     prompts = training_prompts(load_env("reverse"), 0, 0, 2, "reverse")
     params = SamplingParams(max_new_tokens=2, temperature=1.0, n=2, stop_token_ids=(tok.eos_id,), seed=1)
-    a, b = (shard_table(engine, tok, prompts, bd, params, 0, 0, "w") for bd in shard_bounds(2, 2))
+    a, b = (shard_table(engine, PromptFormat.of(tok, mode="raw"), prompts, bd, params, 0, 0, "w") for bd in shard_bounds(2, 2))
     with pytest.raises(ValueError, match=r"2 \(prompt, sample\) pairs missing \(first \[\(1, 0\)"):
         merge_shards([a], 2, 2)
     with pytest.raises(ValueError, match="2 doubled"):
@@ -95,7 +96,7 @@ def test_resident_engine_is_built_once_pushed_newer_versions_and_refuses_older(t
     tok = ByteTokenizer(fresh.model.config)
     prompts = training_prompts(load_env("reverse"), 0, 3, 3, "reverse")
     params = SamplingParams(max_new_tokens=5, temperature=1.0, n=2, stop_token_ids=(tok.eos_id,), seed=5)
-    want, got = (rollout_table(e, tok, prompts, params, 1) for e in (fresh, e1))
+    want, got = (rollout_table(e, PromptFormat.of(tok, mode="raw"), prompts, params, 1) for e in (fresh, e1))
     assert got.column("output_ids").to_pylist() == want.column("output_ids").to_pylist()
     assert got.column("logprobs").to_pylist() == want.column("logprobs").to_pylist()
 
