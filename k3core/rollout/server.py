@@ -10,6 +10,9 @@
                                    routed_experts (base64 little-endian int32
                                    [prompt + completion - 1, n_moe_layers, k])}}; a single prompt with n = 1
                                    answers one object, anything else a list ordered (prompt, sample)
+  POST /v1/chat/completions        OpenAI's chat completions: ``messages`` and ``tools`` rendered in the
+                                   checkpoint's chat template, ``tool_calls`` parsed from the answer,
+                                   ``logprobs``, ``return_token_ids`` (``chat_completions.py``)
   POST /update_weights_from_disk   {model_path (our public HF layout), weight_version} -> {success, message,
                                    num_paused_requests}; 400 and the old version keeps serving on failure.
                                    A directory from ``k3core.transfer.write_disk`` is digest-checked and
@@ -303,6 +306,15 @@ class DiskUpdateRequest(BaseModel):
         description="false (requests in flight finish on the old version)")] = None
 
 
+_NESTED: dict[tuple[type, str], type] = {}  # (request model, field) -> the model its items are
+
+
+def register_nested(model: type[BaseModel], field: str, item: type[BaseModel]) -> None:
+    """Say that ``model.field`` holds ``item`` models (or a list of them): a refusal then names the
+    item's own field (``messages[2].role``) instead of showing the whole list."""
+    _NESTED[(model, field)] = item
+
+
 def _field_path(model: type[BaseModel], loc: tuple) -> tuple[tuple, type[BaseModel] | None, str | None]:
     """(the part of ``loc`` that names a field, the model declaring that field, its name): union
     branch labels pydantic puts in ``loc`` are skipped, and so are list indices below a field (the
@@ -315,7 +327,7 @@ def _field_path(model: type[BaseModel], loc: tuple) -> tuple[tuple, type[BaseMod
         elif current is not None and part in current.model_fields:
             path.append(part)
             owner, name = current, part
-            current = SamplingRequest if owner is GenerateRequest and part == "sampling_params" else None
+            current = _NESTED.get((owner, part))
     return tuple(path), owner, name
 
 
@@ -344,6 +356,8 @@ def _refusal(model: type[BaseModel], body: dict, e: ValidationError, context: di
             continue
         if name is None:  # a rule over the whole body
             msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        elif err["type"] == "value_error" and isinstance(path[-1], int):  # a rule over one item of a list
+            msg = f"{_shown(path)}: {err.get('ctx', {}).get('error', err['msg'])}"
         else:
             allowed = (owner.model_fields[name].description or "").format(**context)
             msg = (f"{_shown(path)} ({allowed}) is required" if err["type"] == "missing"
@@ -356,6 +370,9 @@ def _refusal(model: type[BaseModel], body: dict, e: ValidationError, context: di
         else:
             out.append(f"unsupported fields {sorted(names)}")
     return "; ".join(out)
+
+
+register_nested(GenerateRequest, "sampling_params", SamplingRequest)
 
 
 def _parse(model: type[BaseModel], body: dict, context: dict):
@@ -375,17 +392,18 @@ def _prompts(req: GenerateRequest, tokenizer) -> list[list[int]]:
     return req.input_ids if req.batch else [req.input_ids]
 
 
-def _sampling(sp: SamplingRequest | None, eos_id: int | None, cap: int,
+def _sampling(sp: SamplingRequest | None, eos_ids: tuple[int, ...], cap: int,
               vocab_size: int | None = None) -> tuple[Any, list[str], bool]:
     """Validated ``sampling_params`` -> (engine SamplingParams, stop strings, no_stop_trim), with
-    SGLang's defaults: stop at the end-of-sequence token unless ``ignore_eos``."""
+    SGLang's defaults: stop at the end-of-sequence ids (the tokenizer's eos and end-of-turn ids, as
+    SGLang reads them from the generation config) unless ``ignore_eos``."""
     from k3core.rollout.engine import SamplingParams
 
     sp = sp or SamplingRequest()
     stop = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
     stop_ids = list(sp.stop_token_ids or [])
-    if eos_id is not None and not sp.ignore_eos:
-        stop_ids.append(eos_id)
+    if not sp.ignore_eos:
+        stop_ids += list(eos_ids)
     top_k = -1 if sp.top_k is None else sp.top_k
     if top_k in (-1, 0) or (vocab_size is not None and top_k >= vocab_size):
         top_k = 0  # off: keeping every token of the vocabulary is no filter
@@ -524,42 +542,70 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             raise BadRequest("the body must be a JSON object")
         return body
 
-    @app.post("/generate")
-    async def generate(request: Request):
+    async def counted(handler, request: Request):
+        """``handler(request)`` as one of the requests in flight (503 past the limit)."""
         if state["in_flight"] >= limits.max_concurrent_requests:
             return error(503, f"server busy: {state['in_flight']} requests in flight, the limit is "
                               f"{limits.max_concurrent_requests} (--max-concurrent-requests); retry later",
                          **{"Retry-After": "1"})
         state["in_flight"] += 1
         try:
-            return await _generate(request)
+            return await handler(request)
         finally:
             state["in_flight"] -= 1
 
-    async def _generate(request: Request):
-        t0 = time.perf_counter()
+    async def completions_of(request: Request, futures, cancel: threading.Event, what: str):
+        """(the engine's completions of ``futures``, None), or (None, the answer) when the client left
+        (499; its sequences end at the next decode step) or generation failed."""
+        gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even when abandoned
+        while not gathered.done():
+            await asyncio.wait({gathered}, timeout=0.25)
+            if not gathered.done() and await request.is_disconnected():
+                cancel.set()  # nobody reads the answer
+                log.info(f"client of a {what} request disconnected: generation cancelled")
+                return None, Response(status_code=499)
+        try:
+            return gathered.result(), None
+        except EngineStopped as e:
+            return None, error(503, str(e))
+        except Exception as e:
+            log.exception("generation failed")
+            return None, error(500, f"generation failed: {type(e).__name__}: {e}")
+
+    def submit(reqs: list, cancel: threading.Event):
+        """Queue (prompt ids, params, stop strings) requests on the engine, each cancellable."""
+        for i, (p, _, stops) in enumerate(reqs):
+            if len(p) > limits.max_prompt_tokens:
+                raise BadRequest(f"prompt {i} has {len(p)} tokens, the limit is {limits.max_prompt_tokens} "
+                                 f"(--max-prompt-tokens)")
+            if stops and tokenizer is None:
+                raise BadRequest("stop strings need a tokenizer and this server has none for this model: "
+                                 "use stop_token_ids")
+        total = sum(params.n for _, params, _ in reqs)
+        if total > engine.max_queue:
+            raise EngineOverloaded(f"rollout engine overloaded: this request's {total} sequences exceed the "
+                                   f"queue limit {engine.max_queue} (--max-queue); send fewer")
+        return engine.submit_many([(p, params, _cancellable(stop_string_checker(tokenizer, stops) if stops else None,
+                                                            cancel)) for p, params, stops in reqs])
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        return await counted(_generate, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await counted(_chat, request)
+
+    async def _chat(request: Request):
+        from k3core.rollout.chat_completions import ChatRequest, chat_prompt, chat_response, chat_sampling
+
         cancel = threading.Event()
         try:
-            req = _parse(GenerateRequest, await body_of(request), context)
-            prompts = _prompts(req, tokenizer)
-            for i, p in enumerate(prompts):
-                if len(p) > limits.max_prompt_tokens:
-                    raise BadRequest(f"prompt {i} has {len(p)} tokens, the limit is {limits.max_prompt_tokens} "
-                                     f"(--max-prompt-tokens)")
-            sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
-            eos = getattr(tokenizer, "eos_id", None) if tokenizer is not None else engine.config.eos_token_id
-            parsed = [_sampling(sp, eos, limits.max_new_tokens, vocab) for sp in sps]
-            total = sum(params.n for params, _, _ in parsed)
-            if total > engine.max_queue:
-                raise EngineOverloaded(f"rollout engine overloaded: this request's {total} sequences exceed the "
-                                       f"queue limit {engine.max_queue} (--max-queue); send fewer")
-            for _, stops, _ in parsed:
-                if stops and tokenizer is None:
-                    raise BadRequest("stop strings need a tokenizer and this server has none for this model: "
-                                     "use stop_token_ids")
-            reqs = [(p, params, _cancellable(stop_string_checker(tokenizer, stops) if stops else None, cancel))
-                    for p, (params, stops, _) in zip(prompts, parsed)]
-            futures = engine.submit_many(reqs)
+            req = _parse(ChatRequest, await body_of(request), context)
+            prompt = chat_prompt(req, tokenizer)
+            params, stops = chat_sampling(req, tokenizer, limits.max_new_tokens, vocab)
+            futures = submit([(prompt, params, stops)], cancel)
         except BadRequest as e:
             return error(e.status, str(e))
         except ValueError as e:
@@ -568,21 +614,33 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             return error(503, str(e), **{"Retry-After": "1"})
         except EngineStopped as e:
             return error(503, str(e))
-        gathered = asyncio.ensure_future(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
-        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even when abandoned
-        while not gathered.done():
-            await asyncio.wait({gathered}, timeout=0.25)
-            if not gathered.done() and await request.is_disconnected():
-                cancel.set()  # its sequences end at the next decode step; nobody reads the answer
-                log.info("client of a /generate request disconnected: generation cancelled")
-                return Response(status_code=499)
+        results, refused = await completions_of(request, futures, cancel, "/v1/chat/completions")
+        if refused is not None:
+            return refused
+        return JSONResponse(chat_response(results[0], tokenizer, req, prompt, uuid.uuid4().hex,
+                                          Path(state["model_path"]).name if state["model_path"] else None))
+
+    async def _generate(request: Request):
+        t0 = time.perf_counter()
+        cancel = threading.Event()
         try:
-            results = gathered.result()
+            req = _parse(GenerateRequest, await body_of(request), context)
+            prompts = _prompts(req, tokenizer)
+            sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
+            eos = tuple(tokenizer.stop_ids) if tokenizer is not None else (engine.config.eos_token_id,)
+            parsed = [_sampling(sp, eos, limits.max_new_tokens, vocab) for sp in sps]
+            futures = submit([(p, params, stops) for p, (params, stops, _) in zip(prompts, parsed)], cancel)
+        except BadRequest as e:
+            return error(e.status, str(e))
+        except ValueError as e:
+            return error(400, str(e))
+        except EngineOverloaded as e:
+            return error(503, str(e), **{"Retry-After": "1"})
         except EngineStopped as e:
             return error(503, str(e))
-        except Exception as e:
-            log.exception("generation failed")
-            return error(500, f"generation failed: {type(e).__name__}: {e}")
+        results, refused = await completions_of(request, futures, cancel, "/generate")
+        if refused is not None:
+            return refused
         rid = req.rid or uuid.uuid4().hex
         outs = [_output(c, tokenizer, nst, bool(req.return_logprob), bool(req.return_routed_experts),
                         f"{rid}-{i}-{c.sample_index}", t0)
