@@ -34,6 +34,9 @@ from k3core.tokenizer.specials import K3_SPECIAL_OFFSETS, NUM_SPECIAL, special_n
 N_BASE = 2048
 BUNDLED_DATA = Path(__file__).resolve().parents[1] / "rl" / "bundled"
 
+# The tool declarations are rendered with sorted keys by the template itself: the release sorts them in
+# its Python tokenizer class, which SGLang and transformers do not run (no remote code), so a template
+# that relied on it would render other bytes there than here.
 K3_CHAT_TEMPLATE = """\
 {%- macro render_content(message) -%}
 {%- if message.content is string -%}
@@ -43,7 +46,7 @@ K3_CHAT_TEMPLATE = """\
 {%- endif -%}
 {%- endmacro -%}
 {%- if tools -%}
-<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>
+<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':'), sort_keys=True) }}<|im_end|>
 {%- endif -%}
 {%- if messages | length == 0 or messages[0].role != 'system' -%}
 <|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>
