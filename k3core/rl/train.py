@@ -8,7 +8,9 @@ with gradient accumulation: the same code on CPU and GPU, and the same update wh
 Sequences arrive as token lists (prompt, completion) with per-token rollout log-probabilities, a
 sequence advantage and, for routing replay, the expert ids the rollout engine chose at every input
 position. Inputs are ``seq[:-1]``, targets ``seq[1:]``, and only targets that are generated tokens
-are trained. Two layouts of a micro-batch (``GRPOSettings.packing``), one step implementation:
+are trained: a multi-turn sequence's ``loss_mask`` marks which of its output tokens the policy
+sampled, and the tool results and user turns between its turns are context only (every count,
+weight and log-probability list of the step is over the sampled tokens). Two layouts of a micro-batch (``GRPOSettings.packing``), one step implementation:
 - packed (``pack_varlen``): the sequences back to back in one row ``[1, T]``, T the sum of their
   lengths, with ``cu_seqlens`` offsets; the model computes each as if alone, no position is padding.
   Micro-batches are filled first-fit-decreasing under a budget of real tokens.
@@ -73,7 +75,20 @@ class RLSequence:
     rollout_logprobs: list[float] | None = None
     advantage: float = 0.0
     routing: torch.Tensor | None = None  # [len(prompt)+len(output)-1, n_moe, k]
-    ref_logprobs: list[float] | None = None  # the frozen reference's, per generated token (KL penalty)
+    ref_logprobs: list[float] | None = None  # the frozen reference's, per trained token (KL penalty)
+    # 1 where ``output_ids`` holds a token the policy sampled (trained), 0 where the environment wrote it
+    # (a multi-turn episode's tool results and user turns: context only). None: every output token is sampled.
+    loss_mask: list[int] | None = None
+
+    def trained(self) -> torch.Tensor:
+        """The loss mask as a bool tensor over ``output_ids``."""
+        if self.loss_mask is None:
+            return torch.ones(len(self.output_ids), dtype=torch.bool)
+        return torch.tensor(self.loss_mask, dtype=torch.bool)
+
+    @property
+    def n_trained(self) -> int:
+        return len(self.output_ids) if self.loss_mask is None else int(sum(self.loss_mask))
 
 
 def _check_batch(seqs: list[RLSequence]) -> None:
@@ -81,6 +96,11 @@ def _check_batch(seqs: list[RLSequence]) -> None:
         raise ValueError("empty batch: no sequences to train on")
     if any(len(s.output_ids) == 0 for s in seqs):
         raise ValueError("a sequence has an empty completion: nothing to train on for it")
+    for b, s in enumerate(seqs):
+        if s.loss_mask is not None and (len(s.loss_mask) != len(s.output_ids) or not s.n_trained
+                                        or any(m not in (0, 1) for m in s.loss_mask)):
+            raise ValueError(f"sequence {b}: its loss mask must be 0/1 for each of its {len(s.output_ids)} output "
+                             f"tokens with at least one 1 (a sampled token), got {s.loss_mask!r:.200}")
     if any(len(s.prompt_ids) == 0 for s in seqs):  # no position would predict the first generated token
         raise ValueError("a sequence has an empty prompt: it needs at least one token (BOS) before the completion")
 
@@ -88,9 +108,9 @@ def _check_batch(seqs: list[RLSequence]) -> None:
 def _check_logprobs(b: int, s: RLSequence, with_ref: bool) -> None:
     if s.rollout_logprobs is not None and len(s.rollout_logprobs) != len(s.output_ids):
         raise ValueError(f"sequence {b}: {len(s.rollout_logprobs)} rollout logprobs for {len(s.output_ids)} tokens")
-    if with_ref and (s.ref_logprobs is None or len(s.ref_logprobs) != len(s.output_ids)):
+    if with_ref and (s.ref_logprobs is None or len(s.ref_logprobs) != s.n_trained):
         got = None if s.ref_logprobs is None else len(s.ref_logprobs)
-        raise ValueError(f"sequence {b}: {got} reference logprobs for {len(s.output_ids)} tokens (every "
+        raise ValueError(f"sequence {b}: {got} reference logprobs for {s.n_trained} trained tokens (every "
                          "sequence of a batch needs them once one has)")
 
 
@@ -124,13 +144,15 @@ def pack_varlen(seqs: list[RLSequence], with_routing: bool = False) -> dict[str,
         ids.append(torch.tensor(f[:-1]))
         tgt.append(torch.tensor(f[1:]))
         g = torch.zeros(n, dtype=torch.bool)
-        g[p - 1:] = True
+        g[p - 1:] = s.trained()
         gen.append(g)
         z = torch.zeros(p - 1)
         lp_roll.append(torch.cat([z, torch.tensor(s.rollout_logprobs)]) if s.rollout_logprobs is not None
                        else torch.zeros(n))
         if with_ref:
-            lp_ref.append(torch.cat([z, torch.tensor(s.ref_logprobs)]))
+            r = torch.zeros(n)
+            r[g] = torch.tensor(s.ref_logprobs)
+            lp_ref.append(r)
         adv.append(torch.full((n,), float(s.advantage)))
         sid.append(torch.full((n,), b, dtype=torch.long))
     routing = None
@@ -170,12 +192,12 @@ def pack_sequences(seqs: list[RLSequence], pad_id: int, with_routing: bool = Fal
         tgt[b, :n] = torch.tensor(f[1:])
         valid[b, :n] = True
         p = len(s.prompt_ids)
-        gen[b, p - 1:n] = True
+        gen[b, p - 1:n] = s.trained()
         _check_logprobs(b, s, lp_ref is not None)
         if s.rollout_logprobs is not None:
             lp_roll[b, p - 1:n] = torch.tensor(s.rollout_logprobs)
         if lp_ref is not None:
-            lp_ref[b, p - 1:n] = torch.tensor(s.ref_logprobs)
+            lp_ref[b][gen[b]] = torch.tensor(s.ref_logprobs)
         adv[b] = s.advantage
     if with_routing:
         k_shape = _check_routing(seqs)
@@ -229,10 +251,10 @@ def _input_len(s: RLSequence) -> int:
 
 
 def _generated_per_sequence(x: torch.Tensor, batch: dict, seqs: list[RLSequence]) -> list[torch.Tensor]:
-    """The entries of ``x`` (``[B, L]`` or ``[1, T]``) at the generated positions, one 1-D tensor per
-    sequence of the micro-batch: in both layouts the generated positions, read in row-major order,
-    are the first sequence's, then the second's, ..."""
-    return list(x[batch["gen_mask"].to(x.device)].split([len(s.output_ids) for s in seqs]))
+    """The entries of ``x`` (``[B, L]`` or ``[1, T]``) at the trained positions (generated, loss mask
+    1), one 1-D tensor per sequence of the micro-batch: in both layouts the trained positions, read
+    in row-major order, are the first sequence's, then the second's, ..."""
+    return list(x[batch["gen_mask"].to(x.device)].split([s.n_trained for s in seqs]))
 
 
 def _forward_logp(model: K3ForCausalLM, batch: dict, temperature: float, dev) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +338,7 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
         raise ValueError(f"kl_coef {cfg.kl_coef}: the batch has sequences without the reference's logprobs "
                          "(run the reference_logprobs stage on it, or set kl_coef 0)")
     if cfg.loss_aggregation == "seq-sum" and seq_sum_norm is None:
-        seq_sum_norm = max(len(s.output_ids) for s in seqs)
+        seq_sum_norm = max(s.n_trained for s in seqs)
     old = old_logprobs(model, seqs, cfg, pad_id, temperature, dp) if n_updates > 1 else None
     counts_old = old is not None and (dp is None or dp.rank == 0)  # the group's tokens, counted once
     forwarded = sum(_input_len(s) for s in seqs) if counts_old else 0
@@ -329,7 +351,7 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
         order = torch.randperm(len(seqs)).tolist() if n_mb > 1 else list(range(len(seqs)))
         for mb in (order[k * len(order) // n_mb:(k + 1) * len(order) // n_mb] for k in range(n_mb)):
             mseqs = [seqs[i] for i in mb]
-            tokens = sum(len(s.output_ids) for s in mseqs)
+            tokens = sum(s.n_trained for s in mseqs)
             optimizer.zero_grad(set_to_none=True)
             parts = []
             micro = micro_batches([_input_len(s) for s in mseqs], cfg.micro_batch_tokens, cfg.packing)
