@@ -137,7 +137,12 @@ class RolloutSettings(_Section):
 
     prompts_per_iteration: int = _int(16, "prompts-per-iteration", "prompts sampled per RL iteration", min=1)
     samples_per_prompt: int = _int(8, "samples-per-prompt", "completions per prompt (the GRPO group)", min=1)
-    max_new_tokens: int = _int(7, "max-new-tokens", "completion length cap", min=1)
+    max_new_tokens: int = _int(7, "max-new-tokens", "completion length cap (per assistant turn of an agentic episode)",
+                               min=1)
+    max_turns: int = _int(8, "max-turns", "assistant turns per episode of an agentic environment (one with tools)",
+                          min=1)
+    max_episode_tokens: int = _int(512, "max-episode-tokens", "tokens after the prompt per agentic episode: the "
+                                   "assistant turns and the tool results between them", min=1)
     temperature: float = _float(1.0, "temperature", "sampling temperature (the trainer uses the same one)", min=0.0)
     top_p: float = _float(1.0, "top-p", "nucleus sampling mass, in (0, 1]")
     quantized: bool = _bool(True, "quantized-rollouts", "W4A8 engine (MXFP4 routed experts, FP8 activations)")

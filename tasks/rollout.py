@@ -162,7 +162,8 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
         params = _sampling(run, iteration, refill, settings, fmt.stop_ids)
         # the client has generate()'s signature
         table = rollout_table(client, fmt, prompts, params, iteration,
-                              first_prompt_index=refill * settings.prompts_per_iteration)
+                              first_prompt_index=refill * settings.prompts_per_iteration,
+                              episode_limits=(settings.max_turns, settings.max_episode_tokens))
         versions = set(table.column("weight_version").to_pylist())
         if versions != {weights.version}:
             raise WeightVersionMismatch(f"rollout {iteration} came back with weight versions {sorted(versions)}, "

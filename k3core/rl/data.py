@@ -30,6 +30,10 @@ ROLLOUT_SCHEMA = pa.schema([
     ("finish_reason", pa.string()),
     ("weight_version", pa.int64()),
     ("worker", pa.string()),  # what generated the row: "local", or the Dask worker of its rollout shard
+    # agentic episodes (k3core.rl.episodes): 1 on sampled output tokens, 0 on tool results and user turns
+    # (null: every output token was sampled); the turns as JSON (role, token span, tool, arguments, result, ...)
+    ("loss_mask", pa.list_(pa.int8())),
+    ("turns", pa.string()),
 ])
 
 SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + [

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import math
 import random
+import re
 from typing import Protocol, runtime_checkable
 
 
@@ -79,7 +80,58 @@ class ReverseEnv:
         return right / max(len(c), len(target))
 
 
-BUILTIN_ENVS = {"add": AdditionEnv, "reverse": ReverseEnv}
+class ToolsCalcEnv:
+    """Agentic (``k3core.rl.episodes``): ``"Compute A*B."`` with A, B of 3-4 digits, too large for a
+    small model to multiply alone, and a ``calculator`` tool. The episode's answer is its last
+    assistant turn; reward: positions right divided by the longer length (1 only for the exact
+    product), like ``reverse``. ``reference_turns``: call the calculator, then answer its result."""
+
+    name = "tools-calc"
+    max_turns = 3
+    system_prompt = "Use the calculator tool for arithmetic, then answer with the number only."
+    tools = [{"type": "function", "function": {
+        "name": "calculator", "description": "evaluate an integer expression: digits, + - *",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
+
+    def prompts(self, rng: random.Random, n: int) -> list[str]:
+        return [f"Compute {rng.randint(100, 9999)}*{rng.randint(100, 9999)}." for _ in range(n)]
+
+    @staticmethod
+    def _operands(prompt: str) -> tuple[int, int]:
+        a, b = prompt.removeprefix("Compute ").rstrip(".").split("*")
+        return int(a), int(b)
+
+    def call_tool(self, prompt: str, name: str, arguments: dict) -> str:
+        expr = str(arguments.get("expression", "")).replace(" ", "")
+        if not expr or not re.fullmatch(r"\d+([+*-]\d+)*", expr) or len(expr) > 64:
+            return f"error: {expr!r} is not an integer expression of digits and + - *"
+        total, term, op = 0, 1, "+"
+        for tok in re.findall(r"\d+|[+*-]", expr):  # * before + and -, left to right
+            if tok in "+-*":
+                if tok != "*":
+                    total, term = total + (term if op == "+" else -term), 1
+                    op = tok
+                continue
+            term *= int(tok)
+        return str(total + (term if op == "+" else -term))
+
+    def reference_turns(self, prompt: str) -> list[str]:
+        from k3core.tokenizer.tool_calls import format_tool_calls
+
+        a, b = self._operands(prompt)
+        call = {"function": {"name": "calculator", "arguments": {"expression": f"{a}*{b}"}}}
+        return [format_tool_calls([call]), str(a * b)]
+
+    def reward(self, prompt: str, completion: str) -> float:
+        from k3core.rl.episodes import final_answer
+
+        a, b = self._operands(prompt)
+        target, c = str(a * b), final_answer(completion)
+        right = sum(1 for x, y in zip(c, target) if x == y)
+        return right / max(len(c), len(target))
+
+
+BUILTIN_ENVS = {"add": AdditionEnv, "reverse": ReverseEnv, "tools-calc": ToolsCalcEnv}
 
 
 def load_env(spec: str):

@@ -16,7 +16,8 @@ from k3core.rl.prompting import PromptFormat
 
 def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], params: SamplingParams,
                   iteration: int, first_prompt_index: int = 0, *, shard_start: int = 0,
-                  worker: str = "local", prompt_ids: list[list[int]] | None = None) -> pa.Table:
+                  worker: str = "local", prompt_ids: list[list[int]] | None = None,
+                  episode_limits: tuple[int, int] = (8, 512)) -> pa.Table:
     """One row per completion; ``prompt_index`` counts from ``first_prompt_index`` (refill rounds of
     dynamic sampling number their prompts after the earlier rounds', so groups stay distinct).
     ``shard_start`` > 0: ``prompts`` are a rollout's prompts from that position on (a shard,
@@ -24,7 +25,14 @@ def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], 
     ``RolloutEngine``). ``worker``: recorded in every row. ``fmt``: how prompts become ids and
     completions text (``k3core.rl.prompting``); ``prompt_ids``: the prompts' ids when the caller
     rendered them already (a shard on a worker without the environment). Rows keep the ids the
-    engine saw and sampled; ``completion`` is their text, for rewards and display only."""
+    engine saw and sampled; ``completion`` is their text, for rewards and display only. An agentic
+    environment (``fmt.env`` with tools) gives one row per episode (``k3core.rl.episodes``), at most
+    ``episode_limits`` = (turns, tokens after the prompt), with its loss mask and turns."""
+    from k3core.rl.episodes import is_agentic
+
+    if is_agentic(fmt.env):
+        return _episode_table(engine, fmt, prompts, params, iteration, first_prompt_index + shard_start, worker,
+                              episode_limits)
     ids = [fmt.prompt_ids(p) for p in prompts] if prompt_ids is None else [list(x) for x in prompt_ids]
     if shard_start:
         comps = engine.generate(ids, params, pad_id=fmt.pad_id, first_index=shard_start)
@@ -45,6 +53,29 @@ def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], 
         rows["finish_reason"].append(c.finish_reason)
         rows["weight_version"].append(c.weight_version)
         rows["worker"].append(worker)
+        rows["loss_mask"].append(None)
+        rows["turns"].append(None)
+    return pa.table(rows, schema=ROLLOUT_SCHEMA)
+
+
+def _episode_table(client, fmt: PromptFormat, prompts: list[str], params: SamplingParams, iteration: int,
+                   first_prompt_index: int, worker: str, limits: tuple[int, int]) -> pa.Table:
+    import json
+
+    from k3core.rl.episodes import run_episodes
+
+    eps = run_episodes(client, fmt, fmt.env, prompts, params, max_turns=limits[0], max_tokens=limits[1],
+                       first_index=first_prompt_index)
+    rows = {f.name: [] for f in ROLLOUT_SCHEMA}
+    for k, ep in enumerate(eps):
+        values = dict(iteration=iteration, prompt_index=first_prompt_index + k // params.n, sample_index=ep.sample_index,
+                      prompt=ep.prompt, prompt_ids=ep.prompt_ids, output_ids=ep.output_ids,
+                      completion=fmt.tok.decode(ep.output_ids), logprobs=ep.logprobs,
+                      routing=None if ep.routing is None else ep.routing.reshape(-1).tolist(),
+                      finish_reason=ep.finish_reason, weight_version=ep.weight_version, worker=worker,
+                      loss_mask=ep.loss_mask, turns=json.dumps(ep.turns))
+        for name, v in values.items():
+            rows[name].append(v)
     return pa.table(rows, schema=ROLLOUT_SCHEMA)
 
 

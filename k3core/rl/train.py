@@ -440,7 +440,8 @@ def table_to_sequences(table: pa.Table, n_moe: int, top_k: int) -> list[RLSequen
     seqs = []
     for r in table.to_pylist():
         routing = torch.tensor(r["routing"], dtype=torch.int16).view(-1, n_moe, top_k) if n_moe else None
-        seqs.append(RLSequence(r["prompt_ids"], r["output_ids"], r["logprobs"], r.get("advantage", 0.0), routing))
+        seqs.append(RLSequence(r["prompt_ids"], r["output_ids"], r["logprobs"], r.get("advantage", 0.0), routing,
+                               loss_mask=r.get("loss_mask")))
     return seqs
 
 

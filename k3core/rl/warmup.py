@@ -20,14 +20,15 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, fmt: PromptForma
     (``k3core.rl.prompting``)."""
     from k3core.rl.data import training_prompts
 
-    if not hasattr(env, "reference"):
-        raise ValueError(f"environment {env_spec!r} has no reference(prompt) method: run with --warmup-steps 0")
+    if not (hasattr(env, "reference") or hasattr(env, "reference_turns")):
+        raise ValueError(f"environment {env_spec!r} has no reference(prompt) (or, agentic, reference_turns(prompt)) "
+                         "method: run with --warmup-steps 0")
     torch.manual_seed(seed)
     opt = make_optimizer(model, lr)
     losses, t0 = [], time.perf_counter()
     for step in range(steps):
         prompts = training_prompts(env, seed + 7919, step, batch_size, env_spec)
-        seqs = [RLSequence(fmt.prompt_ids(p), fmt.answer_ids(env.reference(p))) for p in prompts]
+        seqs = [_taught(fmt, env, p) for p in prompts]
         losses.append(sft_step(model, opt, seqs, fmt.pad_id)["loss"])
         if log and (step % 10 == 0 or step == steps - 1):
             log(f"warm-up step {step + 1}/{steps}: loss {losses[-1]:.3f}")
@@ -35,6 +36,18 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, fmt: PromptForma
             progress(step + 1, steps)
     return {"warmup_steps": steps, "warmup_loss_first": losses[0] if losses else None,
             "warmup_loss_last": losses[-1] if losses else None, "warmup_seconds": time.perf_counter() - t0}
+
+
+def _taught(fmt: PromptFormat, env, prompt: str) -> RLSequence:
+    """One warm-up sequence: the reference answer after the prompt, or, for an agentic environment,
+    its reference episode (``k3core.rl.episodes.reference_trajectory``: only the assistant turns are
+    taught, the tool results are context)."""
+    from k3core.rl.episodes import is_agentic, reference_trajectory
+
+    if is_agentic(env) and hasattr(env, "reference_turns"):
+        ep = reference_trajectory(fmt, env, prompt)
+        return RLSequence(ep.prompt_ids, ep.output_ids, loss_mask=ep.loss_mask)
+    return RLSequence(fmt.prompt_ids(prompt), fmt.answer_ids(env.reference(prompt)))
 
 
 def warmed_up_model(config, steps: int = 25, seed: int = 0, env_spec: str = "reverse", batch_size: int = 32,

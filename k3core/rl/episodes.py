@@ -1,0 +1,234 @@
+"""Multi-turn episodes of tool calls: the agentic environment protocol, and running episodes on a
+rollout engine into trajectories that train through a loss mask.
+
+An agentic environment is a single-turn environment (``k3core.rl.envs``: ``prompts``, ``reward``,
+optionally ``system_prompt`` / ``messages``) that also has
+  ``tools``                                   OpenAI-style tool declarations (a list of dicts)
+  ``call_tool(prompt, name, arguments) -> str``  one tool call's result text
+and optionally ``max_turns`` (assistant turns per episode). An episode starts from the prompt's
+messages (``k3core.rl.prompting.env_messages``) with the tools declared; each assistant turn ends
+at an end-of-turn id; its tool calls (the K2/K3 section format) are run and their results appended
+as ``tool`` messages, and the next turn is sampled after them. A turn without tool calls ends the
+episode (its content is the answer). So do the limits: ``max_turns`` assistant turns, and
+``max_tokens`` tokens after the prompt. ``reward(prompt, completion)`` receives the whole
+trajectory's text after the prompt (``final_answer`` gives the last assistant turn's content), once,
+at the end.
+
+Failures are part of the trajectory, never an exception of the rollout: a tool that raises, returns
+non-text or an unknown tool name becomes a ``tool`` message starting with ``error:``; a malformed
+tool-call section becomes a ``user`` message saying what was wrong (``k3core.tokenizer.tool_calls``).
+
+Token-in/token-out: a trajectory's ids are the prompt's rendering, then per turn the ids the engine
+sampled (loss mask 1, their sampling log-probabilities) and the rendering of what the environment
+answered (mask 0, log-probability 0), appended, never re-rendered: the text of the conversation
+is re-rendered only to find the new suffix (the template must render turns append-only, which the
+K3 template does; another is refused). Each turn is sampled with the whole trajectory so far as its
+prompt (re-prefill), all live episodes of a round in one batch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+
+from k3core.rl.prompting import PromptFormat, env_messages
+from k3core.rollout.sampling import derive_seed
+
+__all__ = ["Trajectory", "final_answer", "is_agentic", "run_episodes"]
+
+MAX_TOOL_RESULT_CHARS = 4096  # a tool that floods its output is cut here (with a note), never the stage
+
+
+def is_agentic(env) -> bool:
+    return isinstance(getattr(env, "tools", None), list) and callable(getattr(env, "call_tool", None))
+
+
+@dataclass
+class Trajectory:
+    """One episode: ``prompt_ids`` (the first turn's prompt), then ``output_ids`` with their
+    ``loss_mask`` and ``logprobs`` (0 where the environment wrote), the ``messages`` of the
+    conversation, per-turn records (``turns``: role, token span in ``output_ids``, tool name,
+    arguments, result, latency, error), the last call's ``routing`` (every position of the
+    trajectory but the last), and why it ended."""
+
+    prompt: str
+    prompt_ids: list[int]
+    messages: list[dict]
+    output_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+    routing: object = None
+    finish_reason: str = ""
+    weight_version: int | None = None
+    sample_index: int = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+def final_answer(completion: str) -> str:
+    """The content of the last assistant turn of a trajectory's text (``Trajectory`` completion)."""
+    from k3core.tokenizer.tool_calls import parse_assistant_text
+
+    last = completion.rsplit("<|im_assistant|>assistant<|im_middle|>", 1)[-1]
+    return parse_assistant_text(last.split("<|im_end|>", 1)[0]).content.strip()
+
+
+def _suffix_ids(fmt: PromptFormat, before: list[dict], after: list[dict], tools) -> list[int]:
+    """The ids of what ``after`` renders beyond ``before`` (then the generation prompt)."""
+    tok = fmt.tok
+    head = tok.render_chat(before, tools=tools, add_generation_prompt=False)
+    full = tok.render_chat(after, tools=tools, add_generation_prompt=True)
+    if not full.startswith(head):
+        raise ValueError("the chat template does not render a conversation append-only (adding a turn changed the "
+                         "text of earlier ones): multi-turn trajectories need one that does, like K3's")
+    return tok.encode(full[len(head):])
+
+
+def _run_tool(env, prompt: str, call, tool_runner) -> tuple[str, str]:
+    """(result text, error) of one parsed call; the error is also the result's text."""
+    names = {t.get("function", {}).get("name") for t in env.tools}
+    if call.name not in names:
+        err = f"error: unknown tool {call.name!r}; the tools are {sorted(n for n in names if n)}"
+        return err, err
+    try:
+        out = tool_runner(prompt, call.name, call.arguments)
+    except Exception as e:  # noqa: BLE001 - a broken tool is the model's observation, not a failed stage
+        err = f"error: the tool {call.name} raised {type(e).__name__}: {e}"
+        return err, err
+    if not isinstance(out, str):
+        err = f"error: the tool {call.name} returned {type(out).__name__}, not text"
+        return err, err
+    if len(out) > MAX_TOOL_RESULT_CHARS:
+        out = out[:MAX_TOOL_RESULT_CHARS] + f"\n[... cut at {MAX_TOOL_RESULT_CHARS} characters]"
+    return out, ("" if not out.startswith("error:") else out)
+
+
+def _in_process_tools(env):
+    return lambda prompt, name, arguments: env.call_tool(prompt, name, arguments)
+
+
+def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, max_turns: int = 8,
+                 max_tokens: int = 512, tool_runner=None, first_index: int = 0) -> list[Trajectory]:
+    """``params.n`` episodes per prompt (ordered prompt, then sample) on ``client`` (a
+    ``RolloutClient`` or ``RolloutEngine``: ``generate(ids, params)``), each turn at most
+    ``params.max_new_tokens`` tokens. Each round samples the next turn of every live episode in one
+    batch (one per remaining-token budget), seeded from ``params.seed``, ``first_index``, the turn and
+    the budget: the same prompts and seed give the same trajectories. ``tool_runner(prompt, name,
+    arguments) -> str``: where tools run (default: ``env.call_tool`` in this process)."""
+    from k3core.tokenizer.tool_calls import parse_assistant_text
+
+    if not fmt.chat:
+        raise ValueError("multi-turn episodes need a tokenizer with a chat template (a checkpoint with its own "
+                         "tokenizer, e.g. --source init:small:0:bpe) and --prompt-format auto or chat")
+    run_tool = tool_runner or _in_process_tools(env)
+    max_turns = min(max_turns, int(getattr(env, "max_turns", max_turns)))
+    tools = env.tools
+    eps = []
+    for p in prompts:
+        messages = env_messages(env, p)
+        ids = fmt.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        eps += [Trajectory(p, ids, list(messages), sample_index=j) for j in range(params.n)]
+    base = params.seed if params.seed is not None else 0
+    live = list(range(len(eps)))
+    for turn in range(max_turns):
+        if not live:
+            break
+        budget = {e: max_tokens - len(eps[e].output_ids) for e in live}
+        live = [e for e in live if budget[e] > 0]
+        for e in set(budget) - set(live):
+            eps[e].finish_reason = eps[e].finish_reason or "max_tokens"
+        groups: dict[int, list[int]] = {}  # turn budget -> episodes: one batch per budget
+        for e in live:
+            groups.setdefault(min(params.max_new_tokens, budget[e]), []).append(e)
+        sampled = {}
+        for cap, members in sorted(groups.items()):  # one batch per turn budget
+            seed = derive_seed(derive_seed(base, first_index), turn * 4096 + cap)
+            comps = client.generate([eps[e].ids for e in members], replace(params, n=1, seed=seed, max_new_tokens=cap))
+            sampled.update(zip(members, comps))
+        still = []
+        for e in live:
+            ep, c = eps[e], sampled[e]
+            start = len(ep.output_ids)
+            ep.output_ids += c.output_ids
+            ep.loss_mask += [1] * len(c.output_ids)
+            ep.logprobs += list(c.logprobs)
+            ep.routing, ep.weight_version = c.routing, c.weight_version
+            text = fmt.completion_text(c.output_ids)
+            parsed = parse_assistant_text(text)
+            ep.turns.append({"role": "assistant", "span": [start, len(ep.output_ids)], "text": text})
+            if c.finish_reason != "stop":
+                ep.finish_reason = "length" if c.finish_reason == "length" else c.finish_reason
+                continue
+            assistant = {"role": "assistant", "content": parsed.content,
+                         "tool_calls": [call.to_openai() for call in parsed.tool_calls]}
+            if not parsed.tool_calls and not parsed.errors:
+                ep.messages.append(assistant)
+                ep.finish_reason = "answer"
+                continue
+            answers = []
+            for call in parsed.tool_calls:
+                t0 = time.perf_counter()
+                result, error = _run_tool(env, ep.prompt, call, run_tool)
+                answers.append({"role": "tool", "tool_call_id": call.id, "content": result})
+                ep.turns.append({"role": "tool", "name": call.name, "arguments": json.dumps(call.arguments),
+                                 "result": result, "error": error, "seconds": time.perf_counter() - t0})
+            if parsed.errors:
+                answers.append({"role": "user", "content": "Your tool call could not be read: "
+                                + "; ".join(parsed.errors)})
+                ep.turns.append({"role": "user", "error": "; ".join(parsed.errors)})
+            before = ep.messages + [assistant]
+            new = _suffix_ids(fmt, before, before + answers, tools)
+            span = [len(ep.output_ids), len(ep.output_ids) + len(new)]
+            for rec in ep.turns[-len(answers):]:
+                rec["span"] = span
+            ep.messages = before + answers
+            ep.output_ids += new
+            ep.loss_mask += [0] * len(new)
+            ep.logprobs += [0.0] * len(new)
+            still.append(e)
+        live = still
+    for e in live:
+        eps[e].finish_reason = eps[e].finish_reason or "max_turns"
+    for ep in eps:  # trailing environment tokens train nothing and the last call's routing does not cover them
+        while ep.loss_mask and ep.loss_mask[-1] == 0:
+            ep.output_ids.pop()
+            ep.loss_mask.pop()
+            ep.logprobs.pop()
+    return eps
+
+
+def reference_trajectory(fmt: PromptFormat, env, prompt: str) -> Trajectory:
+    """The trajectory of ``env.reference_turns(prompt)`` (a correct episode's assistant texts, tool
+    calls included): each turn as the engine would sample it (its ids, then the end-of-turn id), the
+    tools really called in this process between them: what the supervised warm-up teaches."""
+    from k3core.tokenizer.tool_calls import parse_assistant_text
+
+    if not fmt.chat:
+        raise ValueError("multi-turn episodes need a tokenizer with a chat template")
+    messages = env_messages(env, prompt)
+    ep = Trajectory(prompt, fmt.tok.apply_chat_template(messages, tools=env.tools, add_generation_prompt=True),
+                    list(messages), finish_reason="answer")
+    turns = env.reference_turns(prompt)
+    for k, text in enumerate(turns):
+        ids = fmt.answer_ids(text)
+        ep.output_ids += ids
+        ep.loss_mask += [1] * len(ids)
+        parsed = parse_assistant_text(text)
+        assistant = {"role": "assistant", "content": parsed.content,
+                     "tool_calls": [call.to_openai() for call in parsed.tool_calls]}
+        if k == len(turns) - 1:
+            ep.messages.append(assistant)
+            break
+        answers = [{"role": "tool", "tool_call_id": call.id,
+                    "content": _run_tool(env, prompt, call, _in_process_tools(env))[0]} for call in parsed.tool_calls]
+        before = ep.messages + [assistant]
+        new = _suffix_ids(fmt, before, before + answers, env.tools)
+        ep.messages = before + answers
+        ep.output_ids += new
+        ep.loss_mask += [0] * len(new)
+    ep.logprobs = [0.0] * len(ep.output_ids)
+    return ep

@@ -1,0 +1,145 @@
+"""Multi-turn episodes (``k3core.rl.episodes``) on the bundled BPE's chat template, driven by a
+scripted policy whose turns are known: the trajectory's ids equal the template's rendering of the
+whole conversation (token-in/token-out: appended, never re-rendered), the loss mask is 1 exactly on
+the sampled turns, tools that fail become ``error:`` results, a malformed section a user turn, and
+the limits end episodes. Then the real tiny engine: rows of ``rollout_table`` for ``tools-calc``
+carry the mask into the train step's sequences, and routing covers every position."""
+
+import json
+
+import pytest
+import torch
+
+from k3core.rl.envs import load_env
+from k3core.rl.episodes import final_answer, reference_trajectory, run_episodes
+from k3core.rl.prompting import PromptFormat
+from k3core.rollout.engine import Completion, SamplingParams
+from k3core.tokenizer import BUNDLED_K3_BPE, load_tokenizer
+from k3core.tokenizer.tool_calls import format_tool_calls
+
+PROMPT = "Compute 123*456."
+CALL = {"id": "functions.calculator:0", "type": "function",
+        "function": {"name": "calculator", "arguments": "{\"expression\": \"123*456\"}"}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(BUNDLED_K3_BPE)
+
+
+class Scripted:
+    """A client whose k-th call answers every prompt with ``turns[k]`` (then the end-of-turn id)."""
+
+    def __init__(self, tok, turns, stop=True):
+        self.tok, self.turns, self.calls, self.stop = tok, turns, [], stop
+
+    def generate(self, prompts, params, **_):
+        text = self.turns[min(len(self.calls), len(self.turns) - 1)]
+        self.calls.append([list(p) for p in prompts])
+        end = self.tok.special_ids["<|im_end|>"]
+        ids = self.tok.encode(text) + ([end] if self.stop else [])[:params.max_new_tokens]
+        ids = ids[:params.max_new_tokens]
+        reason = "stop" if ids and ids[-1] == end else "length"
+        return [Completion(i, 0, list(p), ids, [-0.25] * len(ids), None, reason, 4, {"matched": end})
+                for i, p in enumerate(prompts)]
+
+
+def _params(n=1, max_new=64):
+    return SamplingParams(max_new_tokens=max_new, temperature=1.0, n=n, seed=3)
+
+
+def test_trajectory_ids_are_the_conversation_rendered_and_only_turns_are_trained(tok):
+    env = load_env("tools-calc")
+    fmt = PromptFormat.of(tok, env)
+    client = Scripted(tok, [format_tool_calls([CALL]), "56088"])
+    (ep,) = run_episodes(client, fmt, env, [PROMPT], _params())
+    convo = [{"role": "system", "content": env.system_prompt}, {"role": "user", "content": PROMPT},
+             {"role": "assistant", "content": "", "tool_calls": [CALL]},
+             {"role": "tool", "tool_call_id": CALL["id"], "content": "56088"},
+             {"role": "assistant", "content": "56088"}]
+    assert ep.ids == tok.apply_chat_template(convo, tools=env.tools, add_generation_prompt=False)
+    assert ep.finish_reason == "answer" and final_answer(tok.decode(ep.output_ids)) == "56088"
+    # the second call's prompt is the whole trajectory so far (re-prefill), ending with the generation prompt
+    assert client.calls[1][0] == ep.ids[:len(ep.ids) - len(tok.encode("56088")) - 1]
+    a1 = len(tok.encode(format_tool_calls([CALL]))) + 1
+    a2 = len(tok.encode("56088")) + 1
+    env_part = len(ep.output_ids) - a1 - a2
+    assert ep.loss_mask == [1] * a1 + [0] * env_part + [1] * a2
+    assert ep.logprobs == [-0.25] * a1 + [0.0] * env_part + [-0.25] * a2
+    tool_turn = next(t for t in ep.turns if t["role"] == "tool")
+    assert tool_turn["result"] == "56088" and tool_turn["span"] == [a1, a1 + env_part] and not tool_turn["error"]
+    assert env.reward(PROMPT, tok.decode(ep.output_ids)) == 1.0
+    ref = reference_trajectory(fmt, env, PROMPT)
+    assert ref.ids == ep.ids and ref.loss_mask == ep.loss_mask  # the warm-up teaches exactly this episode
+
+
+class Flaky:
+    tools = [{"type": "function", "function": {"name": n}} for n in ("boom", "number", "flood")]
+    max_turns = 8
+
+    def call_tool(self, prompt, name, arguments):
+        if name == "boom":
+            raise RuntimeError("disk on fire")
+        return 42 if name == "number" else "x" * 10_000
+
+    def reward(self, prompt, completion):
+        return 0.0
+
+
+@pytest.mark.parametrize("name, says", [("boom", "error: the tool boom raised RuntimeError: disk on fire"),
+                                        ("number", "error: the tool number returned int, not text"),
+                                        ("nope", "error: unknown tool 'nope'"),
+                                        ("flood", "[... cut at 4096 characters]")])
+def test_failing_tools_become_error_results_in_the_trajectory(tok, name, says):
+    call = {"function": {"name": name, "arguments": {}}}
+    (ep,) = run_episodes(Scripted(tok, [format_tool_calls([call]), "done"]), PromptFormat.of(tok, Flaky()), Flaky(),
+                         ["p"], _params(), max_tokens=10_000)
+    result = next(m for m in ep.messages if m["role"] == "tool")["content"]
+    assert says in result and ep.finish_reason == "answer"
+
+
+def test_malformed_sections_and_limits(tok):
+    env = load_env("tools-calc")
+    fmt = PromptFormat.of(tok, env)
+    (ep,) = run_episodes(Scripted(tok, ["<|tool_calls_section_begin|>oops", "1"]), fmt, env, [PROMPT], _params())
+    user = [m for m in ep.messages if m["role"] == "user"][-1]["content"]
+    assert "could not be read" in user and "never closed" in user
+    # a model that calls forever stops at max_turns, with no environment tokens left dangling
+    (ep,) = run_episodes(Scripted(tok, [format_tool_calls([CALL])]), fmt, env, [PROMPT], _params(), max_turns=2)
+    assert ep.finish_reason == "max_turns" and ep.loss_mask[-1] == 1
+    assert sum(t["role"] == "assistant" for t in ep.turns) == 2
+    # the token budget caps turns and episodes
+    (ep,) = run_episodes(Scripted(tok, [format_tool_calls([CALL])]), fmt, env, [PROMPT], _params(), max_tokens=40)
+    assert len(ep.output_ids) <= 40 + 0 and ep.finish_reason in ("length", "max_tokens")
+    with pytest.raises(ValueError, match="chat template"):
+        run_episodes(Scripted(tok, ["x"]), PromptFormat.of(tok, env, mode="raw"), env, [PROMPT], _params())
+
+
+def test_rollout_rows_of_an_agentic_env_train_through_their_mask(tok):
+    from k3core.config import K3Config
+    from k3core.model import K3ForCausalLM
+    from k3core.rl.tables import rollout_table
+    from k3core.rl.train import table_to_sequences
+    from k3core.rl.weights import engine_from_model
+
+    cfg = K3Config.preset("tiny").replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
+                                          eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg)
+    model.reset_parameters(0)
+    env = load_env("tools-calc")
+    fmt = PromptFormat.of(tok, env)
+    engine = engine_from_model(model.eval(), 0, quantized=False)
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, n=2, seed=1, stop_token_ids=fmt.stop_ids)
+    table = rollout_table(engine, fmt, [PROMPT, "Compute 999*888."], params, 0, episode_limits=(3, 80))
+    rows = table.to_pylist()
+    seqs = table_to_sequences(table, len(model.moe_layer_ids), cfg.num_experts_per_token)
+    assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for r, s in zip(rows, seqs):
+        assert s.loss_mask == r["loss_mask"] and len(r["loss_mask"]) == len(r["output_ids"])
+        assert s.routing.shape[0] == len(r["prompt_ids"]) + len(r["output_ids"]) - 1  # every input position
+        turns = json.loads(r["turns"])
+        for t in turns:  # the mask is 1 on assistant spans and 0 on what the environment wrote
+            lo, hi = t["span"]
+            hi = min(hi, len(r["loss_mask"]))
+            assert set(r["loss_mask"][lo:hi]) <= ({1} if t["role"] == "assistant" else {0})
