@@ -251,6 +251,12 @@ def rollout_fanout(run: Run, iteration: int, weights: Artifact, settings: Rollou
 
     from tasks.common import record_seconds
 
+    from k3core.rl.envs import load_env
+    from k3core.rl.episodes import is_agentic
+
+    if is_agentic(load_env(run.env)):
+        raise NotImplementedError(f"environment {run.env!r} runs multi-turn episodes, which rollout shards on Dask or "
+                                  "Ray workers do not run yet: use --task-runner local")
     t0 = time.perf_counter()
     prompts = tuple(_prompts(run, iteration, settings, refill, cursor))
     futures = [rollout_shard.submit(run, iteration, weights, settings, prompts, (k, shards), refill)

@@ -7,13 +7,14 @@ import torch
 from k3core.rl.rewards import score_completions
 from k3core.rl.sandbox import SandboxLimits
 from k3core.rollout.engine import RolloutEngine, SamplingParams
+from k3core.rl.episodes import is_agentic
 from k3core.rl.prompting import PromptFormat
 
 
 @torch.no_grad()
 def evaluate(client, fmt: PromptFormat, env, env_spec: str, prompts: list[str], max_new_tokens: int,
              temperature: float = 1.0, samples: int = 4, seed: int = 0, expected_version=None,
-             limits: SandboxLimits | None = None) -> dict:
+             limits: SandboxLimits | None = None, episode_limits: tuple[int, int] = (8, 512)) -> dict:
     """Held-out prompts (never trained on), two ways:
     - ``heldout_reward``: the policy's expected reward, the quantity RL maximises: ``samples``
       completions per prompt at the rollout temperature (fixed seed, so versions compare fairly);
@@ -22,7 +23,8 @@ def evaluate(client, fmt: PromptFormat, env, env_spec: str, prompts: list[str], 
     ``RolloutEngine``; ``expected_version``: refuse (``WeightVersionMismatch``) an engine serving, or
     a completion produced by, any other weight version. Rewards as in scoring (``k3core.rl.rewards``:
     with ``limits``, user and dataset environments in the sandbox; None: in this process). ``fmt``:
-    how prompts become ids and completions text (``k3core.rl.prompting``)."""
+    how prompts become ids and completions text (``k3core.rl.prompting``). An agentic environment
+    runs whole episodes (``k3core.rl.episodes``, at most ``episode_limits``: turns, tokens)."""
     from k3core.rollout.client import RolloutClient
 
     if isinstance(client, RolloutEngine):
@@ -37,12 +39,38 @@ def evaluate(client, fmt: PromptFormat, env, env_spec: str, prompts: list[str], 
         return client.generate(ids, params, pad_id=fmt.pad_id, expected_version=expected_version)
 
     stop = fmt.stop_ids
+    sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop, n=samples,
+                              seed=seed)
+    greedy_params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
+    if is_agentic(env):  # whole episodes, scored on their trajectories' text
+        from k3core.rl.episodes import run_episodes
+
+        eps = [e for params in (sampling, greedy_params)
+               for e in run_episodes(_Versioned(client, expected_version), fmt, env, prompts, params,
+                                     max_turns=episode_limits[0], max_tokens=episode_limits[1])]
+        outcomes = score_completions(env, env_spec, [e.prompt for e in eps],
+                                     [fmt.tok.decode(e.output_ids) for e in eps], limits)
+        rewards = [o.reward for o in outcomes]
+        n = len(prompts) * samples
+        return _summary(rewards[:n], rewards[n:])
     ids = [fmt.prompt_ids(p) for p in prompts]
-    sampled = generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature,
-                                      stop_token_ids=stop, n=samples, seed=seed))
-    greedy = generate(SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop))
+    sampled = generate(sampling)
+    greedy = generate(greedy_params)
     rewards = score(sampled + greedy)  # one scoring pass: a sandbox starts its workers once
-    sampled, greedy = rewards[:len(sampled)], rewards[len(sampled):]
+    return _summary(rewards[:len(sampled)], rewards[len(sampled):])
+
+
+class _Versioned:
+    """A client whose every generate call refuses a weight version other than ``expected``."""
+
+    def __init__(self, client, expected):
+        self.client, self.expected = client, expected
+
+    def generate(self, prompts, params, **_):
+        return self.client.generate(prompts, params, expected_version=self.expected)
+
+
+def _summary(sampled: list[float], greedy: list[float]) -> dict:
     return {"heldout_reward": sum(sampled) / len(sampled),
             "heldout_solved": sum(r == 1.0 for r in sampled) / len(sampled),
             "heldout_greedy_reward": sum(greedy) / len(greedy),
