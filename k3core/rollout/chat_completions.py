@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
-from k3core.rollout.server import (BadRequest, _float, _int, _neutral, _StopString, _switch, register_nested)
+from k3core.rollout.request_fields import BadRequest, _float, _int, _neutral, _StopString, _switch, register_nested
 
 __all__ = ["ChatMessage", "ChatRequest", "ToolDeclaration", "chat_prompt", "chat_response", "chat_sampling"]
 

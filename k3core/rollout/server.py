@@ -61,7 +61,6 @@ import base64
 import hmac
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -74,6 +73,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Di
                       StrictStr, Tag, ValidationError, ValidationInfo, field_validator, model_validator)
 
 from k3core.rollout.checkpoints import checkpoint_state_for
+from k3core.rollout.request_fields import (_NESTED, TOP_K_ALL, BadRequest, _float, _Ids, _int, _integral,  # noqa: F401
+                                           _neutral, _StopString, _switch, register_nested)
 
 if TYPE_CHECKING:  # torch and fastapi are imported where used: importing this module stays light
     from k3core.rollout.engine import RolloutEngine
@@ -84,14 +85,6 @@ __all__ = ["DEFAULT_PORT", "BadRequest", "ServerLimits", "GenerateRequest", "Sam
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 30000  # SGLang's default
-
-class BadRequest(ValueError):
-    """A request the server refuses as malformed (HTTP 400, or ``status``)."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
-
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -152,44 +145,6 @@ def is_loopback(host: str) -> bool:
 
 
 # ------------------------------------------------------------------ request models
-# Every field of a request is declared once below, with what it may hold; pydantic checks it
-# (strict: "3" is not a number, 0 is not a switch, NaN and inf are not finite) and
-# ``_refusal`` turns its errors into one sentence per field: the field, what is allowed, what came.
-# A field's ``description`` is that "what is allowed"; ``{max_new_tokens}`` and ``{vocab_size}`` in
-# it are this server's limits, passed as the validation context.
-def _integral(v):
-    """An integral float (4.0, 1e30) reads as the integer it is; anything else is left to the strict check."""
-    return int(v) if isinstance(v, float) and math.isfinite(v) and v.is_integer() else v
-
-
-def _int(lo: int, hi: int, why: str = ""):
-    return Annotated[Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=lo, le=hi)] | None,
-                     Field(description=f"an integer in [{lo}, {hi}]{why}")]
-
-
-def _float(lo: float, hi: float, lo_open: bool = False):
-    bound = {"gt": lo} if lo_open else {"ge": lo}
-    return Annotated[Annotated[float, Field(strict=True, allow_inf_nan=False, le=hi, **bound)] | None,
-                     Field(description=f"a finite number in {'(' if lo_open else '['}{float(lo)}, {float(hi)}]")]
-
-
-def _neutral(value):
-    def only(v):
-        if v is not None and v != value:
-            raise ValueError("unsupported value")
-        return v
-
-    return Annotated[Any, AfterValidator(only), Field(description=f"{value} (the only value this server supports)")]
-
-
-def _switch(what: str = "true or false"):
-    return Annotated[StrictBool | None, Field(description=what)]
-
-
-TOP_K_ALL = 1 << 30  # SGLang's "no top-k" value; anything from the vocabulary size up means the same
-_StopString = Annotated[str, Field(strict=True, min_length=1, max_length=1024)]
-_Ids = Annotated[list[Annotated[int, Field(strict=True)]], Field(min_length=1)]
-
 
 class SamplingRequest(BaseModel):
     """SGLang's ``sampling_params`` as this server takes them (unknown keys refused)."""
@@ -304,15 +259,6 @@ class DiskUpdateRequest(BaseModel):
     load_format: Annotated[Literal["auto", "safetensors"] | None, Field(description="'auto' or 'safetensors'")] = None
     abort_all_requests: Annotated[StrictBool | None, AfterValidator(_only_false), Field(
         description="false (requests in flight finish on the old version)")] = None
-
-
-_NESTED: dict[tuple[type, str], type] = {}  # (request model, field) -> the model its items are
-
-
-def register_nested(model: type[BaseModel], field: str, item: type[BaseModel]) -> None:
-    """Say that ``model.field`` holds ``item`` models (or a list of them): a refusal then names the
-    item's own field (``messages[2].role``) instead of showing the whole list."""
-    _NESTED[(model, field)] = item
 
 
 def _field_path(model: type[BaseModel], loc: tuple) -> tuple[tuple, type[BaseModel] | None, str | None]:
