@@ -283,8 +283,8 @@ class PipelineSettings(_Section):
     run_id: str = _str("demo", "run-id", "the run; re-using a run id resumes that run")
     artifacts: str = _str("./artifacts", "artifacts", "artifact root: a path or fsspec URL")
     iterations: int = _int(30, "iterations", "RL iterations")
-    env: str = _str("reverse", "env", "built-in environment (add, reverse), a dataset with its verifier "
-                    "(dataset:math:URL, dataset:code:URL; math and code: the bundled ones) or module.path:factory")
+    env: str = _str("reverse", "env", "built-in environment (add, reverse; tools-calc: multi-turn tool calls), a "
+                    "dataset with its verifier (dataset:math:URL, dataset:code:URL; math and code: the bundled ones) or module.path:factory")
     prompt_format: str = _str("auto", "prompt-format", "how prompts are written: chat (a system and a user turn in "
                               "the checkpoint's chat template; completions end at <|im_end|>), raw (the prompt text), "
                               "or auto (chat where the checkpoint's tokenizer has a chat template, else raw)")
