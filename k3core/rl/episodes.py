@@ -88,6 +88,19 @@ def _suffix_ids(fmt: PromptFormat, before: list[dict], after: list[dict], tools)
     return tok.encode(full[len(head):])
 
 
+def _append_answers(fmt: PromptFormat, ep: Trajectory, assistant: dict, answers: list[dict], tools) -> list[int]:
+    """Append the assistant turn just sampled and the environment's ``answers`` to ``ep``'s messages, and
+    the answers' rendering (then the generation prompt) to its ids, untrained; their token span."""
+    before = ep.messages + [assistant]
+    new = _suffix_ids(fmt, before, before + answers, tools)
+    span = [len(ep.output_ids), len(ep.output_ids) + len(new)]
+    ep.messages = before + answers
+    ep.output_ids += new
+    ep.loss_mask += [0] * len(new)
+    ep.logprobs += [0.0] * len(new)
+    return span
+
+
 def _run_tool(env, prompt: str, call, tool_runner) -> tuple[str, str]:
     """(result text, error) of one parsed call; the error is also the result's text."""
     names = {t.get("function", {}).get("name") for t in env.tools}
@@ -180,15 +193,9 @@ def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, 
                 answers.append({"role": "user", "content": "Your tool call could not be read: "
                                 + "; ".join(parsed.errors)})
                 ep.turns.append({"role": "user", "error": "; ".join(parsed.errors)})
-            before = ep.messages + [assistant]
-            new = _suffix_ids(fmt, before, before + answers, tools)
-            span = [len(ep.output_ids), len(ep.output_ids) + len(new)]
+            span = _append_answers(fmt, ep, assistant, answers, tools)
             for rec in ep.turns[-len(answers):]:
                 rec["span"] = span
-            ep.messages = before + answers
-            ep.output_ids += new
-            ep.loss_mask += [0] * len(new)
-            ep.logprobs += [0.0] * len(new)
             still.append(e)
         live = still
     for e in live:
@@ -225,10 +232,6 @@ def reference_trajectory(fmt: PromptFormat, env, prompt: str) -> Trajectory:
             break
         answers = [{"role": "tool", "tool_call_id": call.id,
                     "content": _run_tool(env, prompt, call, _in_process_tools(env))[0]} for call in parsed.tool_calls]
-        before = ep.messages + [assistant]
-        new = _suffix_ids(fmt, before, before + answers, env.tools)
-        ep.messages = before + answers
-        ep.output_ids += new
-        ep.loss_mask += [0] * len(new)
+        _append_answers(fmt, ep, assistant, answers, env.tools)
     ep.logprobs = [0.0] * len(ep.output_ids)
     return ep

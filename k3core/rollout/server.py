@@ -500,6 +500,14 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
         finally:
             state["in_flight"] -= 1
 
+    def refusal(e: Exception) -> JSONResponse:
+        """The answer to a request refused before it queued: bad input 4xx, an overloaded or stopped engine 503."""
+        if isinstance(e, BadRequest):
+            return error(e.status, str(e))
+        if isinstance(e, EngineOverloaded):
+            return error(503, str(e), **{"Retry-After": "1"})
+        return error(503 if isinstance(e, EngineStopped) else 400, str(e))
+
     async def completions_of(request: Request, futures, cancel: threading.Event, what: str):
         """(the engine's completions of ``futures``, None), or (None, the answer) when the client left
         (499; its sequences end at the next decode step) or generation failed."""
@@ -552,14 +560,8 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             prompt = chat_prompt(req, tokenizer)
             params, stops = chat_sampling(req, tokenizer, limits.max_new_tokens, vocab)
             futures = submit([(prompt, params, stops)], cancel)
-        except BadRequest as e:
-            return error(e.status, str(e))
-        except ValueError as e:
-            return error(400, str(e))
-        except EngineOverloaded as e:
-            return error(503, str(e), **{"Retry-After": "1"})
-        except EngineStopped as e:
-            return error(503, str(e))
+        except (ValueError, EngineOverloaded, EngineStopped) as e:
+            return refusal(e)
         results, refused = await completions_of(request, futures, cancel, "/v1/chat/completions")
         if refused is not None:
             return refused
@@ -576,14 +578,8 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             eos = tuple(tokenizer.stop_ids) if tokenizer is not None else (engine.config.eos_token_id,)
             parsed = [_sampling(sp, eos, limits.max_new_tokens, vocab) for sp in sps]
             futures = submit([(p, params, stops) for p, (params, stops, _) in zip(prompts, parsed)], cancel)
-        except BadRequest as e:
-            return error(e.status, str(e))
-        except ValueError as e:
-            return error(400, str(e))
-        except EngineOverloaded as e:
-            return error(503, str(e), **{"Retry-After": "1"})
-        except EngineStopped as e:
-            return error(503, str(e))
+        except (ValueError, EngineOverloaded, EngineStopped) as e:
+            return refusal(e)
         results, refused = await completions_of(request, futures, cancel, "/generate")
         if refused is not None:
             return refused

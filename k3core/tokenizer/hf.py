@@ -18,7 +18,7 @@ from pathlib import Path
 from k3core.tokenizer.chat import ChatMixin
 from k3core.tokenizer.files import HF_TOKENIZER_FILE, read_tokenizer_config
 from k3core.tokenizer.specials import TURN_END
-from k3core.tokenizer.tiktoken_bpe import special_token_ids
+from k3core.tokenizer.tiktoken_bpe import special_token_ids, with_bos
 
 
 class HFTokenizer(ChatMixin):
@@ -47,12 +47,7 @@ class HFTokenizer(ChatMixin):
         self.chat_template = cfg.chat_template
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if bos:
-            if self.bos_id is None:
-                raise ValueError("encode(bos=True): this tokenizer has no bos_token")
-            ids.insert(0, self.bos_id)
-        return ids
+        return with_bos(self.backend.encode(text, add_special_tokens=False).ids, bos, self.bos_id)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]

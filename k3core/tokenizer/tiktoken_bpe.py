@@ -20,6 +20,15 @@ from k3core.tokenizer.pattern import KIMI_PAT_STR
 from k3core.tokenizer.specials import NUM_SPECIAL, TURN_END, reserved_name, special_names
 
 
+def with_bos(ids: list[int], bos: bool, bos_id: int | None) -> list[int]:
+    """``ids``, after ``bos_id`` when ``bos`` (a tokenizer without a bos token refuses ``bos=True``)."""
+    if not bos:
+        return ids
+    if bos_id is None:
+        raise ValueError("encode(bos=True): this tokenizer has no bos_token")
+    return [bos_id, *ids]
+
+
 def special_token_ids(names: dict[str, int], cfg: TokenizerConfigFile, source: str,
                       fallback: tuple[int | None, int | None, int | None] = (None, None, None)):
     """(bos, eos, pad) ids: the config's token names looked up in ``names``; a name missing from the
@@ -67,12 +76,7 @@ class TiktokenTokenizer(ChatMixin):
         self.chat_template = cfg.chat_template
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
-        ids = self.encoding.encode(text, allowed_special="all")
-        if bos:
-            if self.bos_id is None:
-                raise ValueError("encode(bos=True): this tokenizer has no bos_token")
-            ids.insert(0, self.bos_id)
-        return ids
+        return with_bos(self.encoding.encode(text, allowed_special="all"), bos, self.bos_id)
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         ids = [int(i) for i in ids]
