@@ -189,7 +189,7 @@ class GRPOSettings(_Section):
                                 "to --lr (counted by the trainer state, so a resumed run continues the ramp): the "
                                 "first Adam steps move every weight by about lr whatever its gradient, which "
                                 "undoes a warmed-up policy at full lr (0: no ramp)")
-    micro_batch_tokens: int = _int(0, "micro-batch-tokens", "token budget of one forward/backward (real tokens when "
+    micro_batch_tokens: int = _int(8192, "micro-batch-tokens", "token budget of one forward/backward (real tokens when "
                                    "packing, sequences x padded length otherwise); gradients accumulate over a "
                                    "minibatch's micro-batches, so the update does not depend on it (0: a whole "
                                    "minibatch at once)")

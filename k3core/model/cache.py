@@ -166,6 +166,20 @@ class StaticDecodeState:
             self.lens.index_copy_(0, idx, lens.to(self.device))
 
     @torch.no_grad()
+    def row(self, slot: int) -> K3Cache:
+        """A copy of ``slot``'s state as a one-row dynamic ``K3Cache`` (its latents all valid)."""
+        n = int(self.lens[slot])
+        layers = []
+        for bufs in self.layers:
+            if "kv" in bufs:
+                layers.append(MLALayerCache(bufs["kv"][slot:slot + 1, :n].clone(),
+                                            torch.ones(1, n, dtype=torch.bool, device=self.device)))
+            else:
+                layers.append(KDALayerCache(*(bufs[k][slot:slot + 1].clone()
+                                              for k in ("conv_q", "conv_k", "conv_v", "state"))))
+        return K3Cache(layers, n)
+
+    @torch.no_grad()
     def move(self, src: list[int], dst: list[int]) -> None:
         """Copy slots ``src[i]`` -> ``dst[i]`` (the two lists disjoint), e.g. to close holes."""
         if not src:

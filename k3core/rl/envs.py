@@ -88,9 +88,9 @@ class ToolsCalcEnv:
 
     name = "tools-calc"
     max_turns = 3
-    system_prompt = "Use the calculator tool for arithmetic, then answer with the number only."
+    system_prompt = "Use the calculator, then answer with the number only."
     tools = [{"type": "function", "function": {
-        "name": "calculator", "description": "evaluate an integer expression: digits, + - *",
+        "name": "calculator", "description": "integer arithmetic: + - *",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 
     def prompts(self, rng: random.Random, n: int) -> list[str]:

@@ -74,6 +74,10 @@ class DecodeState(ABC):
         it was before: the order the caller's per-row lists must take."""
 
     @abstractmethod
+    def row(self, j: int) -> K3Cache:
+        """A copy of row ``j``'s state as a one-row dynamic cache (kept for its session's next turn)."""
+
+    @abstractmethod
     def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed ``tokens`` ``[n]`` (one per row) -> (next logits ``[n, V]`` fp32 or wider, routed expert
         ids ``[n, n_moe, k]``). The logits are the caller's to keep."""
@@ -115,6 +119,9 @@ class DynamicDecode(DecodeState):
         idx = torch.tensor(keep, device=self.model.lm_head.weight.device)
         self.cache = self.cache.index_select(idx).trim()
         return keep
+
+    def row(self, j: int) -> K3Cache:
+        return self.cache.index_select(torch.tensor([j], device=self.model.lm_head.weight.device)).trim()
 
     def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B = tokens.shape[0]
@@ -183,6 +190,9 @@ class StaticDecode(DecodeState):
         self.state.move(movers, holes)
         self.state.release(n)
         return order
+
+    def row(self, j: int) -> K3Cache:
+        return self.state.row(j)
 
     def step(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = tokens.shape[0]

@@ -11,6 +11,16 @@ resolves once all its samples are done), and decodes the survivors one token. ``
 swaps weights only between batches, so every sequence comes from the one version its
 ``Completion`` records. The decode state and its modes: ``k3core.rollout.decode_state``; sampling
 and seeds: ``k3core.rollout.sampling``.
+
+Sessions (multi-turn episodes, ``k3core.rl.episodes``): a request may name a ``session``. When its
+sequence ends at a stop id, the engine keeps that row's decode state (KDA recurrent states, conv
+tails, MLA latents; the state after every id but the last sampled one) with the ids it has consumed
+and their routing. The session's next request, whose prompt extends those ids (the sampled stop id,
+then the tool results and the next generation prompt), prefills only the new ids on top of the kept
+state: a hybrid model's prefix cache, the analogue of SGLang keeping Mamba states. A prompt that does
+not extend the kept ids, a weight update since, or a kept state evicted under ``session_bytes``
+(least recently kept first) means an ordinary full prefill: re-prefill is the fallback, and both
+give the same tokens up to rounding. ``release_sessions`` frees an episode's state when it ends.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable
@@ -75,6 +85,18 @@ class _Request:
     prompt_index: int = 0
     completions: list = field(default_factory=list)
     pending: int = 0
+    session: str | None = None
+
+
+@dataclass(eq=False)
+class _Kept:
+    """A finished turn's decode state, kept for its session's next turn (one-row ``K3Cache``)."""
+
+    ids: list[int]  # the ids the state has consumed (prompt and output but the last sampled id)
+    cache: K3Cache
+    routing: torch.Tensor  # [len(ids), n_moe, k] int16: routing of those positions
+    version: int
+    nbytes: int
 
 
 @dataclass(eq=False)
@@ -98,12 +120,15 @@ class RolloutEngine:
     ``max_batch``: most sequences decoded together; ``max_queue``: most waiting sequences ``submit``
     accepts; ``record_logits``: keep every sampled-from logits row in ``Completion.meta`` (tests);
     ``decode``: "dynamic", "static" or "graph" (``k3core.rollout.decode_state``), a resolved mode
-    (``k3core.device.decode_mode`` resolves a run's "auto")."""
+    (``k3core.device.decode_mode`` resolves a run's "auto"); ``session_bytes``: most bytes of decode
+    state kept for sessions between turns (0: none kept, every turn re-prefills)."""
 
     def __init__(self, model: K3ForCausalLM, weight_version: int = 0, max_batch: int = 256, max_queue: int = 4096,
-                 record_logits: bool = False, decode: str = "dynamic"):
+                 record_logits: bool = False, decode: str = "dynamic", session_bytes: int = 4 << 30):
         if max_batch < 1 or max_queue < 1:
             raise ValueError(f"max_batch and max_queue must be >= 1, got {max_batch}, {max_queue}")
+        if session_bytes < 0:
+            raise ValueError(f"session_bytes must be >= 0, got {session_bytes}")
         if decode not in DECODE_MODES or decode == "auto":  # "auto" has one meaning: k3core.device.decode_mode's
             raise ValueError(f"decode must be one of {DECODE_MODES[1:]} (resolved), got {decode!r}")
         self.model = model.eval()
@@ -116,7 +141,11 @@ class RolloutEngine:
         self.pad_id = pad if isinstance(pad, int) and 0 <= pad < self.config.vocab_size else 0
         self.device = next(model.parameters()).device
         self.steps = 0
-        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "admitted": 0, "max_running": 0}
+        self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "admitted": 0, "max_running": 0,
+                      "session_hits": 0, "session_misses": 0, "session_evictions": 0, "reused_tokens": 0}
+        self.session_bytes = session_bytes
+        self._kept: OrderedDict[str, _Kept] = OrderedDict()  # session -> state, least recently kept first
+        self._kept_bytes = 0
         self._queue: deque[_Seq] = deque()
         self._running: list[_Seq] = []
         self._decode = new_decode_state(resolve_decode(self.model, decode), self.model, max_batch)  # row j: running[j]
@@ -185,6 +214,8 @@ class RolloutEngine:
                         self.model.refresh_inference_caches()
                     self._decode.weights_loaded()
                     self.weight_version = weight_version
+                    self._kept.clear()  # computed under the old weights: the next turns re-prefill
+                    self._kept_bytes = 0
             finally:
                 with self._cv:
                     self._paused -= 1
@@ -214,16 +245,24 @@ class RolloutEngine:
         return p
 
     def submit_many(self, requests: list[tuple[list[int], SamplingParams, StopChecker | None]],
-                    bounded: bool = True, prompt_indices: list[int] | None = None) -> list[Future]:
+                    bounded: bool = True, prompt_indices: list[int] | None = None,
+                    sessions: list[str | None] | None = None) -> list[Future]:
         """Queue requests (all or none); each future resolves to its ``n`` Completions in sample order.
-        ``bounded``: refuse (``EngineOverloaded``) when the queue would exceed ``max_queue``."""
+        ``bounded``: refuse (``EngineOverloaded``) when the queue would exceed ``max_queue``;
+        ``sessions``: per request, the session whose kept state it continues and keeps (or None)."""
+        if sessions is not None and len(sessions) != len(requests):
+            raise ValueError(f"{len(sessions)} sessions for {len(requests)} requests: give one per request (or None)")
         built = []
         for i, (prompt, params, checker) in enumerate(requests):
             params.validate()
             p = self._check_prompt(prompt)
+            session = sessions[i] if sessions else None
+            if session is not None and params.n != 1:
+                raise ValueError(f"session {session!r}: a session is one trajectory, so its requests take n=1 "
+                                 f"(got n={params.n}); give each sample its own session")
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             req = _Request(p, params, checker, Future(), prompt_indices[i] if prompt_indices else 0,
-                           [None] * params.n, params.n)
+                           [None] * params.n, params.n, session)
             seqs = [_Seq(req, j, sample_generator(seed, j)) for j in range(params.n)]
             built.append((req, seqs))
         n_new = sum(len(s) for _, s in built)
@@ -243,18 +282,18 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, pad_id: int | None = None,
-                 first_index: int = 0) -> list[Completion]:
+                 first_index: int = 0, sessions: list[str | None] | None = None) -> list[Completion]:
         """Blocking batch generation: ``n`` Completions per prompt, ordered (prompt, sample). Prompt
         ``i`` gets request seed ``derive_seed(params.seed, first_index + i)``, so the prompts of a
         larger call generated as consecutive shards (``first_index``: the shard's first position)
         get that call's samples. ``pad_id`` is accepted for compatibility: pads are neutral, so
-        their id never changes a result."""
+        their id never changes a result. ``sessions``: as for ``submit_many``."""
         params.validate()
         if not prompts:
             raise ValueError("every prompt needs at least one token (prompts: non-empty lists of token ids)")
         base = params.seed if params.seed is not None else secrets.randbits(63)
         reqs = [(p, replace(params, seed=derive_seed(base, first_index + i)), None) for i, p in enumerate(prompts)]
-        futures = self.submit_many(reqs, bounded=False, prompt_indices=list(range(len(prompts))))
+        futures = self.submit_many(reqs, bounded=False, prompt_indices=list(range(len(prompts))), sessions=sessions)
         while not all(f.done() for f in futures):
             if self.is_serving:
                 for f in futures:  # the driver resolves them; errors re-raise below
@@ -288,7 +327,30 @@ class RolloutEngine:
             if self._paused or not self._queue or len(self._running) >= self.max_batch:
                 return False
             take = [self._queue.popleft() for _ in range(min(self.max_batch - len(self._running), len(self._queue)))]
+        fresh, continued = [], {}  # continued: new-id count -> [(sequence, its kept state)]
+        for s in take:
+            kept = self._resume(s)
+            if kept is None:
+                fresh.append(s)
+            else:
+                continued.setdefault(len(s.req.prompt) - len(kept.ids), []).append((s, kept))
+        take = fresh + [s for group in continued.values() for s, _ in group]  # the order of the prefilled rows
         self._running.extend(take)  # before prefill, so a failure fails them too
+        parts = ([self._prefill(fresh)] if fresh else []) + [self._prefill_continued(g) for g in continued.values()]
+        cache = parts[0][0] if len(parts) == 1 else K3Cache.concat([c for c, _ in parts])
+        logits = parts[0][1] if len(parts) == 1 else torch.cat([lg for _, lg in parts])
+        for s in take:
+            s.version, s.admitted_step = self.weight_version, self.steps
+        n_old = len(self._running) - len(take)
+        self._decode.admit(cache, n_old, max(len(s.req.prompt) + s.req.params.max_new_tokens for s in self._running))
+        self._logits = logits if n_old == 0 else torch.cat([self._logits, logits])
+        self.stats["admitted"] += len(take)
+        self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
+        return True
+
+    def _prefill(self, take: list[_Seq]) -> tuple[K3Cache, torch.Tensor]:
+        """Prefill whole prompts (left-padded together; ``n`` samples of one prompt share its
+        prefill) -> (cache, next-token logits), one row per sequence."""
         rows: list[int] = []
         uniq: dict[tuple[int, ...], int] = {}
         for s in take:
@@ -304,19 +366,72 @@ class RolloutEngine:
         out = self.model(ids.to(self.device), mask.to(self.device), cache=cache, return_routing=True)
         logits = at_least_fp32(out.logits[:, -1])
         routing = out.routing.to(torch.int16).cpu()
-        if len(prompts) != len(take):  # n samples of one prompt share its prefill
+        if len(prompts) != len(take):
             idx = torch.tensor(rows, device=self.device)
             cache, logits = cache.index_select(idx), logits.index_select(0, idx)
         for s, r in zip(take, rows):
             s.prompt_routing = routing[r, P - len(s.req.prompt):].clone()
-            s.version, s.admitted_step = self.weight_version, self.steps
-        n_old = len(self._running) - len(take)
-        self._decode.admit(cache, n_old, max(len(s.req.prompt) + s.req.params.max_new_tokens for s in self._running))
-        self._logits = logits if n_old == 0 else torch.cat([self._logits, logits])
         self.stats["prefill_tokens"] += int(mask.sum())
-        self.stats["admitted"] += len(take)
-        self.stats["max_running"] = max(self.stats["max_running"], len(self._running))
-        return True
+        return cache, logits
+
+    def _prefill_continued(self, group: list[tuple[_Seq, _Kept]]) -> tuple[K3Cache, torch.Tensor]:
+        """Prefill only the ids each prompt adds to its session's kept state, on top of it. Every
+        member adds the same number of ids: no pad sits between kept and new ids (a pad there would
+        shift the KDA conv tails)."""
+        cache = group[0][1].cache if len(group) == 1 else K3Cache.concat([k.cache for _, k in group])
+        ids = torch.tensor([s.req.prompt[len(k.ids):] for s, k in group], dtype=torch.long)
+        out = self.model(ids.to(self.device), torch.ones(ids.shape, dtype=torch.bool, device=self.device),
+                         cache=cache, return_routing=True)
+        routing = out.routing.to(torch.int16).cpu()
+        for b, (s, k) in enumerate(group):
+            s.prompt_routing = torch.cat([k.routing, routing[b]])
+        self.stats["prefill_tokens"] += ids.numel()
+        return cache, at_least_fp32(out.logits[:, -1])
+
+    # ------------------------------------------------------------------ sessions
+    def _resume(self, s: _Seq) -> _Kept | None:
+        """The kept state ``s`` continues (taken: it is this sequence's now), or None: full prefill."""
+        if s.req.session is None:
+            return None
+        kept = self._kept.pop(s.req.session, None)
+        if kept is not None:
+            self._kept_bytes -= kept.nbytes
+        p, n = s.req.prompt, (len(kept.ids) if kept is not None else 0)
+        if kept is None or kept.version != self.weight_version or len(p) <= n or p[:n] != kept.ids:
+            self.stats["session_misses"] += 1
+            return None
+        self.stats["session_hits"] += 1
+        self.stats["reused_tokens"] += n
+        return kept
+
+    def _keep(self, s: _Seq, row: int, routing: torch.Tensor) -> None:
+        """Keep running row ``row``'s state for ``s``'s session (it stopped); evict the least recently
+        kept states beyond ``session_bytes``."""
+        cache = self._decode.row(row)
+        kept = _Kept(s.req.prompt + s.out_ids[:-1], cache, routing, s.version, cache.nbytes())
+        self._kept[s.req.session] = kept
+        self._kept_bytes += kept.nbytes
+        while self._kept and self._kept_bytes > self.session_bytes:
+            _, old = self._kept.popitem(last=False)
+            self._kept_bytes -= old.nbytes
+            self.stats["session_evictions"] += 1
+
+    def release_sessions(self, sessions) -> int:
+        """Free the kept state of ``sessions`` (their episodes ended); unknown ids are ignored.
+        Returns the bytes freed."""
+        freed = 0
+        with self._model_lock:
+            for sid in sessions:
+                kept = self._kept.pop(sid, None)
+                if kept is not None:
+                    freed += kept.nbytes
+            self._kept_bytes -= freed
+        return freed
+
+    def kept_sessions(self) -> dict:
+        """How many sessions hold kept state, and its bytes."""
+        with self._model_lock:
+            return {"sessions": len(self._kept), "bytes": self._kept_bytes}
 
     def _finish(self, s: _Seq, tok: int) -> tuple[str, object] | None:
         p = s.req.params
@@ -347,7 +462,7 @@ class RolloutEngine:
             if fin is None:
                 keep.append(j)
             else:
-                self._complete(s, *fin)
+                self._complete(s, *fin, row=j)
         self.steps += 1
         self.stats["decode_tokens"] += len(toks)
         if not keep:
@@ -362,7 +477,7 @@ class RolloutEngine:
         for j, s in enumerate(self._running):
             s.routes.append(r[j])
 
-    def _complete(self, s: _Seq, reason: str, matched) -> None:
+    def _complete(self, s: _Seq, reason: str, matched, row: int) -> None:
         req = s.req
         n_moe = s.prompt_routing.shape[1]
         k = s.prompt_routing.shape[2]
@@ -370,9 +485,11 @@ class RolloutEngine:
         meta = {"matched": matched, "admitted_step": s.admitted_step, "finished_step": self.steps}
         if self.record_logits:
             meta["logits"] = torch.stack(s.logits)
+        routing = torch.cat([s.prompt_routing, gen_routes])
+        if req.session is not None and reason == "stop" and self.session_bytes:
+            self._keep(s, row, routing)
         req.completions[s.sample_index] = Completion(
-            req.prompt_index, s.sample_index, list(req.prompt), s.out_ids, s.logprobs,
-            torch.cat([s.prompt_routing, gen_routes]), reason, s.version, meta)
+            req.prompt_index, s.sample_index, list(req.prompt), s.out_ids, s.logprobs, routing, reason, s.version, meta)
         req.pending -= 1
         if req.pending == 0 and not req.future.done():
             req.future.set_result(req.completions)
@@ -444,15 +561,17 @@ class RolloutEngine:
 
     def release_decode_state(self) -> int:
         """Drop the decode state (the static state and its captured graphs, the dynamic cache, the
-        last logits) so its memory returns to the allocator while the engine idles, e.g. during the
+        last logits, the sessions' kept states) so its memory returns to the allocator while the engine idles, e.g. during the
         train step that shares its device; the next admission allocates it again. Only between
         batches: refused (``RuntimeError``) while sequences run. Returns the bytes released."""
         with self._model_lock:
             if self._running:
                 raise RuntimeError(f"release_decode_state with {len(self._running)} sequences running")
-            held = self.decode_state_bytes()
+            held = self.decode_state_bytes() + self._kept_bytes
             self._decode.free()
             self._logits = None
+            self._kept.clear()
+            self._kept_bytes = 0
             return held
 
     def decode_state_bytes(self) -> int:
