@@ -90,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest sampling_params.max_new_tokens a request may ask; larger answers 400")
     p.add_argument("--max-concurrent-requests", dest="max_concurrent_requests", type=int, default=512,
                    help="/generate requests in flight; one more answers 503 with Retry-After")
+    p.add_argument("--max-chat-sessions", dest="max_chat_sessions", type=int, default=4096,
+                   help="chat sessions (episode trajectories of /v1/chat/completions) held; past it the least "
+                        "recently used is dropped")
 
 
 def add_rollout_server_subcommand(sub) -> argparse.ArgumentParser:
@@ -136,7 +139,8 @@ def cmd_rollout_server(args: argparse.Namespace) -> int:
     try:
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_update_body_bytes=args.max_update_body_bytes,
                               max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_cap,
-                              max_concurrent_requests=args.max_concurrent_requests, weight_roots=roots,
+                              max_concurrent_requests=args.max_concurrent_requests,
+                              max_chat_sessions=args.max_chat_sessions, weight_roots=roots,
                               allow_version_rollback=args.allow_version_rollback)
     except ValueError as e:
         print(f"k3rl {COMMAND}: error: {e}", file=sys.stderr)

@@ -94,7 +94,7 @@ class ToolsCalcEnv:
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}]
 
     def prompts(self, rng: random.Random, n: int) -> list[str]:
-        return [f"Compute {rng.randint(100, 9999)}*{rng.randint(100, 9999)}." for _ in range(n)]
+        return [f"Compute {rng.randint(100, 999)}*{rng.randint(100, 999)}." for _ in range(n)]
 
     @staticmethod
     def _operands(prompt: str) -> tuple[int, int]:

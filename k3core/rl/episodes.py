@@ -23,12 +23,16 @@ sampled (loss mask 1, their sampling log-probabilities) and the rendering of wha
 answered (mask 0, log-probability 0), appended, never re-rendered: the text of the conversation
 is re-rendered only to find the new suffix (the template must render turns append-only, which the
 K3 template does; another is refused). Each turn is sampled with the whole trajectory so far as its
-prompt (re-prefill), all live episodes of a round in one batch.
+prompt, all live episodes of a round in one batch. Where the client keeps decode state between turns
+(``RolloutEngine`` sessions, locally or on k3rl's rollout server), each episode is a session: a
+turn prefills only the ids appended since the last one, and the episode's state is freed when it
+ends; otherwise every turn re-prefills the whole trajectory (same tokens, more compute).
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass, field, replace
 
@@ -127,13 +131,12 @@ def _in_process_tools(env):
 def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, max_turns: int = 8,
                  max_tokens: int = 512, tool_runner=None, first_index: int = 0) -> list[Trajectory]:
     """``params.n`` episodes per prompt (ordered prompt, then sample) on ``client`` (a
-    ``RolloutClient`` or ``RolloutEngine``: ``generate(ids, params)``), each turn at most
+    ``RolloutClient`` or ``RolloutEngine``: ``generate(ids, params)``, and ``release_sessions`` where
+    it keeps decode state between turns), each turn at most
     ``params.max_new_tokens`` tokens. Each round samples the next turn of every live episode in one
     batch (one per remaining-token budget), seeded from ``params.seed``, ``first_index``, the turn and
     the budget: the same prompts and seed give the same trajectories. ``tool_runner(prompt, name,
     arguments) -> str``: where tools run (default: ``env.call_tool`` in this process)."""
-    from k3core.tokenizer.tool_calls import parse_assistant_text
-
     if not fmt.chat:
         raise ValueError("multi-turn episodes need a tokenizer with a chat template (a checkpoint with its own "
                          "tokenizer, e.g. --source init:small:0:bpe) and --prompt-format auto or chat")
@@ -146,6 +149,26 @@ def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, 
         ids = fmt.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
         eps += [Trajectory(p, ids, list(messages), sample_index=j) for j in range(params.n)]
     base = params.seed if params.seed is not None else 0
+    keeps_state = callable(getattr(client, "release_sessions", None))
+    sessions = [f"ep-{secrets.token_hex(8)}-{e}" for e in range(len(eps))] if keeps_state else None
+    try:
+        _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, first_index, run_tool, sessions)
+    finally:
+        if sessions is not None:
+            client.release_sessions(sessions)
+    for ep in eps:  # trailing environment tokens train nothing and the last call's routing does not cover them
+        while ep.loss_mask and ep.loss_mask[-1] == 0:
+            ep.output_ids.pop()
+            ep.loss_mask.pop()
+            ep.logprobs.pop()
+    return eps
+
+
+def _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, first_index, run_tool, sessions):
+    """The rounds of ``run_episodes``: every live episode's next turn, then its tools."""
+    from k3core.tokenizer.tool_calls import parse_assistant_text
+
+    tools = env.tools
     live = list(range(len(eps)))
     for turn in range(max_turns):
         if not live:
@@ -160,7 +183,9 @@ def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, 
         sampled = {}
         for cap, members in sorted(groups.items()):  # one batch per turn budget
             seed = derive_seed(derive_seed(base, first_index), turn * 4096 + cap)
-            comps = client.generate([eps[e].ids for e in members], replace(params, n=1, seed=seed, max_new_tokens=cap))
+            extra = {"sessions": [sessions[e] for e in members]} if sessions is not None else {}
+            comps = client.generate([eps[e].ids for e in members], replace(params, n=1, seed=seed, max_new_tokens=cap),
+                                    **extra)
             sampled.update(zip(members, comps))
         still = []
         for e in live:
@@ -197,15 +222,11 @@ def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, 
             for rec in ep.turns[-len(answers):]:
                 rec["span"] = span
             still.append(e)
+        if sessions is not None and len(still) < len(live):  # ended episodes free their kept state now
+            client.release_sessions([sessions[e] for e in sorted(set(live) - set(still))])
         live = still
     for e in live:
         eps[e].finish_reason = eps[e].finish_reason or "max_turns"
-    for ep in eps:  # trailing environment tokens train nothing and the last call's routing does not cover them
-        while ep.loss_mask and ep.loss_mask[-1] == 0:
-            ep.output_ids.pop()
-            ep.loss_mask.pop()
-            ep.logprobs.pop()
-    return eps
 
 
 def reference_trajectory(fmt: PromptFormat, env, prompt: str) -> Trajectory:

@@ -66,8 +66,11 @@ class _Versioned:
     def __init__(self, client, expected):
         self.client, self.expected = client, expected
 
-    def generate(self, prompts, params, **_):
-        return self.client.generate(prompts, params, expected_version=self.expected)
+    def generate(self, prompts, params, sessions=None, **_):
+        return self.client.generate(prompts, params, expected_version=self.expected, sessions=sessions)
+
+    def release_sessions(self, sessions):
+        return self.client.release_sessions(sessions)
 
 
 def _summary(sampled: list[float], greedy: list[float]) -> dict:

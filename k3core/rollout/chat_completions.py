@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, m
 
 from k3core.rollout.request_fields import BadRequest, _float, _int, _neutral, _StopString, _switch, register_nested
 
-__all__ = ["ChatMessage", "ChatRequest", "ToolDeclaration", "chat_prompt", "chat_response", "chat_sampling"]
+__all__ = ["ChatMessage", "ChatRequest", "ToolDeclaration", "chat_prompt", "chat_response", "chat_sampling",
+           "ended_by_id"]
 
 
 class _Function(BaseModel):
@@ -116,6 +117,9 @@ class ChatRequest(BaseModel):
     frequency_penalty: _neutral(0.0) = None
     presence_penalty: _neutral(0.0) = None
     user: Annotated[StrictStr | None, Field(description="a string")] = None
+    session_id: Annotated[StrictStr | None, Field(
+        min_length=1, max_length=256, description="a string of 1-256 characters naming the episode these calls "
+                                                  "belong to (k3core/rollout/chat_sessions.py)")] = None
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -180,12 +184,17 @@ def chat_sampling(req: ChatRequest, tokenizer, cap: int, vocab_size: int):
     return params, [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
+def ended_by_id(c) -> bool:
+    """Whether completion ``c`` ended at a stop id (its last id), not a stop string or a length cap."""
+    matched = c.meta.get("matched")
+    return c.finish_reason == "stop" and isinstance(matched, int) and bool(c.output_ids) and c.output_ids[-1] == matched
+
+
 def _choice(index: int, c, tokenizer, req: ChatRequest) -> dict:
     from k3core.tokenizer.tool_calls import parse_assistant_text
 
     ids, matched = list(c.output_ids), c.meta.get("matched")
-    ended_by_id = c.finish_reason == "stop" and isinstance(matched, int) and bool(ids) and ids[-1] == matched
-    text = tokenizer.decode(ids[:-1] if ended_by_id else ids)  # the end-of-turn token is not content
+    text = tokenizer.decode(ids[:-1] if ended_by_id(c) else ids)  # the end-of-turn token is not content
     if c.finish_reason == "stop" and isinstance(matched, str) and matched in text:
         text = text[:text.find(matched)]
     parsed = parse_assistant_text(text) if req.tools and req.tool_choice != "none" else None

@@ -250,16 +250,18 @@ class RolloutClient:
         return self._ok("POST", "/update_weights_from_tensor", payload, refused=WeightUpdateRefused)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, pad_id: int | None = None,
-                 expected_version=None) -> list[Completion]:
+                 expected_version=None, sessions: list[str | None] | None = None) -> list[Completion]:
         """``n`` Completions per prompt, ordered (prompt, sample), as ``RolloutEngine.generate``.
-        ``expected_version``: refuse (``WeightVersionMismatch``) any other version."""
+        ``expected_version``: refuse (``WeightVersionMismatch``) any other version. ``sessions``: per
+        prompt, the episode whose kept decode state the turn continues (``RolloutEngine`` sessions;
+        sent to k3rl's server as ``session_id``, not to SGLang, whose own prefix cache applies)."""
         params.validate()
         if self.is_local:
             if expected_version is not None:
                 self.check_version(expected_version)
-            comps = self.engine.generate(prompts, params, pad_id)
+            comps = self.engine.generate(prompts, params, pad_id, sessions=sessions)
         else:
-            comps = self._generate_remote(prompts, params, expected_version)
+            comps = self._generate_remote(prompts, params, expected_version, self._k3rl_sessions(sessions))
         if expected_version is not None:
             bad = [c.weight_version for c in comps if not _same_version(c.weight_version, expected_version)]
             if bad:
@@ -282,7 +284,23 @@ class RolloutClient:
                 self._moe_shape = (info["num_moe_layers"], info["num_experts_per_token"])
         return self._moe_shape
 
-    def _generate_remote(self, prompts, params: SamplingParams, expected_version) -> list[Completion]:
+    def _k3rl_sessions(self, sessions):
+        from k3core.rollout.sglang_serving import is_sglang
+
+        return None if sessions is None or is_sglang(self.server_info()) else sessions
+
+    def release_sessions(self, sessions: list[str]) -> int:
+        """Free the decode state kept for ``sessions`` (their episodes ended); bytes freed."""
+        sessions = [s for s in sessions if s is not None]
+        if not sessions:
+            return 0
+        if self.is_local:
+            return self.engine.release_sessions(sessions)
+        if self._k3rl_sessions(sessions) is None:
+            return 0
+        return int(self._ok("POST", "/release_sessions", {"session_ids": sessions}).get("freed_bytes", 0))
+
+    def _generate_remote(self, prompts, params: SamplingParams, expected_version, sessions=None) -> list[Completion]:
         if expected_version is not None:
             self.check_version(expected_version)
         if self.routing:
@@ -296,6 +314,8 @@ class RolloutClient:
                       "top_k": params.top_k if params.top_k > 0 else -1, "stop_token_ids": list(params.stop_token_ids),
                       "n": 1, "sampling_seed": (seed + j) & _MASK63, "ignore_eos": True}
                 body = {"input_ids": list(p), "sampling_params": sp, "return_logprob": True}
+                if sessions is not None and sessions[i] is not None and params.n == 1:
+                    body["session_id"] = sessions[i]
                 if self.routing:
                     body["return_routed_experts"] = True
                 jobs.append((i, j, list(p), body))

@@ -12,7 +12,12 @@
                                    answers one object, anything else a list ordered (prompt, sample)
   POST /v1/chat/completions        OpenAI's chat completions: ``messages`` and ``tools`` rendered in the
                                    checkpoint's chat template, ``tool_calls`` parsed from the answer,
-                                   ``logprobs``, ``return_token_ids`` (``chat_completions.py``)
+                                   ``logprobs``, ``return_token_ids`` (``chat_completions.py``); with
+                                   ``session_id`` the calls of one episode record one trajectory
+  GET|DELETE /v1/sessions/{id}     a chat session's trajectory (ids, loss mask, logprobs, weight
+                                   versions, calls), or free it (``chat_sessions.py``)
+  POST /release_sessions           {session_ids}: free the decode state kept for these ``/generate``
+                                   sessions (``RolloutEngine`` sessions) -> {freed_bytes}
   POST /update_weights_from_disk   {model_path (our public HF layout), weight_version} -> {success, message,
                                    num_paused_requests}; 400 and the old version keeps serving on failure.
                                    A directory from ``k3core.transfer.write_disk`` is digest-checked and
@@ -97,6 +102,8 @@ class ServerLimits:
     ``max_new_tokens``: the cap on ``sampling_params.max_new_tokens`` (``--max-new-tokens-cap``).
     ``max_concurrent_requests``: ``/generate`` requests in flight; one more answers 503 with
     ``Retry-After`` (``--max-concurrent-requests``).
+    ``max_chat_sessions``: chat sessions (trajectories) held; past it the least recently used is
+    dropped (``--max-chat-sessions``).
     ``weight_roots``: directories ``/update_weights_from_disk`` may read under (symlinks resolved);
     a path elsewhere is refused with 403 (``--weight-root``). None: anywhere (library use; the
     command line always sets them).
@@ -108,12 +115,14 @@ class ServerLimits:
     max_prompt_tokens: int = 16384
     max_new_tokens: int = 4096
     max_concurrent_requests: int = 512
+    max_chat_sessions: int = 4096
     weight_roots: tuple[str, ...] | None = None
     allow_version_rollback: bool = False
 
     def __post_init__(self):
         bad = [f"{k} must be >= 1, got {getattr(self, k)}" for k in
-               ("max_body_bytes", "max_update_body_bytes", "max_prompt_tokens", "max_new_tokens", "max_concurrent_requests")
+               ("max_body_bytes", "max_update_body_bytes", "max_prompt_tokens", "max_new_tokens", "max_concurrent_requests",
+                "max_chat_sessions")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
         if bad:
             raise ValueError("invalid server limits: " + "; ".join(bad))
@@ -218,6 +227,9 @@ class GenerateRequest(BaseModel):
     stream: _switch() = None
     return_text_in_logprobs: _switch() = None
     rid: Annotated[StrictStr | None, Field(description="a string")] = None
+    session_id: Annotated[StrictStr | None, Field(
+        max_length=256, description="a string: the episode whose decode state this turn continues and keeps "
+                                    "(one prompt, n = 1)")] = None
     logprob_start_len: Any = None
     top_logprobs_num: Any = None
 
@@ -231,6 +243,9 @@ class GenerateRequest(BaseModel):
             raise ValueError("top_logprobs_num is not supported (output_token_logprobs only)")
         if isinstance(self.sampling_params, list) and len(self.sampling_params) != self.num_prompts:
             raise ValueError(f"{len(self.sampling_params)} sampling_params for {self.num_prompts} prompts")
+        if self.session_id is not None and (self.batch or (self.sampling_params is not None and not isinstance(
+                self.sampling_params, list) and (self.sampling_params.n or 1) != 1)):
+            raise ValueError("a session_id names one trajectory: send one prompt with n = 1")
         return self
 
     @property
@@ -527,7 +542,11 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             log.exception("generation failed")
             return None, error(500, f"generation failed: {type(e).__name__}: {e}")
 
-    def submit(reqs: list, cancel: threading.Event):
+    from k3core.rollout.chat_sessions import ChatSessions
+
+    chat_sessions = ChatSessions(limits.max_chat_sessions)
+
+    def submit(reqs: list, cancel: threading.Event, sessions: list | None = None):
         """Queue (prompt ids, params, stop strings) requests on the engine, each cancellable."""
         for i, (p, _, stops) in enumerate(reqs):
             if len(p) > limits.max_prompt_tokens:
@@ -541,7 +560,7 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             raise EngineOverloaded(f"rollout engine overloaded: this request's {total} sequences exceed the "
                                    f"queue limit {engine.max_queue} (--max-queue); send fewer")
         return engine.submit_many([(p, params, _cancellable(stop_string_checker(tokenizer, stops) if stops else None,
-                                                            cancel)) for p, params, stops in reqs])
+                                                            cancel)) for p, params, stops in reqs], sessions=sessions)
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -552,21 +571,69 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
         return await counted(_chat, request)
 
     async def _chat(request: Request):
-        from k3core.rollout.chat_completions import ChatRequest, chat_prompt, chat_response, chat_sampling
+        from k3core.rollout.chat_completions import ChatRequest, chat_prompt, chat_response, chat_sampling, ended_by_id
 
         cancel = threading.Event()
+        session = None
         try:
             req = _parse(ChatRequest, await body_of(request), context)
-            prompt = chat_prompt(req, tokenizer)
             params, stops = chat_sampling(req, tokenizer, limits.max_new_tokens, vocab)
-            futures = submit([(prompt, params, stops)], cancel)
+            if req.session_id is None:
+                prompt, n_new = chat_prompt(req, tokenizer), 0
+            else:
+                if params.n != 1:
+                    raise BadRequest("a session_id names one trajectory: send n = 1")
+                messages, tools = req.template_inputs()
+                session, prompt, n_new = chat_sessions.begin(req.session_id, messages, tools, tokenizer,
+                                                             lambda: chat_prompt(req, tokenizer))
+            keys = None if session is None else [chat_sessions.engine_key(session.id)]
+            futures = submit([(prompt, params, stops)], cancel, keys)
         except (ValueError, EngineOverloaded, EngineStopped) as e:
+            if session is not None:
+                chat_sessions.release(session)
             return refusal(e)
         results, refused = await completions_of(request, futures, cancel, "/v1/chat/completions")
         if refused is not None:
+            if session is not None:
+                chat_sessions.release(session)
             return refused
-        return JSONResponse(chat_response(results[0], tokenizer, req, prompt, uuid.uuid4().hex,
-                                          Path(state["model_path"]).name if state["model_path"] else None))
+        out = chat_response(results[0], tokenizer, req, prompt, uuid.uuid4().hex,
+                            Path(state["model_path"]).name if state["model_path"] else None)
+        if session is not None:
+            c = results[0][0]
+            messages, tools = req.template_inputs()
+            chat_sessions.finish(session, prompt, n_new, c, messages, out["choices"][0]["message"], tokenizer, tools,
+                                 ended_by_id(c))
+            out["session_id"] = session.id
+            engine.release_sessions([chat_sessions.engine_key(x) for x in chat_sessions.take_dropped()])
+        return JSONResponse(out)
+
+    @app.get("/v1/sessions/{sid}")
+    async def get_session(sid: str):
+        s = chat_sessions.get(sid)
+        if s is None:
+            return error(404, f"no chat session {sid!r} (never started, deleted, or dropped as the least recently "
+                              f"used past --max-chat-sessions)")
+        return JSONResponse(s.as_dict())
+
+    @app.delete("/v1/sessions/{sid}")
+    async def delete_session(sid: str):
+        s = chat_sessions.pop(sid)
+        freed = engine.release_sessions([chat_sessions.engine_key(sid)])
+        if s is None:
+            return error(404, f"no chat session {sid!r}")
+        return JSONResponse({"session_id": sid, "deleted": True, "freed_bytes": freed})
+
+    @app.post("/release_sessions")
+    async def release_sessions(request: Request):
+        try:
+            body = await body_of(request)
+            ids = body.get("session_ids")
+            if not isinstance(ids, list) or not all(isinstance(x, str) for x in ids) or len(ids) > 65536:
+                raise BadRequest("'session_ids' must be a list of at most 65536 strings")
+        except BadRequest as e:
+            return error(e.status, str(e))
+        return JSONResponse({"freed_bytes": engine.release_sessions(ids)})
 
     async def _generate(request: Request):
         t0 = time.perf_counter()
@@ -577,7 +644,8 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params] * len(prompts)
             eos = tuple(tokenizer.stop_ids) if tokenizer is not None else (engine.config.eos_token_id,)
             parsed = [_sampling(sp, eos, limits.max_new_tokens, vocab) for sp in sps]
-            futures = submit([(p, params, stops) for p, (params, stops, _) in zip(prompts, parsed)], cancel)
+            futures = submit([(p, params, stops) for p, (params, stops, _) in zip(prompts, parsed)], cancel,
+                             None if req.session_id is None else [req.session_id])
         except (ValueError, EngineOverloaded, EngineStopped) as e:
             return refusal(e)
         results, refused = await completions_of(request, futures, cancel, "/generate")
@@ -654,7 +722,9 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
                 "eos_token_id": cfg.eos_token_id, "num_moe_layers": len(engine.model.moe_layer_ids),
                 "num_experts_per_token": cfg.num_experts_per_token, "expert_format": expert_format(engine.model),
                 "dtype": str(engine.model.lm_head.weight.dtype).removeprefix("torch."),
-                "tokenizer": type(tokenizer).__name__ if tokenizer is not None else None, "load": engine.load()}
+                "tokenizer": type(tokenizer).__name__ if tokenizer is not None else None, "load": engine.load(),
+                "sessions": {**engine.kept_sessions(), **{k: engine.stats[k] for k in (
+                    "session_hits", "session_misses", "session_evictions", "reused_tokens")}}}
 
     return app
 
