@@ -143,6 +143,9 @@ class RolloutSettings(_Section):
                           min=1)
     max_episode_tokens: int = _int(512, "max-episode-tokens", "tokens after the prompt per agentic episode: the "
                                    "assistant turns and the tool results between them", min=1)
+    tool_timeout: float = _float(10.0, "tool-timeout", "wall seconds of one tool call of an agentic environment "
+                                 "(user environments' tools run in the reward sandbox; one past it becomes an "
+                                 "error result the model sees)", min=0.001)
     temperature: float = _float(1.0, "temperature", "sampling temperature (the trainer uses the same one)", min=0.0)
     top_p: float = _float(1.0, "top-p", "nucleus sampling mass, in (0, 1]")
     quantized: bool = _bool(True, "quantized-rollouts", "W4A8 engine (MXFP4 routed experts, FP8 activations)")
@@ -161,6 +164,12 @@ class RolloutSettings(_Section):
         if isinstance(self.url, str) and self.url not in ("", "local") and not self.url.startswith(("http://", "https://")):
             out.append(f"--rollout-url {self.url!r}: use 'local' or an http(s):// URL")
         return out
+
+    def episode_limits(self):
+        """The limits of an agentic environment's episodes (``k3core.rl.episodes.EpisodeLimits``)."""
+        from k3core.rl.episodes import EpisodeLimits
+
+        return EpisodeLimits(self.max_turns, self.max_episode_tokens, self.tool_timeout)
 
 
 # How the per-token GRPO losses of a minibatch add up (k3core.rl.grpo.loss_weights).

@@ -32,7 +32,7 @@ def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: R
     prompts = heldout_prompts(env, run.seed, n_prompts, run.env)
     out = run_eval(client, fmt, env, run.env, prompts, rollout.max_new_tokens, rollout.temperature, seed=run.seed,
                    expected_version=weights.version, limits=SandboxLimits.of(reward),
-                   episode_limits=(rollout.max_turns, rollout.max_episode_tokens))
+                   episode_limits=rollout.episode_limits())
     out["version"] = weights.version
     release_decode_state(run.run_id)
     return out

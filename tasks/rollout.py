@@ -163,7 +163,7 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
         # the client has generate()'s signature
         table = rollout_table(client, fmt, prompts, params, iteration,
                               first_prompt_index=refill * settings.prompts_per_iteration,
-                              episode_limits=(settings.max_turns, settings.max_episode_tokens))
+                              episode_limits=settings.episode_limits(), env_spec=run.env)
         versions = set(table.column("weight_version").to_pylist())
         if versions != {weights.version}:
             raise WeightVersionMismatch(f"rollout {iteration} came back with weight versions {sorted(versions)}, "

@@ -14,8 +14,13 @@ episode (its content is the answer). So do the limits: ``max_turns`` assistant t
 trajectory's text after the prompt (``final_answer`` gives the last assistant turn's content), once,
 at the end.
 
+Where tools run (``tools_of``): a user environment's in the reward sandbox, each call a confined
+process with its own wall timeout (``EpisodeLimits.tool_timeout``), the calls of a round in parallel
+on the sandbox's workers; the built-in environments' in this process.
+
 Failures are part of the trajectory, never an exception of the rollout: a tool that raises, returns
-non-text or an unknown tool name becomes a ``tool`` message starting with ``error:``; a malformed
+non-text, hangs past its timeout, or is stopped by another sandbox limit, and an unknown tool name,
+become a ``tool`` message starting with ``error:``; a malformed
 tool-call section becomes a ``user`` message saying what was wrong (``k3core.tokenizer.tool_calls``).
 
 Token-in/token-out: a trajectory's ids are the prompt's rendering, then per turn the ids the engine
@@ -34,14 +39,31 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from k3core.rl.prompting import PromptFormat, env_messages
 from k3core.rollout.sampling import derive_seed
 
-__all__ = ["Trajectory", "final_answer", "is_agentic", "run_episodes"]
+__all__ = ["EpisodeLimits", "ToolError", "Trajectory", "final_answer", "is_agentic", "run_episodes", "tools_of"]
 
 MAX_TOOL_RESULT_CHARS = 4096  # a tool that floods its output is cut here (with a note), never the stage
+
+
+class ToolError(RuntimeError):
+    """A tool call that did not return text (raised, returned non-text, stopped by a sandbox limit);
+    its message completes "the tool NAME ..."."""
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """``max_turns`` assistant turns and ``max_tokens`` tokens after the prompt per episode;
+    ``tool_timeout`` wall seconds per sandboxed tool call, ``tool_workers`` of them at a time."""
+
+    max_turns: int = 8
+    max_tokens: int = 512
+    tool_timeout: float = 10.0
+    tool_workers: int = 2
 
 
 def is_agentic(env) -> bool:
@@ -113,6 +135,9 @@ def _run_tool(env, prompt: str, call, tool_runner) -> tuple[str, str]:
         return err, err
     try:
         out = tool_runner(prompt, call.name, call.arguments)
+    except ToolError as e:  # the sandbox's account of how the call ended
+        err = f"error: the tool {call.name} {e}"
+        return err, err
     except Exception as e:  # noqa: BLE001 - a broken tool is the model's observation, not a failed stage
         err = f"error: the tool {call.name} raised {type(e).__name__}: {e}"
         return err, err
@@ -124,19 +149,51 @@ def _run_tool(env, prompt: str, call, tool_runner) -> tuple[str, str]:
     return out, ("" if not out.startswith("error:") else out)
 
 
+def _run_tools(env, calls: list, tool_runner, workers: int) -> list[tuple[str, str, float]]:
+    """(result, error, seconds) of each (prompt, parsed call), ``workers`` at a time."""
+    def one(pc):
+        t0 = time.perf_counter()
+        return (*_run_tool(env, pc[0], pc[1], tool_runner), time.perf_counter() - t0)
+
+    if workers <= 1 or len(calls) <= 1:
+        return [one(pc) for pc in calls]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(workers, len(calls))) as pool:
+        return list(pool.map(one, calls))
+
+
 def _in_process_tools(env):
     return lambda prompt, name, arguments: env.call_tool(prompt, name, arguments)
 
 
+@contextmanager
+def tools_of(env, spec: str | None, limits: EpisodeLimits):
+    """(tool runner, calls at a time) for ``env``'s episodes: the built-in environments' tools (our
+    code) in this process, one at a time, as for an environment object no spec loads (``spec`` None);
+    every other environment's in the reward sandbox (``k3core.rl.sandbox``: workers loading ``spec``,
+    each call confined, ``limits.tool_timeout`` wall seconds)."""
+    from k3core.rl.rewards import IN_PROCESS
+    from k3core.rl.sandbox import RewardSandbox, SandboxLimits
+
+    if spec is None or spec in IN_PROCESS:
+        yield _in_process_tools(env), 1
+        return
+    with RewardSandbox(spec, SandboxLimits(timeout_s=limits.tool_timeout, workers=limits.tool_workers)) as sandbox:
+        yield sandbox.call_tool, limits.tool_workers
+
+
 def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, max_turns: int = 8,
-                 max_tokens: int = 512, tool_runner=None, first_index: int = 0) -> list[Trajectory]:
+                 max_tokens: int = 512, tool_runner=None, tool_workers: int = 1,
+                 first_index: int = 0) -> list[Trajectory]:
     """``params.n`` episodes per prompt (ordered prompt, then sample) on ``client`` (a
     ``RolloutClient`` or ``RolloutEngine``: ``generate(ids, params)``, and ``release_sessions`` where
     it keeps decode state between turns), each turn at most
     ``params.max_new_tokens`` tokens. Each round samples the next turn of every live episode in one
     batch (one per remaining-token budget), seeded from ``params.seed``, ``first_index``, the turn and
     the budget: the same prompts and seed give the same trajectories. ``tool_runner(prompt, name,
-    arguments) -> str``: where tools run (default: ``env.call_tool`` in this process)."""
+    arguments) -> str``: where tools run (default: ``env.call_tool`` in this process), ``tool_workers``
+    calls of a round at a time (``tools_of`` gives both)."""
     if not fmt.chat:
         raise ValueError("multi-turn episodes need a tokenizer with a chat template (a checkpoint with its own "
                          "tokenizer, e.g. --source init:small:0:bpe) and --prompt-format auto or chat")
@@ -152,7 +209,8 @@ def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, 
     keeps_state = callable(getattr(client, "release_sessions", None))
     sessions = [f"ep-{secrets.token_hex(8)}-{e}" for e in range(len(eps))] if keeps_state else None
     try:
-        _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, first_index, run_tool, sessions)
+        _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, first_index, run_tool, tool_workers,
+                    sessions)
     finally:
         if sessions is not None:
             client.release_sessions(sessions)
@@ -164,7 +222,8 @@ def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, 
     return eps
 
 
-def _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, first_index, run_tool, sessions):
+def _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, first_index, run_tool, tool_workers,
+                sessions):
     """The rounds of ``run_episodes``: every live episode's next turn, then its tools."""
     from k3core.tokenizer.tool_calls import parse_assistant_text
 
@@ -187,7 +246,7 @@ def _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, firs
             comps = client.generate([eps[e].ids for e in members], replace(params, n=1, seed=seed, max_new_tokens=cap),
                                     **extra)
             sampled.update(zip(members, comps))
-        still = []
+        pending = {}  # episode -> (its assistant message, its parsed turn): tools to run
         for e in live:
             ep, c = eps[e], sampled[e]
             start = len(ep.output_ids)
@@ -207,13 +266,16 @@ def _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, firs
                 ep.messages.append(assistant)
                 ep.finish_reason = "answer"
                 continue
-            answers = []
+            pending[e] = (assistant, parsed)
+        calls = [(eps[e].prompt, call) for e, (_, parsed) in pending.items() for call in parsed.tool_calls]
+        results = iter(_run_tools(env, calls, run_tool, tool_workers))  # in the order of ``calls``
+        for e, (assistant, parsed) in pending.items():
+            ep, answers = eps[e], []
             for call in parsed.tool_calls:
-                t0 = time.perf_counter()
-                result, error = _run_tool(env, ep.prompt, call, run_tool)
+                result, error, seconds = next(results)
                 answers.append({"role": "tool", "tool_call_id": call.id, "content": result})
                 ep.turns.append({"role": "tool", "name": call.name, "arguments": json.dumps(call.arguments),
-                                 "result": result, "error": error, "seconds": time.perf_counter() - t0})
+                                 "result": result, "error": error, "seconds": seconds})
             if parsed.errors:
                 answers.append({"role": "user", "content": "Your tool call could not be read: "
                                 + "; ".join(parsed.errors)})
@@ -221,7 +283,7 @@ def _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, firs
             span = _append_answers(fmt, ep, assistant, answers, tools)
             for rec in ep.turns[-len(answers):]:
                 rec["span"] = span
-            still.append(e)
+        still = list(pending)
         if sessions is not None and len(still) < len(live):  # ended episodes free their kept state now
             client.release_sessions([sessions[e] for e in sorted(set(live) - set(still))])
         live = still

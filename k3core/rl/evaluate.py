@@ -7,14 +7,14 @@ import torch
 from k3core.rl.rewards import score_completions
 from k3core.rl.sandbox import SandboxLimits
 from k3core.rollout.engine import RolloutEngine, SamplingParams
-from k3core.rl.episodes import is_agentic
+from k3core.rl.episodes import EpisodeLimits, is_agentic
 from k3core.rl.prompting import PromptFormat
 
 
 @torch.no_grad()
 def evaluate(client, fmt: PromptFormat, env, env_spec: str, prompts: list[str], max_new_tokens: int,
              temperature: float = 1.0, samples: int = 4, seed: int = 0, expected_version=None,
-             limits: SandboxLimits | None = None, episode_limits: tuple[int, int] = (8, 512)) -> dict:
+             limits: SandboxLimits | None = None, episode_limits: EpisodeLimits = EpisodeLimits()) -> dict:
     """Held-out prompts (never trained on), two ways:
     - ``heldout_reward``: the policy's expected reward, the quantity RL maximises: ``samples``
       completions per prompt at the rollout temperature (fixed seed, so versions compare fairly);
@@ -24,7 +24,8 @@ def evaluate(client, fmt: PromptFormat, env, env_spec: str, prompts: list[str], 
     a completion produced by, any other weight version. Rewards as in scoring (``k3core.rl.rewards``:
     with ``limits``, user and dataset environments in the sandbox; None: in this process). ``fmt``:
     how prompts become ids and completions text (``k3core.rl.prompting``). An agentic environment
-    runs whole episodes (``k3core.rl.episodes``, at most ``episode_limits``: turns, tokens)."""
+    runs whole episodes (``k3core.rl.episodes``, within ``episode_limits``; with ``limits`` its tools
+    run where ``tools_of`` says, else in this process)."""
     from k3core.rollout.client import RolloutClient
 
     if isinstance(client, RolloutEngine):
@@ -43,11 +44,13 @@ def evaluate(client, fmt: PromptFormat, env, env_spec: str, prompts: list[str], 
                               seed=seed)
     greedy_params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
     if is_agentic(env):  # whole episodes, scored on their trajectories' text
-        from k3core.rl.episodes import run_episodes
+        from k3core.rl.episodes import run_episodes, tools_of
 
-        eps = [e for params in (sampling, greedy_params)
-               for e in run_episodes(_Versioned(client, expected_version), fmt, env, prompts, params,
-                                     max_turns=episode_limits[0], max_tokens=episode_limits[1])]
+        with tools_of(env, env_spec if limits is not None else None, episode_limits) as (runner, workers):
+            eps = [e for params in (sampling, greedy_params)
+                   for e in run_episodes(_Versioned(client, expected_version), fmt, env, prompts, params,
+                                         max_turns=episode_limits.max_turns, max_tokens=episode_limits.max_tokens,
+                                         tool_runner=runner, tool_workers=workers)]
         outcomes = score_completions(env, env_spec, [e.prompt for e in eps],
                                      [fmt.tok.decode(e.output_ids) for e in eps], limits)
         rewards = [o.reward for o in outcomes]

@@ -16,7 +16,14 @@ call's uid, and deletes the call's directory. Importing the module and calling t
 before the confinement, in the worker and in the pipeline (which loads ``--env`` to validate it):
 the sandbox confines reward calls, which see model output, not the environment's import.
 
-How a call ends (``RewardOutcome``):
+Tools of agentic environments (``k3core.rl.episodes``) run here too: ``RewardSandbox.call_tool``
+sends one ``env.call_tool(prompt, name, arguments)`` to a worker, which runs it in a fresh confined
+child exactly like a reward call (its own wall timeout: the run's ``--tool-timeout``). Its result is
+text (cut at ``MAX_TOOL_RESULT_CHARS`` in the child, so a flood never crosses the pipe); a call that
+raises, returns non-text, or is stopped by a limit raises ``ToolError`` with the reason, which the
+episode shows the model as the tool's result.
+
+How a reward call ends (``RewardOutcome``):
 - a number in [0, 1]: that reward, ``reason`` empty (or the environment's own ``judge`` reason);
 - the sandbox stopped it (``stopped``): reward 0 and the reason, whose first word is ``timeout``,
   ``cpu``, ``memory``, ``processes``, ``filesystem``, ``file size``, ``network`` or ``refused`` (a
@@ -292,9 +299,26 @@ def _verdict(env, prompt: str, completion: str) -> dict:
     return {"reward": value, "reason": str(note or "")}
 
 
+def _tool_verdict(env, prompt: str, name: str, arguments: dict) -> dict:
+    """Call the tool (in the confined child) and classify how it ended."""
+    from k3core.rl.episodes import MAX_TOOL_RESULT_CHARS
+
+    try:
+        out = env.call_tool(prompt, name, arguments)
+    except SystemExit as e:
+        return {"broken": f"called sys.exit({e.code!r})"}
+    except BaseException as e:  # noqa: BLE001 - every ending is classified, none escapes
+        why = limit_reason(e)
+        return {"stopped": True, "reason": why} if why else {"broken": f"raised {type(e).__name__}: {e}"}
+    if not isinstance(out, str):
+        return {"broken": f"returned {type(out).__name__}, not text"}
+    return {"result": out[:MAX_TOOL_RESULT_CHARS + 1]}  # the episode cuts it at the limit and says so
+
+
 # ------------------------------------------------------------------------------ the worker
 def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: int | None) -> dict:
-    """Fork a confined child for one reward call; wait at most ``timeout_s``; clean up after it."""
+    """Fork a confined child for one call (a reward, or a tool where ``request["kind"]`` is "tool");
+    wait at most ``timeout_s``; clean up after it."""
     call_dir = tempfile.mkdtemp(prefix="call-", dir=root)
     if uid is not None:
         os.chown(call_dir, uid, uid)
@@ -316,7 +340,8 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
             if uid is not None:
                 _drop_to(uid)
             _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-            out = _verdict(env, request["prompt"], request["completion"])
+            out = (_tool_verdict(env, request["prompt"], request["name"], request["arguments"])
+                   if request.get("kind") == "tool" else _verdict(env, request["prompt"], request["completion"]))
             os.write(w, (json.dumps(out) + "\n").encode())
         except BaseException as e:  # noqa: BLE001 - the child must end here, never return into the worker
             try:
@@ -349,7 +374,8 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
     _sweep(uid)
     shutil.rmtree(call_dir, ignore_errors=True)
     if timed_out:
-        return {"reward": 0.0, "reason": f"timeout: the reward call ran past {limits.timeout_s:g} s (wall)",
+        what = "tool" if request.get("kind") == "tool" else "reward"
+        return {"reward": 0.0, "reason": f"timeout: the {what} call ran past {limits.timeout_s:g} s (wall)",
                 "stopped": True}
     if data:
         try:
@@ -357,7 +383,7 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
         except ValueError:
             return {"broken": f"wrote an unreadable answer {data[:200]!r}"}
     if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU:
-        return {"reward": 0.0, "reason": f"cpu: the reward call used more than {math.ceil(limits.timeout_s) + 1} s "
+        return {"reward": 0.0, "reason": f"cpu: the call used more than {math.ceil(limits.timeout_s) + 1} s "
                                          "of CPU (RLIMIT_CPU)", "stopped": True}
     if os.WIFSIGNALED(status):
         return {"broken": f"died by signal {signal.Signals(os.WTERMSIG(status)).name} without returning a reward"}
@@ -486,8 +512,8 @@ class _Worker:
         line, _, self.buf = self.buf.partition(b"\n")
         return json.loads(line)
 
-    def call(self, prompt: str, completion: str) -> dict:
-        self.send({"prompt": prompt, "completion": completion})
+    def call(self, request: dict) -> dict:
+        self.send(request)
         return self.recv(self.timeout)
 
     def close(self) -> None:
@@ -547,12 +573,25 @@ class RewardSandbox:
         for wk in workers:
             wk.close()
 
-    def _one(self, pair: tuple[str, str]) -> RewardOutcome:
+    def _request(self, request: dict) -> dict:
         wk = self._free.get()
         try:
-            res = wk.call(*pair)
+            return wk.call(request)
         finally:
             self._free.put(wk)
+
+    def call_tool(self, prompt: str, name: str, arguments: dict) -> str:
+        """The text of one tool call, run confined; ``ToolError`` with the reason when it raised,
+        returned non-text or was stopped. Thread-safe: ``workers`` calls at a time."""
+        from k3core.rl.episodes import ToolError
+
+        res = self._request({"kind": "tool", "prompt": prompt, "name": name, "arguments": arguments})
+        if "result" in res:
+            return res["result"]
+        raise ToolError(f"was stopped ({res['reason']})" if res.get("stopped") else res["broken"])
+
+    def _one(self, pair: tuple[str, str]) -> RewardOutcome:
+        res = self._request({"prompt": pair[0], "completion": pair[1]})
         if "broken" in res:
             return RewardOutcome(0.0, broken=res["broken"])
         return RewardOutcome(float(res["reward"]), res.get("reason", ""), bool(res.get("stopped", False)))

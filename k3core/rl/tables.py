@@ -17,7 +17,7 @@ from k3core.rl.prompting import PromptFormat
 def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], params: SamplingParams,
                   iteration: int, first_prompt_index: int = 0, *, shard_start: int = 0,
                   worker: str = "local", prompt_ids: list[list[int]] | None = None,
-                  episode_limits: tuple[int, int] = (8, 512)) -> pa.Table:
+                  episode_limits=None, env_spec: str | None = None) -> pa.Table:
     """One row per completion; ``prompt_index`` counts from ``first_prompt_index`` (refill rounds of
     dynamic sampling number their prompts after the earlier rounds', so groups stay distinct).
     ``shard_start`` > 0: ``prompts`` are a rollout's prompts from that position on (a shard,
@@ -26,13 +26,14 @@ def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], 
     completions text (``k3core.rl.prompting``); ``prompt_ids``: the prompts' ids when the caller
     rendered them already (a shard on a worker without the environment). Rows keep the ids the
     engine saw and sampled; ``completion`` is their text, for rewards and display only. An agentic
-    environment (``fmt.env`` with tools) gives one row per episode (``k3core.rl.episodes``), at most
-    ``episode_limits`` = (turns, tokens after the prompt), with its loss mask and turns."""
-    from k3core.rl.episodes import is_agentic
+    environment (``fmt.env`` with tools) gives one row per episode (``k3core.rl.episodes``), within
+    ``episode_limits`` (an ``EpisodeLimits``), with its loss mask and turns; its tools run where
+    ``tools_of(env, env_spec)`` says (``env_spec`` None: in this process)."""
+    from k3core.rl.episodes import EpisodeLimits, is_agentic
 
     if is_agentic(fmt.env):
         return _episode_table(engine, fmt, prompts, params, iteration, first_prompt_index + shard_start, worker,
-                              episode_limits)
+                              episode_limits or EpisodeLimits(), env_spec)
     ids = [fmt.prompt_ids(p) for p in prompts] if prompt_ids is None else [list(x) for x in prompt_ids]
     if shard_start:
         comps = engine.generate(ids, params, pad_id=fmt.pad_id, first_index=shard_start)
@@ -59,13 +60,15 @@ def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], 
 
 
 def _episode_table(client, fmt: PromptFormat, prompts: list[str], params: SamplingParams, iteration: int,
-                   first_prompt_index: int, worker: str, limits: tuple[int, int]) -> pa.Table:
+                   first_prompt_index: int, worker: str, limits, env_spec: str | None) -> pa.Table:
     import json
 
-    from k3core.rl.episodes import run_episodes
+    from k3core.rl.episodes import run_episodes, tools_of
 
-    eps = run_episodes(client, fmt, fmt.env, prompts, params, max_turns=limits[0], max_tokens=limits[1],
-                       first_index=first_prompt_index)
+    with tools_of(fmt.env, env_spec, limits) as (runner, workers):
+        eps = run_episodes(client, fmt, fmt.env, prompts, params, max_turns=limits.max_turns,
+                           max_tokens=limits.max_tokens, tool_runner=runner, tool_workers=workers,
+                           first_index=first_prompt_index)
     rows = {f.name: [] for f in ROLLOUT_SCHEMA}
     for k, ep in enumerate(eps):
         values = dict(iteration=iteration, prompt_index=first_prompt_index + k // params.n, sample_index=ep.sample_index,

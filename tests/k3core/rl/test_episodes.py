@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3core.rl.envs import load_env
-from k3core.rl.episodes import final_answer, reference_trajectory, run_episodes
+from k3core.rl.episodes import EpisodeLimits, final_answer, reference_trajectory, run_episodes
 from k3core.rl.prompting import PromptFormat
 from k3core.rollout.engine import Completion, SamplingParams
 from k3core.tokenizer import BUNDLED_K3_BPE, load_tokenizer
@@ -131,7 +131,7 @@ def test_rollout_rows_of_an_agentic_env_train_through_their_mask(tok):
     fmt = PromptFormat.of(tok, env)
     engine = engine_from_model(model.eval(), 0, quantized=False)
     params = SamplingParams(max_new_tokens=24, temperature=1.0, n=2, seed=1, stop_token_ids=fmt.stop_ids)
-    table = rollout_table(engine, fmt, [PROMPT, "Compute 999*888."], params, 0, episode_limits=(3, 80))
+    table = rollout_table(engine, fmt, [PROMPT, "Compute 999*888."], params, 0, episode_limits=EpisodeLimits(3, 80))
     rows = table.to_pylist()
     seqs = table_to_sequences(table, len(model.moe_layer_ids), cfg.num_experts_per_token)
     assert [(r["prompt_index"], r["sample_index"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
