@@ -51,6 +51,8 @@ TABLE_COLUMNS = ["iteration", "weight_version", "staleness", "reward_mean", "rew
                  "heldout_greedy_reward", "kl_rollout_trainer_k3", "clip_fraction", "approx_kl", "kl_ref", "ratio_std",
                  "groups_dropped", "sampling_rounds", "entropy", "grad_norm", "response_length_mean", "tis_weight_mean",
                  "train_tokens_per_s", "seconds_rollout", "seconds_train", "transfer_seconds"]
+# Columns of agentic runs only (tool use per episode, ``k3core.rl.episodes.episode_stats``).
+EPISODE_COLUMNS = ["episode_turns", "tool_calls_per_episode", "tool_error_rate", "episode_tokens", "answered_fraction"]
 # The progress artifact of each flow run (created on its first publication, then updated).
 _progress_ids: dict = {}
 # The report artifacts of each flow run, by kind (created once, then updated).
@@ -289,7 +291,8 @@ def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact
         tmp.write_bytes(png)
     if not _in_flow():
         return
-    rows = [{c: table_number(h.get(c, "")) for c in TABLE_COLUMNS} for h in history]
+    columns = TABLE_COLUMNS + [c for c in EPISODE_COLUMNS if any(c in h for h in history)]
+    rows = [{c: table_number(h.get(c, "")) for c in columns} for h in history]
     _report(create_table_artifact, TableArtifact(table=rows).format(), rows, "metrics", run_id,
             f"run {run_id}: one row per RL iteration")
     md = lineage_markdown(s, lineage)

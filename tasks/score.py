@@ -48,7 +48,26 @@ def score_rewards(run: Run, iteration: int, rollouts: Artifact, settings: GRPOSe
                                scale_advantages=settings.scale_advantages, limits=SandboxLimits.of(reward),
                                outcomes=outcomes)
     run.store.publish_once(_rel(run, iteration, refill), lambda tmp: pq.write_table(table, tmp))
+    if "episode_turns" in stats:
+        _publish_trajectories(run, iteration, refill, table, stats)
     return run.store.handle(_rel(run, iteration, refill), "scored", version=rollouts.version, **stats)
+
+
+def _publish_trajectories(run: Run, iteration: int, refill: int, table, stats: dict) -> None:
+    """The trajectory viewer of an agentic rollout: a markdown artifact of a few scored episodes on
+    this task run (key ``rl-trajectories-<run id>``: each iteration a new version of it)."""
+    import re
+
+    from prefect.artifacts import create_markdown_artifact
+
+    from k3core.rl.episodes import trajectories_markdown
+
+    title = (f"run `{run.run_id}` iteration {iteration}{f' refill {refill}' if refill else ''}: episodes "
+             f"({stats['episode_turns']:.2f} turns, {stats['tool_calls_per_episode']:.2f} tool calls, tool error rate "
+             f"{stats['tool_error_rate']:.2f} per episode)")
+    create_markdown_artifact(trajectories_markdown(table.to_pylist(), title),
+                             key="rl-trajectories-" + re.sub(r"[^a-z0-9-]", "-", run.run_id.lower()),
+                             description=f"run {run.run_id}: episodes of iteration {iteration}")
 
 
 # ---- fan-out of sandboxed reward calls over the task runner's workers --------------------------------------

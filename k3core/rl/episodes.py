@@ -219,6 +219,8 @@ def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, 
             ep.output_ids.pop()
             ep.loss_mask.pop()
             ep.logprobs.pop()
+        for rec in ep.turns:  # the last answers' records stay (the tools ran), their spans now empty
+            rec["span"] = [min(x, len(ep.output_ids)) for x in rec["span"]]
     return eps
 
 
@@ -318,3 +320,58 @@ def reference_trajectory(fmt: PromptFormat, env, prompt: str) -> Trajectory:
         _append_answers(fmt, ep, assistant, answers, env.tools)
     ep.logprobs = [0.0] * len(ep.output_ids)
     return ep
+
+
+def episode_stats(turns: list[str | None], loss_masks: list, finish_reasons: list[str]) -> dict:
+    """Tool-use metrics of a rollout's episodes (its ``turns`` JSON, ``loss_mask`` and
+    ``finish_reason`` columns); empty for a single-turn rollout. ``episode_turns``: assistant turns
+    per episode; ``tool_calls_per_episode``; ``tool_error_rate``: calls whose result was an error
+    (raised, non-text, timed out, unknown tool) over all calls; ``malformed_turns_per_episode``:
+    tool-call sections that could not be read; ``episode_tokens``: tokens after the prompt;
+    ``trained_token_fraction``: of those, the model's own (mask 1); ``answered_fraction``: episodes
+    that ended with an answer (not a limit)."""
+    recs = [json.loads(t) for t in turns if t is not None]
+    if not recs:
+        return {}
+    n = len(recs)
+    calls = [r for ep in recs for r in ep if r.get("role") == "tool"]
+    tokens = sum(len(m) for m in loss_masks if m is not None)
+    return {"episode_turns": sum(r.get("role") == "assistant" for ep in recs for r in ep) / n,
+            "tool_calls_per_episode": len(calls) / n,
+            "tool_error_rate": sum(bool(c.get("error")) for c in calls) / len(calls) if calls else 0.0,
+            "malformed_turns_per_episode": sum(r.get("role") == "user" for ep in recs for r in ep) / n,
+            "episode_tokens": tokens / n,
+            "trained_token_fraction": sum(sum(m) for m in loss_masks if m is not None) / max(tokens, 1),
+            "answered_fraction": sum(f == "answer" for f in finish_reasons) / len(finish_reasons)}
+
+
+def trajectories_markdown(rows: list[dict], title: str, limit: int = 3, cut: int = 600) -> str:
+    """A few scored episodes (rows of a scored table: ``prompt``, ``turns``, ``reward``, ...) as
+    readable markdown: per turn who spoke, the tool calls with their arguments and results, errors,
+    and the reward: the trajectory viewer each iteration publishes. The best, the worst and a middle
+    episode by reward, so a reader sees what is rewarded and what is not."""
+    def clip(text: str) -> str:
+        text = str(text)
+        return text if len(text) <= cut else text[:cut] + f" [... {len(text) - cut} more characters]"
+
+    def quoted(text: str) -> str:
+        return "\n".join("    " + line for line in clip(text).splitlines() or [""])
+
+    ranked = sorted(rows, key=lambda r: -r["reward"])
+    picks = [ranked[0], ranked[len(ranked) // 2], ranked[-1]][:limit] if len(ranked) >= 3 else ranked[:limit]
+    md = [f"### {title}", ""]
+    for r in picks:
+        md += [f"#### prompt {r['prompt_index']} sample {r['sample_index']}: reward {r['reward']:.3f}, "
+               f"ended by {r['finish_reason']}, {len(r['output_ids'])} tokens ({sum(r['loss_mask'] or [])} trained)",
+               "", f"**user**: {clip(r['prompt'])}", ""]
+        for t in json.loads(r["turns"] or "[]"):
+            if t["role"] == "assistant":
+                md += ["**assistant**:", "", quoted(t.get("text", "")), ""]
+            elif t["role"] == "tool":
+                head = f"**tool** `{t.get('name')}({clip(t.get('arguments', ''))})`, {t.get('seconds', 0):.3f} s"
+                md += [head + (" **error**" if t.get("error") else "") + ":", "", quoted(t.get("result", "")), ""]
+            else:
+                md += [f"**user** (malformed call): {clip(t.get('error', ''))}", ""]
+        if r.get("reward_reason"):
+            md += [f"reward reason: {clip(r['reward_reason'])}", ""]
+    return "\n".join(md)

@@ -117,4 +117,9 @@ def score_table(rollouts: pa.Table, env, env_spec: str, group_size: int,
              "solved_fraction": float((rewards == 1.0).float().mean()),
              "groups": int(uniform.numel()), "groups_informative": int((~uniform).sum()),
              "sandbox_stopped": sum(o.stopped for o in outcomes)}
+    if "turns" in table.column_names:  # an agentic rollout: its tool-use metrics
+        from k3core.rl.episodes import episode_stats
+
+        stats.update(episode_stats(table.column("turns").to_pylist(), table.column("loss_mask").to_pylist(),
+                                   table.column("finish_reason").to_pylist()))
     return table, stats

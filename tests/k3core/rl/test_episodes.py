@@ -143,3 +143,30 @@ def test_rollout_rows_of_an_agentic_env_train_through_their_mask(tok):
             lo, hi = t["span"]
             hi = min(hi, len(r["loss_mask"]))
             assert set(r["loss_mask"][lo:hi]) <= ({1} if t["role"] == "assistant" else {0})
+
+
+def test_tool_use_metrics_and_the_trajectory_viewer(tok):
+    """Two episodes with known shapes: one calls the calculator twice (one call malformed in its
+    arguments, so the tool answers an error) then answers; one answers at once."""
+    from k3core.rl.episodes import episode_stats, trajectories_markdown
+
+    env = load_env("tools-calc")
+    fmt = PromptFormat.of(tok, env)
+    bad = {"function": {"name": "calculator", "arguments": {"expression": "12 apples"}}}
+    calls = format_tool_calls([CALL, bad])
+    eps = run_episodes(Scripted(tok, [calls, "56088"]), fmt, env, [PROMPT], _params())
+    eps += run_episodes(Scripted(tok, ["56088"]), fmt, env, [PROMPT], _params())
+    stats = episode_stats([json.dumps(e.turns) for e in eps], [e.loss_mask for e in eps],
+                          [e.finish_reason for e in eps])
+    assert stats["episode_turns"] == (2 + 1) / 2 and stats["tool_calls_per_episode"] == 2 / 2
+    assert stats["tool_error_rate"] == 1 / 2 and stats["answered_fraction"] == 1.0
+    assert stats["episode_tokens"] == sum(len(e.output_ids) for e in eps) / 2
+    assert stats["trained_token_fraction"] == sum(sum(e.loss_mask) for e in eps) / sum(len(e.output_ids) for e in eps)
+    assert episode_stats([None, None], [None, None], ["stop", "stop"]) == {}  # single-turn rows
+    rows = [{"prompt": e.prompt, "prompt_index": 0, "sample_index": k, "turns": json.dumps(e.turns),
+             "reward": env.reward(e.prompt, tok.decode(e.output_ids)), "finish_reason": e.finish_reason,
+             "output_ids": e.output_ids, "loss_mask": e.loss_mask, "reward_reason": ""} for k, e in enumerate(eps)]
+    md = trajectories_markdown(rows, "iteration 0")
+    assert md.startswith("### iteration 0") and md.count("#### prompt 0") == 2
+    assert "**tool** `calculator({\"expression\": \"123*456\"})`" in md and "    56088" in md
+    assert "**error**" in md and "not an integer expression" in md and "reward 1.000" in md
