@@ -28,16 +28,17 @@ def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifa
     from k3core.rl.trainer_state import rng_state, set_rng_state
 
     t0 = time.perf_counter()
-    table = pq.read_table(rollouts.path, columns=["prompt_ids", "output_ids"])
+    table = pq.read_table(rollouts.path, columns=["prompt_ids", "output_ids", "loss_mask"])
     g = torch.Generator().manual_seed(run.seed * 7919 + table.num_rows)
     pick = torch.randperm(table.num_rows, generator=g)[:n_sequences].sort().values.tolist()
     rows = table.take(pick).to_pylist()
-    seqs = [(r["prompt_ids"], r["output_ids"]) for r in rows if r["output_ids"]]
+    rows = [r for r in rows if r["output_ids"]]
+    seqs = [(r["prompt_ids"], r["output_ids"]) for r in rows]
     rng = rng_state()
     try:  # the metric must not move the process's RNG (the train step's draws depend on it)
         model = trainers.weights(run.run_id, state, run.device, run.dtype)
         out = measure_mismatch(model, seqs, model.config.pad_token_id, temperature, torch.bfloat16,
-                               decode=run.decode)
+                               decode=run.decode, masks=[r["loss_mask"] for r in rows])
     finally:
         set_rng_state(rng)
     keep = ("w4a8_kl", "bf16_kl", "kl_ratio", "w4a8_k3", "bf16_k3", "w4a8_kl_max", "bf16_kl_max")

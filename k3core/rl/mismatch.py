@@ -128,15 +128,22 @@ def trainer_logprobs(model: K3ForCausalLM, seqs: list[tuple[list[int], list[int]
     return [lp[b, len(p) - 1:len(p) - 1 + len(o)] for b, (p, o) in enumerate(seqs)]
 
 
-def divergences(lp_trainer: list[torch.Tensor], lp_engine: list[torch.Tensor], tokens: list[list[int]]) -> dict:
+def divergences(lp_trainer: list[torch.Tensor], lp_engine: list[torch.Tensor], tokens: list[list[int]],
+                masks: list | None = None) -> dict:
     """Token-mean divergences (see the module docstring) from per-sequence ``[T_b, V]`` log-probs,
     computed on the device the trainer's log-probs are on (a GPU keeps the ``[tokens, V]`` fp64
-    tensors there; only the scalars come back, in one read)."""
+    tensors there; only the scalars come back, in one read). ``masks``: per sequence, a loss mask
+    (or None: every token): only the model's own tokens count (an agentic trajectory's tool results
+    and user turns were never sampled, so a mismatch there is not the policy's)."""
     p = torch.cat(lp_trainer).double()
     q = torch.cat(lp_engine).double().to(p.device)
     x = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long, device=p.device)
     if p.shape != q.shape or p.shape[0] != x.shape[0]:
         raise ValueError(f"log-prob shapes {tuple(p.shape)} and {tuple(q.shape)} for {x.shape[0]} tokens")
+    if masks is not None and any(m is not None for m in masks):
+        keep = torch.tensor([bool(v) for m, seq in zip(masks, tokens) for v in (m if m is not None else [1] * len(seq))],
+                            device=p.device)
+        p, q, x = p[keep], q[keep], x[keep]
     # >= 0 up to rounding; in row chunks: each [rows, V] fp64 temporary is 1.3 GB at V = 163,840
     kl = torch.cat([(pc.exp() * (pc - qc)).sum(-1) for pc, qc in zip(p.split(1024), q.split(1024))]).clamp_min(0.0)
     log_r = (p.gather(1, x[:, None]) - q.gather(1, x[:, None])).squeeze(1)
@@ -170,14 +177,15 @@ def _engine_copy(trainer: K3ForCausalLM, quantized: bool, act_granularity: str |
 def measure_mismatch(trainer: K3ForCausalLM, seqs: list[tuple[list[int], list[int]]], pad_id: int,
                      temperature: float = 1.0, dtype: torch.dtype | None = torch.bfloat16,
                      act_granularity: str | None = "token", routing_replay: bool = False,
-                     decode: str = "dynamic") -> dict:
+                     decode: str = "dynamic", masks: list | None = None) -> dict:
     """KL(trainer || W4A8 engine) beside KL(trainer || float engine) on the same rollouts, each engine
     scoring them through the decode path of ``decode`` mode (the run's: ``k3core.device.decode_mode``).
 
     The trainer is cast to ``dtype`` first (a copy; ``None`` keeps its dtype): bf16 by default, the
     issue's "bf16 trainer"; both engines are built from that copy. Returns ``w4a8_*`` and ``bf16_*``
     divergences (``bf16`` names the float engine whatever ``dtype`` is) and ``kl_ratio`` =
-    KL(trainer || W4A8) / KL(trainer || float engine) (inf when the latter is exactly 0)."""
+    KL(trainer || W4A8) / KL(trainer || float engine) (inf when the latter is exactly 0). ``masks``:
+    per sequence, the positions that count (``divergences``)."""
     t = copy.deepcopy(trainer)
     if dtype is not None:
         t.cast(dtype)
@@ -188,7 +196,7 @@ def measure_mismatch(trainer: K3ForCausalLM, seqs: list[tuple[list[int], list[in
     for name, quantized in (("w4a8", True), ("bf16", False)):
         lp_e, routes = engine_logprobs(_engine_copy(t, quantized, act_granularity), seqs, pad_id, temperature, decode)
         lp_t = lp_free if lp_free is not None else trainer_logprobs(t, seqs, pad_id, temperature, routes)
-        for k, v in divergences(lp_t, lp_e, tokens).items():
+        for k, v in divergences(lp_t, lp_e, tokens, masks).items():
             out[f"{name}_{k}"] = v
     out["kl_ratio"] = out["w4a8_kl"] / out["bf16_kl"] if out["bf16_kl"] > 0 else float("inf")
     return out

@@ -42,6 +42,10 @@ def test_divergences_closed_form():
     assert d["tokens"] == 2
     same = divergences([p.log()], [p.log()], [[0, 1]])
     assert same["kl"] == same["k3"] == same["logprob_abs_diff"] == 0.0
+    # an agentic trajectory's mask: only the sampled token (row 0) counts, a tool-result token does not
+    masked = divergences([p.log()], [q.log()], [[0, 2]], masks=[[1, 0]])
+    assert masked["tokens"] == 1 and math.isclose(masked["kl"], kl[0], rel_tol=1e-12)
+    assert divergences([p.log()], [q.log()], [[0, 2]], masks=[None])["tokens"] == 2  # single-turn rows
 
 
 @pytest.mark.parametrize("device,decode", [("cpu", "dynamic"), ("cpu", "static"), *GPU_MODES])
