@@ -135,18 +135,23 @@ BUILTIN_ENVS = {"add": AdditionEnv, "reverse": ReverseEnv, "tools-calc": ToolsCa
 
 
 def load_env(spec: str):
-    """A built-in name (``add``, ``reverse``), a dataset (``dataset:math|code:URL``, or ``math`` /
+    """A built-in name (``add``, ``reverse``, ``tools-calc``; ``code-agent``, whose tools and rewards
+    run in the sandbox), a dataset (``dataset:math|code:URL``, or ``math`` /
     ``code`` for the bundled ones: ``k3core.rl.dataset_env``) or ``module.path:factory`` (called with
     no arguments)."""
     from k3core.rl.dataset_env import load_dataset_env
 
     if spec in BUILTIN_ENVS:
         return BUILTIN_ENVS[spec]()
+    if spec == "code-agent":  # bundled, but it runs model-written code: sandboxed like a user's
+        from k3core.rl.code_agent import CodeAgentEnv
+
+        return CodeAgentEnv()
     dataset = load_dataset_env(spec)
     if dataset is not None:
         return dataset
     if ":" not in spec:
-        raise ValueError(f"unknown environment {spec!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}), a "
+        raise ValueError(f"unknown environment {spec!r}: use a built-in ({', '.join(sorted(BUILTIN_ENVS))}, code-agent), a "
                          "dataset (math, code, or dataset:math|code:URL) or 'module.path:factory' for your own")
     mod_name, _, attr = spec.partition(":")
     if not mod_name or not attr:

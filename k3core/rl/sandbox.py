@@ -19,7 +19,8 @@ the sandbox confines reward calls, which see model output, not the environment's
 Tools of agentic environments (``k3core.rl.episodes``) run here too: ``RewardSandbox.call_tool``
 sends one ``env.call_tool(prompt, name, arguments)`` to a worker, which runs it in a fresh confined
 child exactly like a reward call (its own wall timeout: the run's ``--tool-timeout``). Its result is
-text (cut at ``MAX_TOOL_RESULT_CHARS`` in the child, so a flood never crosses the pipe); a call that
+text (cut to 64 Ki characters in the child, so a flood never crosses the pipe; the episode keeps
+``MAX_TOOL_RESULT_CHARS``); a call that
 raises, returns non-text, or is stopped by a limit raises ``ToolError`` with the reason, which the
 episode shows the model as the tool's result.
 
@@ -299,10 +300,12 @@ def _verdict(env, prompt: str, completion: str) -> dict:
     return {"reward": value, "reason": str(note or "")}
 
 
-def _tool_verdict(env, prompt: str, name: str, arguments: dict) -> dict:
-    """Call the tool (in the confined child) and classify how it ended."""
-    from k3core.rl.episodes import MAX_TOOL_RESULT_CHARS
+_TOOL_RESULT_CAP = 1 << 16  # characters of a tool result that cross the pipe (the episode keeps 4096)
 
+
+def _tool_verdict(env, prompt: str, name: str, arguments: dict) -> dict:
+    """Call the tool (in the confined child) and classify how it ended. Imports nothing: the child
+    runs under the memory limit, and the episode code pulls in torch."""
     try:
         out = env.call_tool(prompt, name, arguments)
     except SystemExit as e:
@@ -312,7 +315,7 @@ def _tool_verdict(env, prompt: str, name: str, arguments: dict) -> dict:
         return {"stopped": True, "reason": why} if why else {"broken": f"raised {type(e).__name__}: {e}"}
     if not isinstance(out, str):
         return {"broken": f"returned {type(out).__name__}, not text"}
-    return {"result": out[:MAX_TOOL_RESULT_CHARS + 1]}  # the episode cuts it at the limit and says so
+    return {"result": out[:_TOOL_RESULT_CAP]}  # the episode cuts it further, and says so
 
 
 # ------------------------------------------------------------------------------ the worker
@@ -442,6 +445,8 @@ def _worker_main(rfd: int, wfd: int) -> None:
         out.write(json.dumps({"error": f"cannot load environment {hello['spec']!r}: {type(e).__name__}: {e}"}) + "\n")
         out.flush()
         return
+    import k3core.rl.episodes  # noqa: F401 - final_answer and the tool-call parser, which agentic rewards use:
+    import k3core.tokenizer.tool_calls  # noqa: F401 - a confined call's memory limit leaves no room to import them
     import encodings.idna  # noqa: F401 - socket calls with a host name load it lazily; in an unprivileged user
     import gc  # namespace the interpreter's own files may no longer be readable by then
 
