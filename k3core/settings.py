@@ -165,12 +165,6 @@ class RolloutSettings(_Section):
             out.append(f"--rollout-url {self.url!r}: use 'local' or an http(s):// URL")
         return out
 
-    def episode_limits(self):
-        """The limits of an agentic environment's episodes (``k3core.rl.episodes.EpisodeLimits``)."""
-        from k3core.rl.episodes import EpisodeLimits
-
-        return EpisodeLimits(self.max_turns, self.max_episode_tokens, self.tool_timeout)
-
 
 # How the per-token GRPO losses of a minibatch add up (k3core.rl.grpo.loss_weights).
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-sum")

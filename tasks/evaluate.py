@@ -7,6 +7,7 @@ refused (``WeightVersionMismatch``)."""
 from __future__ import annotations
 
 from k3core.artifacts import Artifact
+from k3core.rl.episodes import EpisodeLimits
 from k3core.rl.sandbox import SandboxLimits
 from k3core.settings import RewardSettings, RolloutSettings
 from tasks.common import Run, stage
@@ -32,7 +33,7 @@ def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: R
     prompts = heldout_prompts(env, run.seed, n_prompts, run.env)
     out = run_eval(client, fmt, env, run.env, prompts, rollout.max_new_tokens, rollout.temperature, seed=run.seed,
                    expected_version=weights.version, limits=SandboxLimits.of(reward),
-                   episode_limits=rollout.episode_limits())
+                   episode_limits=EpisodeLimits.of(rollout))
     out["version"] = weights.version
     release_decode_state(run.run_id)
     return out

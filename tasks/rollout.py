@@ -152,6 +152,7 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
     The embedded engine's decode state is released once the batch is written."""
     from k3core.config import K3Config
     from k3core.rl.tables import rollout_table
+    from k3core.rl.episodes import EpisodeLimits
     from k3core.rollout.client import WeightVersionMismatch
 
     def build(tmp):
@@ -163,7 +164,7 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
         # the client has generate()'s signature
         table = rollout_table(client, fmt, prompts, params, iteration,
                               first_prompt_index=refill * settings.prompts_per_iteration,
-                              episode_limits=settings.episode_limits(), env_spec=run.env)
+                              episode_limits=EpisodeLimits.of(settings), env_spec=run.env)
         versions = set(table.column("weight_version").to_pylist())
         if versions != {weights.version}:
             raise WeightVersionMismatch(f"rollout {iteration} came back with weight versions {sorted(versions)}, "

@@ -80,7 +80,7 @@ class CodeAgentEnv:
         return self.judge(prompt, completion)[0]
 
     def judge(self, prompt: str, completion: str) -> tuple[float, str]:
-        from k3core.rl.episodes import final_answer
+        from k3core.tokenizer.tool_calls import final_answer
 
         score, why = self._run(prompt, final_answer(completion))
         return score, why

@@ -123,7 +123,7 @@ class ToolsCalcEnv:
         return [format_tool_calls([call]), str(a * b)]
 
     def reward(self, prompt: str, completion: str) -> float:
-        from k3core.rl.episodes import final_answer
+        from k3core.tokenizer.tool_calls import final_answer
 
         a, b = self._operands(prompt)
         target, c = str(a * b), final_answer(completion)

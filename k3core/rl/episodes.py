@@ -43,16 +43,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from k3core.rl.prompting import PromptFormat, env_messages
-from k3core.rollout.sampling import derive_seed
+from k3core.rl.sandbox import ToolError
+from k3core.tokenizer.tool_calls import final_answer
 
 __all__ = ["EpisodeLimits", "ToolError", "Trajectory", "final_answer", "is_agentic", "run_episodes", "tools_of"]
 
 MAX_TOOL_RESULT_CHARS = 4096  # a tool that floods its output is cut here (with a note), never the stage
-
-
-class ToolError(RuntimeError):
-    """A tool call that did not return text (raised, returned non-text, stopped by a sandbox limit);
-    its message completes "the tool NAME ..."."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +60,11 @@ class EpisodeLimits:
     max_tokens: int = 512
     tool_timeout: float = 10.0
     tool_workers: int = 2
+
+    @classmethod
+    def of(cls, rollout) -> EpisodeLimits:
+        """The limits a run's rollout section (``k3core.settings.RolloutSettings``) sets."""
+        return cls(rollout.max_turns, rollout.max_episode_tokens, rollout.tool_timeout)
 
 
 def is_agentic(env) -> bool:
@@ -93,14 +94,6 @@ class Trajectory:
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
-
-
-def final_answer(completion: str) -> str:
-    """The content of the last assistant turn of a trajectory's text (``Trajectory`` completion)."""
-    from k3core.tokenizer.tool_calls import parse_assistant_text
-
-    last = completion.rsplit("<|im_assistant|>assistant<|im_middle|>", 1)[-1]
-    return parse_assistant_text(last.split("<|im_end|>", 1)[0]).content.strip()
 
 
 def _suffix_ids(fmt: PromptFormat, before: list[dict], after: list[dict], tools) -> list[int]:
@@ -227,6 +220,7 @@ def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, 
 def _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, first_index, run_tool, tool_workers,
                 sessions):
     """The rounds of ``run_episodes``: every live episode's next turn, then its tools."""
+    from k3core.rollout.sampling import derive_seed  # here: the module is imported by sandbox workers, before torch
     from k3core.tokenizer.tool_calls import parse_assistant_text
 
     tools = env.tools

@@ -252,6 +252,11 @@ def enforcement() -> dict[str, str]:
     return json.loads(data)
 
 
+class ToolError(RuntimeError):
+    """A tool call that did not return text (raised, returned non-text, stopped by a sandbox limit);
+    its message completes "the tool NAME ..."."""
+
+
 # ------------------------------------------------------------------------------ verdicts
 _LIMIT_ERRNOS = {errno.EAGAIN: "processes", errno.EACCES: "filesystem", errno.EPERM: "filesystem",
                  errno.EROFS: "filesystem", errno.EFBIG: "file size", errno.ENETUNREACH: "network",
@@ -445,8 +450,9 @@ def _worker_main(rfd: int, wfd: int) -> None:
         out.write(json.dumps({"error": f"cannot load environment {hello['spec']!r}: {type(e).__name__}: {e}"}) + "\n")
         out.flush()
         return
-    import k3core.rl.episodes  # noqa: F401 - final_answer and the tool-call parser, which agentic rewards use:
-    import k3core.tokenizer.tool_calls  # noqa: F401 - a confined call's memory limit leaves no room to import them
+    import k3core.tokenizer.tool_calls  # noqa: F401 - final_answer and the tool-call parser, which agentic rewards
+    # use: a confined call's memory limit leaves no room to import them (and torch, which would start threads
+    # before the call's unshare, stays out of the worker)
     import encodings.idna  # noqa: F401 - socket calls with a host name load it lazily; in an unprivileged user
     import gc  # namespace the interpreter's own files may no longer be readable by then
 
@@ -588,8 +594,6 @@ class RewardSandbox:
     def call_tool(self, prompt: str, name: str, arguments: dict) -> str:
         """The text of one tool call, run confined; ``ToolError`` with the reason when it raised,
         returned non-text or was stopped. Thread-safe: ``workers`` calls at a time."""
-        from k3core.rl.episodes import ToolError
-
         res = self._request({"kind": "tool", "prompt": prompt, "name": name, "arguments": arguments})
         if "result" in res:
             return res["result"]

@@ -141,3 +141,9 @@ def parse_assistant_text(text: str) -> ParsedAssistant:
         if marker in out.content:
             out.errors.append(f"{marker} outside a {SECTION_BEGIN} section")
     return out
+
+
+def final_answer(completion: str) -> str:
+    """The content of the last assistant turn of a trajectory's text (an episode's completion)."""
+    last = completion.rsplit("<|im_assistant|>assistant<|im_middle|>", 1)[-1]
+    return parse_assistant_text(last.split("<|im_end|>", 1)[0]).content.strip()

@@ -105,7 +105,7 @@ def test_update_settings_defaults_flags_and_checks():
     values listed together."""
     g = GRPOSettings()
     assert (g.ppo_epochs, g.minibatches, g.micro_batch_tokens, g.loss_aggregation, g.scale_advantages,
-            g.refill_rounds, g.packing) == (1, 1, 0, "token-mean", True, 0, True)
+            g.refill_rounds, g.packing) == (1, 1, 8192, "token-mean", True, 0, True)
     s = RLSettings.from_dict({"ppo-epochs": 2, "minibatches": 4, "micro_batch_tokens": 2048,
                               "loss-aggregation": "seq-sum", "scale-advantages": False, "refill-rounds": 3,
                               "packing": False})

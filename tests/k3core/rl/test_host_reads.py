@@ -149,7 +149,7 @@ def test_bad_ids_still_fail_with_the_model_message():
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    cfg = GRPOSettings(routing_replay=True, packing=True)
+    cfg = GRPOSettings(routing_replay=True, packing=True, micro_batch_tokens=0)  # one row per sequence
     bad_token = _seqs(2)
     bad_token[1].output_ids[0] = TINY.vocab_size
     with pytest.raises(ValueError, match=r"token id 260 at position \(0, 7\) is outside the vocabulary"):
