@@ -81,7 +81,7 @@ class ReverseEnv:
 
 
 class ToolsCalcEnv:
-    """Agentic (``k3core.rl.episodes``): ``"Compute A*B."`` with A, B of 3-4 digits, too large for a
+    """Agentic (``k3core.rl.episodes``): ``"Compute A*B."`` with A, B of 3 digits, too large for a
     small model to multiply alone, and a ``calculator`` tool. The episode's answer is its last
     assistant turn; reward: positions right divided by the longer length (1 only for the exact
     product), like ``reverse``. ``reference_turns``: call the calculator, then answer its result."""
