@@ -151,8 +151,8 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
     the earlier rounds'. ``cursor``: the data position at the start of the iteration (``Batch.cursor``).
     The embedded engine's decode state is released once the batch is written."""
     from k3core.config import K3Config
-    from k3core.rl.tables import rollout_table
     from k3core.rl.episodes import EpisodeLimits
+    from k3core.rl.tables import rollout_table
     from k3core.rollout.client import WeightVersionMismatch
 
     def build(tmp):
