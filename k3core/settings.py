@@ -295,6 +295,9 @@ class PipelineSettings(_Section):
     keep_checkpoints: int = _int(0, "keep-checkpoints", "keep the newest N checkpoints (trainer states) of the "
                                  "run and delete older ones after each iteration; resume's own always stay "
                                  "(0: keep all)")
+    save_every: int = _int(1, "save-every", "write the trainer state (a checkpoint) every K iterations and after "
+                           "the last; in between the live trainer carries on, and a resume re-runs the train steps "
+                           "since the last checkpoint from the published rollout and score tables", min=1)
 
     def problems(self) -> list[str]:
         out = super().problems()
