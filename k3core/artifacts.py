@@ -108,6 +108,17 @@ def published_sha256(paths: list[str | os.PathLike], workers: int = HASH_WORKERS
     return known
 
 
+def remember_digests(root: str | os.PathLike, digests: dict[str, str]) -> None:
+    """Record the sha256 of files under ``root`` (relative name -> hex) that their writer computed
+    from the bytes it wrote (``k3core.checkpoint.odirect``), so ``published_sha256`` of those files
+    costs a stat. Only for files that are finished and will be published unchanged: the key is the
+    file's identity, which a rename or a hard link keeps and a rewrite changes."""
+    root = Path(root)
+    entries = [(_identity(root / name), digest) for name, digest in digests.items()]
+    with _digests_lock:
+        _published_digests.update(entries)
+
+
 def sha256_tree(path: str | os.PathLike) -> str:
     """One hash over a directory: sorted relative names and their file hashes (``published_sha256``)."""
     root = Path(path)

@@ -37,7 +37,7 @@ from torch import nn
 from k3core.checkpoint.files import CONFIG_NAME, INDEX_NAME, atomic_write_json, publish_dir, remove_stale_staging, staging_dir_for
 from k3core.checkpoint.manifest import MANIFEST_NAME, verify_manifest, write_manifest
 from k3core.checkpoint.names import Entry, Layout, is_out_of_scope, materialize, meta_model, public_dtype, public_layout
-from k3core.checkpoint.safetensors_file import ST_TO_DTYPE, write_safetensors
+from k3core.checkpoint.safetensors_file import ST_TO_DTYPE, write_safetensors_hashed
 from k3core.config import K3Config, mxfp4_quantization_config
 
 __all__ = ["save_hf", "load_hf", "load_model", "init_checkpoint", "quantize_checkpoint", "SaveResult",
@@ -146,6 +146,7 @@ def _write_checkpoint(path: str | os.PathLike, layout: Layout, max_shard_bytes: 
     remove_stale_staging(path)
     staging = staging_dir_for(path)
     weight_map: dict[str, str] = {}
+    known: dict[str, tuple[str, int]] = {}  # shard -> (sha256, bytes), hashed as written
     total = 0
     try:
         for i, entries in enumerate(plan, 1):
@@ -157,7 +158,8 @@ def _write_checkpoint(path: str | os.PathLike, layout: Layout, max_shard_bytes: 
                     for (key, _, _), t in zip(ent.stored(), produce(ent)):
                         yield key, t
 
-            write_safetensors(staging / name, stored, stream())
+            nbytes, digest = write_safetensors_hashed(staging / name, stored, stream())
+            known[name] = (digest, nbytes)
             for key, shape, dtype in stored:
                 weight_map[key] = name
                 total += torch.Size(shape).numel() * dtype.itemsize
@@ -167,7 +169,7 @@ def _write_checkpoint(path: str | os.PathLike, layout: Layout, max_shard_bytes: 
                                                  "weight_map": dict(sorted(weight_map.items()))})
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, staging / name)
-        write_manifest(staging)
+        write_manifest(staging, known=known)  # the shards are not read back; the small files are hashed
         publish_dir(staging, path, keep=_not_checkpoint_file)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -51,16 +51,27 @@ def _listed_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink() and p.name != MANIFEST_NAME)
 
 
-def write_manifest(root: str | os.PathLike, workers: int = 4) -> dict:
+def write_manifest(root: str | os.PathLike, workers: int = 4, known: dict[str, tuple[str, int]] | None = None) -> dict:
     """Hash every file of the finished directory ``root`` and write ``root/k3rl.manifest.json``
-    atomically (the caller publishes ``root`` as a whole afterwards). Returns the manifest."""
+    atomically (the caller publishes ``root`` as a whole afterwards). Returns the manifest.
+
+    ``known``: relative name -> (sha256, size) of files whose digest the writer computed from the
+    bytes it wrote (``ODirectFileSystemWriter.digests``); those are not read back. A known size that
+    differs from the file's is a writer bug, and raises ``ManifestError`` rather than record a lie."""
     root = Path(root)
     files = _listed_files(root)
+    names = [p.relative_to(root).as_posix() for p in files]
+    sizes = [p.stat().st_size for p in files]
+    known = known or {}
+    for name, size in zip(names, sizes):
+        if name in known and known[name][1] != size:
+            raise ManifestError(f"{root / name}: {size} bytes on disk, its writer reported {known[name][1]}")
+    todo = [k for k, name in enumerate(names) if name not in known]
+    digests = {names[k]: known[names[k]][0] for k in range(len(names)) if names[k] in known}
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        digests = list(pool.map(sha256_file, files))
+        digests.update(zip((names[k] for k in todo), pool.map(lambda k: sha256_file(files[k]), todo)))
     manifest = {"format": MANIFEST_FORMAT, "algorithm": "sha256",
-                "files": {p.relative_to(root).as_posix(): {"sha256": d, "size": p.stat().st_size}
-                          for p, d in zip(files, digests)}}
+                "files": {name: {"sha256": digests[name], "size": size} for name, size in zip(names, sizes)}}
     atomic_write_json(root / MANIFEST_NAME, manifest)
     return manifest
 

@@ -27,6 +27,11 @@ the metadata records `(relative_path, offset, length)` per item, and the stock
     unsupported) or is meaningless (tmpfs/ramfs: the page cache is the storage), the same pipeline
     writes through a buffered descriptor, and the writer emits one `ODirectFallbackWarning`.
 
+Hashing: each data file's sha256 is computed from its bytes as its buffers go out (a hash lane
+per file, beside the serialisation and the pwrites), and `.metadata`'s from the pickled bytes, so
+the checkpoint's manifest needs no read-back of what O_DIRECT kept out of the page cache
+(`ODirectFileSystemWriter.digests`).
+
 Durability and publication (a crash at any instant never leaves a `.metadata` naming data that is
 missing or half written):
 
@@ -47,6 +52,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import hashlib
 import inspect
 import math
 import mmap
@@ -260,25 +266,54 @@ class AlignedBufferPool:
 
 
 class _IOThreads:
-    """Threads that pwrite submitted buffers and hand them back to the pool.
+    """The pipeline a full buffer goes through: a hash lane, then an I/O thread that pwrites it and
+    hands it back to the pool.
+
+    Hashing: each file is bound to one of `hash_threads` lanes (a FIFO queue served by one thread),
+    so its buffers are hashed in the order they were filled, while the serialising thread fills the
+    next one and the I/O threads write earlier ones (hashlib releases the GIL on large buffers).
+    The file's sha256 is therefore known when its last write returns, without reading it back.
 
     A failure is recorded on the file it belongs to (`_AlignedFile.error`); the serialising thread
     raises it after the current item or at commit. Buffers are always returned, so nothing
     deadlocks.
     """
 
-    def __init__(self, pool: AlignedBufferPool, threads: int) -> None:
+    def __init__(self, pool: AlignedBufferPool, threads: int, hash_threads: int = 1) -> None:
         self.pool = pool
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lanes: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in range(max(1, hash_threads))]
+        self._next_lane = 0
+        self._lane_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._run, name=f"odirect-io-{i}", daemon=True)
             for i in range(threads)
         ]
-        for t in self._threads:
+        self._hashers = [
+            threading.Thread(target=self._hash, args=(lane,), name=f"odirect-hash-{i}", daemon=True)
+            for i, lane in enumerate(self._lanes)
+        ]
+        for t in self._threads + self._hashers:
             t.start()
 
-    def submit(self, file: _AlignedFile, buf: int, nbytes: int, offset: int) -> None:
-        self._jobs.put((file, buf, nbytes, offset))
+    def lane(self) -> int:
+        """A hash lane for a new file (round robin)."""
+        with self._lane_lock:
+            k = self._next_lane
+            self._next_lane = (k + 1) % len(self._lanes)
+            return k
+
+    def submit(self, file: _AlignedFile, buf: int, nbytes: int, offset: int, payload: int) -> None:
+        """Hash the buffer's first `payload` bytes (the file's own: the padding of an O_DIRECT tail is
+        not), then write `nbytes` at `offset`."""
+        self._lanes[file.lane].put((file, buf, nbytes, offset, payload))
+
+    def _hash(self, lane: queue.SimpleQueue) -> None:
+        while (job := lane.get()) is not None:
+            file, buf, nbytes, offset, payload = job
+            if file.error is None:
+                file.hasher.update(self.pool.buffers[buf][:payload])
+            self._jobs.put((file, buf, nbytes, offset))
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -293,6 +328,10 @@ class _IOThreads:
                 file.write_done()
 
     def close(self) -> None:
+        for lane in self._lanes:
+            lane.put(None)
+        for t in self._hashers:
+            t.join()
         for _ in self._threads:
             self._jobs.put(None)
         for t in self._threads:
@@ -301,14 +340,16 @@ class _IOThreads:
 
 class _AlignedFile:
     """Append-only binary file object for `torch.save`: bytes land in pool buffers, full buffers
-    are written by the I/O threads at buffer-aligned offsets, `commit()` writes the padded tail,
-    truncates to the logical length, fsyncs and closes.
+    are hashed and written by the I/O threads at buffer-aligned offsets, `commit()` writes the
+    padded tail, truncates to the logical length, fsyncs and closes; `sha256()` is then the file's
+    digest.
 
     `tell()` is the logical length so far, which is what DCP records as an item's offset.
     """
 
     def __init__(self, path: Path, io: _IOThreads, direct: bool, on_fallback) -> None:
         self.path, self._io, self._pool = path, io, io.pool
+        self.lane, self.hasher = io.lane(), hashlib.sha256()
         self._on_fallback = on_fallback
         self.error: BaseException | None = None
         self._pos = 0  # logical bytes written
@@ -374,7 +415,7 @@ class _AlignedFile:
             self._fill += k
             done += k
             if self._fill == self._pool.nbytes:
-                self._submit(self._fill)
+                self._submit(self._fill, self._fill)
         self._pos += n
         return n
 
@@ -405,10 +446,10 @@ class _AlignedFile:
             self.direct = False
         self._on_fallback(reason)
 
-    def _submit(self, nbytes: int) -> None:
+    def _submit(self, nbytes: int, payload: int) -> None:
         with self._cond:
             self._pending += 1
-        self._io.submit(self, self._buf, nbytes, self._buf_offset)
+        self._io.submit(self, self._buf, nbytes, self._buf_offset, payload)
         self._buf_offset += nbytes
         self._buf = None
 
@@ -431,7 +472,7 @@ class _AlignedFile:
                     # pad to the alignment; the padding is cut off by the ftruncate below
                     nbytes = -(-self._fill // self.align) * self.align
                     self._pool.buffers[self._buf][self._fill : nbytes] = bytes(nbytes - self._fill)
-                self._submit(nbytes)
+                self._submit(nbytes, self._fill)
             self._wait_idle()
             self.raise_if_failed()
             if self._buf_offset != self._pos:
@@ -440,6 +481,10 @@ class _AlignedFile:
                 os.fsync(self.fd)
         finally:
             self.abort()
+
+    def sha256(self) -> str:
+        """Hex sha256 of the file's bytes: complete once `commit()` returned."""
+        return self.hasher.hexdigest()
 
     def abort(self) -> None:
         """Give the buffer back, let in-flight writes drain, close the descriptor (idempotent)."""
@@ -521,11 +566,16 @@ class ODirectFileSystemWriter(FileSystemWriter):
         num_buffers: pool size, >= 2 (one being filled while another is written); default
             2 * thread_count + 2. Host memory for file data is num_buffers * buffer_bytes.
         io_threads: threads issuing pwrites (more than one keeps several writes in flight).
+        hash_threads: threads hashing filled buffers in order (default: thread_count, one per
+            file written at a time).
         direct: False writes through the page cache (same pipeline, no warning).
         remove_stale: after publishing, delete `__*_*.distcp` files that the new metadata does not
             name (the previous checkpoint's data, debris of a killed save).
 
-    After a save, `last_stats` holds this rank's `WriteStats`.
+    After a save, `last_stats` holds this rank's `WriteStats` and `digests` the sha256 and size of
+    every file it wrote (data files; `.metadata` on the coordinator), computed from the bytes as
+    they went out: `k3core.checkpoint.manifest.write_manifest(root, known=...)` takes them instead
+    of reading the files back.
     """
 
     def __init__(
@@ -543,6 +593,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
         buffer_bytes: int = 16 * MiB,
         num_buffers: int | None = None,
         io_threads: int = 1,
+        hash_threads: int | None = None,
         direct: bool = True,
         remove_stale: bool = True,
     ) -> None:
@@ -568,9 +619,11 @@ class ODirectFileSystemWriter(FileSystemWriter):
         self.buffer_bytes = buffer_bytes
         self.num_buffers = num_buffers
         self.io_threads = io_threads
+        self.hash_threads = hash_threads or thread_count
         self.direct = direct
         self.remove_stale = remove_stale
         self.last_stats: WriteStats | None = None
+        self.digests: dict[str, tuple[str, int]] = {}
         self._fallback_lock = threading.Lock()
         self._fallback_warned = False
         self._is_coordinator = True
@@ -622,7 +675,8 @@ class ODirectFileSystemWriter(FileSystemWriter):
         failures: list[BaseException] = []
         lock = threading.Lock()
         pool = AlignedBufferPool(self.num_buffers, self.buffer_bytes)
-        io = _IOThreads(pool, self.io_threads)
+        io = _IOThreads(pool, self.io_threads, self.hash_threads)
+        self.digests = {}
 
         def serialise() -> None:
             while not failures:
@@ -631,7 +685,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
                 except queue.Empty:
                     return
                 try:
-                    file_results, file_direct, nbytes = self._write_file(
+                    file_results, file_direct, nbytes, digest = self._write_file(
                         directory / name, name, group, planner, io, direct
                     )
                 except BaseException as e:  # noqa: BLE001 - re-raised below
@@ -640,6 +694,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
                     return
                 with lock:
                     results.extend(file_results)
+                    self.digests[name] = (digest, nbytes)
                     stats.payload_bytes += nbytes
                     stats.direct_files += int(file_direct)
                     stats.buffered_files += int(not file_direct)
@@ -674,8 +729,9 @@ class ODirectFileSystemWriter(FileSystemWriter):
         planner: SavePlanner,
         io: _IOThreads,
         direct: bool,
-    ) -> tuple[list[WriteResult], bool, int]:
-        """One data file: BYTE_IO items first, then tensors in plan order (the stock CPU order)."""
+    ) -> tuple[list[WriteResult], bool, int, str]:
+        """One data file: BYTE_IO items first, then tensors in plan order (the stock CPU order).
+        Returns (write results, whether O_DIRECT held, bytes, sha256)."""
         f = _AlignedFile(path, io, direct, self._warn_fallback)
         results = []
         try:
@@ -699,7 +755,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
         except BaseException:
             f.abort()
             raise
-        return results, f.direct, f.tell()
+        return results, f.direct, f.tell(), f.sha256()
 
     @staticmethod
     def _result(item: WriteItem, name: str, offset: int, length: int) -> WriteResult:
@@ -726,9 +782,10 @@ class ODirectFileSystemWriter(FileSystemWriter):
         directory = Path(self.path)
         final = self._metadata_name()
         tmp = directory / f"{final}.{uuid.uuid4().hex[:12]}.tmp"
+        data = pickle.dumps(metadata)
         try:
             with open(tmp, "wb") as f:
-                pickle.dump(metadata, f)
+                f.write(data)
                 f.flush()
                 if self.sync_files:
                     os.fsync(f.fileno())
@@ -736,6 +793,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        self.digests[final] = (hashlib.sha256(data).hexdigest(), len(data))
         if self.sync_files:
             _fsync_dir(directory)
         if self.remove_stale:

@@ -9,6 +9,7 @@ implementation, which also checks every file this writer produces in the tests.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -18,7 +19,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-__all__ = ["DTYPE_TO_ST", "ST_TO_DTYPE", "TensorInfo", "write_safetensors", "read_header", "SafetensorsFormatError"]
+__all__ = ["DTYPE_TO_ST", "ST_TO_DTYPE", "TensorInfo", "write_safetensors", "write_safetensors_hashed", "read_header",
+           "SafetensorsFormatError"]
 
 DTYPE_TO_ST = {
     torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
@@ -48,6 +50,14 @@ def write_safetensors(path: str | os.PathLike, plan: list[tuple[str, tuple[int, 
     ``plan`` [(key, shape, dtype)] fixes the header before any data is written; each streamed tensor
     must match its plan line exactly (a mismatch raises and leaves a file readers reject).
     """
+    return write_safetensors_hashed(path, plan, tensors, metadata)[0]
+
+
+def write_safetensors_hashed(path: str | os.PathLike, plan: list[tuple[str, tuple[int, ...], torch.dtype]],
+                             tensors: Iterable[tuple[str, torch.Tensor]],
+                             metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """``write_safetensors``, returning (bytes, sha256 of the file) with the digest computed from the
+    bytes as they are written (a manifest then needs no read-back)."""
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     off = 0
     for key, shape, dtype in plan:
@@ -57,9 +67,11 @@ def write_safetensors(path: str | os.PathLike, plan: list[tuple[str, tuple[int, 
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
     written = 0
+    h = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
+        for part in (struct.pack("<Q", len(hb)), hb):
+            f.write(part)
+            h.update(part)
         it: Iterator[tuple[str, torch.Tensor]] = iter(tensors)
         for key, shape, dtype in plan:
             got_key, t = next(it)
@@ -68,13 +80,15 @@ def write_safetensors(path: str | os.PathLike, plan: list[tuple[str, tuple[int, 
                                  f"{key!r} {dtype} {list(shape)}")
             t = t.detach().to("cpu").contiguous()
             if t.numel():
-                f.write(t.view(torch.uint8).reshape(-1).numpy())
+                data = t.view(torch.uint8).reshape(-1).numpy()
+                f.write(data)
+                h.update(data)
             written += t.numel() * t.element_size()
         if next(it, None) is not None:
             raise ValueError(f"{path}: more tensors than planned")
         f.flush()
         os.fsync(f.fileno())
-    return 8 + len(hb) + written
+    return 8 + len(hb) + written, h.hexdigest()
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str], int]:

@@ -1,5 +1,12 @@
-"""The trainer state: model, optimizer (``StreamedAdamW``), RNG states and run metadata, saved and
-loaded with torch.distributed.checkpoint (DCP) as one directory."""
+"""The trainer state: optimizer (``StreamedAdamW``: fp32 master weights and moments), the model's
+buffers, RNG states and run metadata, saved and loaded with torch.distributed.checkpoint (DCP) as
+one directory.
+
+The weights are stored once, as the optimizer's fp32 masters. The device weights are those masters
+rounded to the model's dtype (``StreamedAdamW`` keeps them so after every step), so a load rebuilds
+them by the same rounding, bit for bit; storing them beside the masters would add 2 B/param (bf16)
+to the 8 B/param of optimizer state for nothing. A state written before this layout (``model.*``
+entries for every parameter) still loads: its masters are read and its weight copies ignored."""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from k3core.checkpoint.manifest import write_manifest
 from k3core.config import K3Config
@@ -44,25 +51,52 @@ def set_qat(model: K3ForCausalLM, on: bool) -> K3ForCausalLM:
     return model
 
 
+WEIGHTS_KEY = "weights"
+WEIGHTS_FROM_MASTERS = "optimizer masters"  # extra[WEIGHTS_KEY]: the layout of this module's docstring
+
+
+def _without_masters(msd: dict, osd: dict) -> dict:
+    """The model state dict less the parameters whose fp32 master the optimizer state holds."""
+    return {k: v for k, v in msd.items() if k not in osd["state"]}
+
+
 def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: torch.optim.Optimizer,
                        extra: dict, storage_writer_factory=None) -> None:
-    """DCP save of model, optimizer, RNG states and ``extra`` (iteration, data cursor, ...) into
-    ``out_dir`` (the caller publishes the directory atomically), plus ``config.json``. Whether the
-    model trains with QAT goes into ``extra`` (``qat_routed_experts``), since config.json describes
-    the model in public names only and has no place for a training switch."""
+    """DCP save of the optimizer, the model's entries the optimizer does not hold (buffers, frozen
+    parameters), RNG states and ``extra`` (iteration, data cursor, ...) into ``out_dir`` (the caller
+    publishes the directory atomically), plus ``config.json``. Whether the model trains with QAT
+    goes into ``extra`` (``qat_routed_experts``), since config.json describes the model in public
+    names only and has no place for a training switch.
+
+    Every file is hashed as it is written (``ODirectFileSystemWriter.digests``; the default writer is
+    that pipeline without O_DIRECT), and the manifest takes those digests: nothing is read back. A
+    ``storage_writer_factory`` whose writer reports no digests gets its files hashed from disk."""
+    from k3core.checkpoint.odirect import ODirectFileSystemWriter
+
     out_dir = Path(out_dir)
-    extra = {**extra, QAT_KEY: bool(model.config.qat_routed_experts)}
+    extra = {**extra, QAT_KEY: bool(model.config.qat_routed_experts), WEIGHTS_KEY: WEIGHTS_FROM_MASTERS}
     msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd,
+    state = {"model": _without_masters(msd, osd), "optim": osd,
              "rng": {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate())},
              "extra": json.dumps(extra)}
-    writer = storage_writer_factory(out_dir) if storage_writer_factory else None
+    factory = storage_writer_factory or (lambda path: ODirectFileSystemWriter(path, direct=False))
+    writer = factory(out_dir)
     with _single_process_dcp():
         dcp.save(state, checkpoint_id=str(out_dir), storage_writer=writer)
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # FSDP2: every rank saved its shards
+    known = dict(getattr(writer, "digests", None) or {})
+    distributed = torch.distributed.is_initialized()
+    if distributed:  # FSDP2: every rank wrote its own data files
+        parts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, known)
+        known = {k: v for part in parts for k, v in part.items()}
+    if not distributed or torch.distributed.get_rank() == 0:
         model.config.to_json_file(out_dir / "config.json")
         (out_dir / "extra.json").write_text(json.dumps(extra, indent=2))
-        write_manifest(out_dir)  # last: sha256 of every file (all ranks' data, .metadata included), checked before any load
+        # last: sha256 of every file (all ranks' data, .metadata included), checked before any load
+        manifest = write_manifest(out_dir, known=known)
+        from k3core.artifacts import remember_digests
+
+        remember_digests(out_dir, {n: e["sha256"] for n, e in manifest["files"].items()})
 
 
 def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.float32, shard=None,
@@ -96,10 +130,13 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
         model.to_empty(device=device)
     opt = make_optimizer(model, lr)
     msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd, "rng": {"torch": torch.get_rng_state(), "python": ""}, "extra": ""}
+    state = {"model": _without_masters(msd, osd), "optim": osd, "rng": {"torch": torch.get_rng_state(), "python": ""},
+             "extra": ""}
     with _single_process_dcp():
         safe_dcp_load(state, path, manifest=manifest)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # the optimizer's load sets every weight it holds from its master (rounded to the weight's dtype)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))
     torch.set_rng_state(state["rng"]["torch"])
     py = json.loads(state["rng"]["python"])
     random.setstate((py[0], tuple(py[1]), py[2]))
@@ -110,12 +147,14 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
 
 def load_trainer_model(path: str | Path, dtype: torch.dtype = torch.float32,
                        device: str | torch.device = "cpu") -> K3ForCausalLM:
-    """The model alone from a trainer-state directory (DCP reads only the model's entries; no
-    optimizer is built): what a rollout engine needs from a trainer state. The manifest is checked
+    """The model alone from a trainer-state directory, no optimizer built: what a rollout engine,
+    an evaluation or an export needs from a trainer state. DCP reads the model's buffers and the
+    fp32 master of every trainable parameter (at most ``_MASTER_READ_BYTES`` of masters at a time
+    beside the model), rounded into the model's dtype as the trainer does. The manifest is checked
     first, as in ``load_trainer_state``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from k3core.checkpoint.dcp_safe import METADATA_NAME, safe_dcp_load
+    from k3core.checkpoint.dcp_safe import METADATA_NAME, safe_dcp_load, verified_dcp_reader
     from k3core.checkpoint.hf import meta_model
     from k3core.checkpoint.manifest import verify_manifest
 
@@ -124,12 +163,36 @@ def load_trainer_model(path: str | Path, dtype: torch.dtype = torch.float32,
     model = meta_model(K3Config.from_json_file(path / "config.json"))
     model.to_empty(device=device)
     model.cast(dtype)
-    state = {"model": get_model_state_dict(model)}
+    msd = get_model_state_dict(model)
+    saved = verified_dcp_reader(path, manifest=manifest).read_metadata().state_dict_metadata
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    masters = {n for n in trainable if f"optim.state.{n}.master" in saved}
     with _single_process_dcp():
-        safe_dcp_load(state, path, manifest=manifest)
-    set_model_state_dict(model, state["model"])
+        safe_dcp_load({"model": {k: v for k, v in msd.items() if k not in masters}}, path, manifest=manifest)
+        with torch.no_grad():
+            for group in _groups(sorted(masters), lambda n: 4 * msd[n].numel(), _MASTER_READ_BYTES):
+                fp32 = {n: torch.empty(msd[n].shape, dtype=torch.float32) for n in group}
+                safe_dcp_load({"optim": {"state": {n: {"master": t} for n, t in fp32.items()}}}, path, manifest=manifest)
+                for n, t in fp32.items():
+                    msd[n].copy_(t)  # round to nearest into the weight's dtype, as StreamedAdamW does
+    set_model_state_dict(model, msd)
     set_qat(model, json.loads((path / "extra.json").read_text()).get(QAT_KEY, False))
     return model
+
+
+_MASTER_READ_BYTES = 256 << 20  # fp32 masters read into host memory at once by load_trainer_model
+
+
+def _groups(names: list[str], nbytes, limit: int) -> list[list[str]]:
+    """``names`` cut in order into groups of at most ``limit`` bytes (a larger item alone)."""
+    out, size = [[]], 0
+    for n in names:
+        if out[-1] and size + nbytes(n) > limit:
+            out.append([])
+            size = 0
+        out[-1].append(n)
+        size += nbytes(n)
+    return [g for g in out if g]
 
 
 def rng_state() -> tuple:

@@ -299,7 +299,7 @@ _CHILD = textwrap.dedent("""
     from k3core.checkpoint.names import materialize, meta_model
     from k3core.config import K3Config
     out, marker, where = sys.argv[1], sys.argv[2], sys.argv[3]
-    real_write, real_publish = hf.write_safetensors, hf.publish_dir
+    real_write, real_publish = hf.write_safetensors_hashed, hf.publish_dir
     count = [0]
     def hang():
         open(marker, "w").close()
@@ -317,7 +317,7 @@ _CHILD = textwrap.dedent("""
         if where == "before_publish":
             hang()
         return real_publish(staging, final, **k)
-    hf.write_safetensors, hf.publish_dir = write, publish
+    hf.write_safetensors_hashed, hf.publish_dir = write, publish
     m = materialize(meta_model(K3Config.preset("tiny")))
     m.reset_parameters(99)
     hf.save_hf(m.cast(__import__("torch").bfloat16), out, max_shard_bytes=40_000)

@@ -279,6 +279,31 @@ def test_loads_with_stock_reader_bit_exact(disk_dir: Path, options: dict) -> Non
     assert stats.files == len(ends) and stats.payload_bytes == sum(ends.values())
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(buffer_bytes=64 * KiB, num_buffers=2),
+        dict(buffer_bytes=64 * KiB, num_buffers=3, thread_count=3, io_threads=2, hash_threads=2),
+        dict(buffer_bytes=256 * KiB, single_file_per_rank=False, direct=False),
+    ],
+    ids=["one-lane", "lanes-shared-by-files", "buffered-file-per-item"],
+)
+def test_digests_hashed_while_writing_equal_sha256_of_the_files(disk_dir: Path, options: dict) -> None:
+    """Every file the save wrote (data files and .metadata) has the digest the writer reported,
+    computed from the bytes on their way out (many buffers per file, files sharing hash lanes, the
+    O_DIRECT tail's padding excluded)."""
+    import hashlib
+
+    state = make_state(seed=5)
+    writer = ODirectFileSystemWriter(disk_dir, **options)
+    dcp.save(state, storage_writer=writer)
+    on_disk = {p.name for p in data_files(disk_dir)} | {".metadata"}
+    assert set(writer.digests) == on_disk
+    for name, (digest, size) in writer.digests.items():
+        data = (disk_dir / name).read_bytes()
+        assert (hashlib.sha256(data).hexdigest(), len(data)) == (digest, size), name
+
+
 def test_same_file_bytes_as_stock_on_cpu(disk_dir: Path) -> None:
     """On CPU the stock writer writes items in plan order, as we do: whole files are identical."""
     if torch.cuda.is_available():
