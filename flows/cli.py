@@ -26,6 +26,7 @@ Errors are one message naming the problem and the fix, without a traceback; ``k3
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -158,13 +159,22 @@ def _run_locked(a, s, lock_file) -> int:
               f"({', '.join(crashed)})", file=sys.stderr)
     try:
         bar = not a.no_progress and progress_wanted()
-        with run_progress(bar), stage_heartbeat(not a.no_progress and not bar), tags(tag):
+        with (run_progress(bar), stage_heartbeat(not a.no_progress and not bar), tags(tag),
+              _no_disk_full_tracebacks(not a.debug)):
             summary = rl_run(s)
     except KeyboardInterrupt:
         print(f"k3rl: interrupted; run the same command again to resume run '{run_id}'", file=sys.stderr)
         return 130
     except Exception as e:  # the failing stage has logged its traceback through Prefect
         from k3core.storage import StorageError
+
+        full = disk_full_message(e, s.pipeline.artifacts)
+        if full:
+            if a.debug:
+                traceback.print_exc()
+            print(f"k3rl: error: run '{run_id}' stopped: {full}; no partial artifact was published and finished "
+                  f"stages are kept: free space there and run the same command to resume", file=sys.stderr)
+            return 1
 
         if isinstance(e, StorageError) and e.permanent:  # access, credentials, bucket: the user's to fix
             print(f"k3rl: error: run '{run_id}' stopped: {e}; no partial artifact was published and finished stages "
@@ -175,6 +185,58 @@ def _run_locked(a, s, lock_file) -> int:
         return 1
     print(json.dumps(summary, indent=2) if a.json else _format_summary(summary))
     return 0
+
+
+def disk_full_message(e: BaseException, artifacts: str) -> str | None:
+    """What a full disk behind ``e`` says (the file being written, the free space now), None when
+    no full disk is behind it."""
+    from flows.preflight import _local_path
+    from k3core.rl.disk import disk_full_error, existing_dir, free_bytes, gb
+
+    err = disk_full_error(e)
+    if err is None:
+        return None
+    where = err.filename or _local_path(artifacts) or artifacts
+    what = f"{err.strerror or 'the disk is full'} writing {err.filename}" if err.filename else \
+        f"{err.strerror or 'the disk is full'} under --artifacts {artifacts}"
+    try:
+        free = f"{gb(free_bytes(where))} free now on {existing_dir(where)}"
+    except (OSError, TypeError):
+        return f"the disk is full: {what}"
+    return f"the disk is full: {what} ({free})"
+
+
+@contextlib.contextmanager
+def _no_disk_full_tracebacks(quiet: bool):
+    """While the run runs, log lines of a full disk carry no traceback on the terminal (Prefect logs
+    each failed stage's): the one error line says it all; ``--debug`` keeps them. Only the stream
+    handlers print a copy without it; other handlers (Prefect's API: the UI) get the record whole."""
+    import copy
+    import logging
+
+    from k3core.rl.disk import disk_full_error
+
+    if not quiet:
+        yield
+        return
+    handlers = {id(h): h for lg in [logging.root, *logging.root.manager.loggerDict.values()]
+                if isinstance(lg, logging.Logger) for h in lg.handlers if isinstance(h, logging.StreamHandler)}
+
+    def without_traceback(emit):
+        def emit_record(record: logging.LogRecord) -> None:
+            if record.exc_info and disk_full_error(record.exc_info[1]) is not None:
+                record = copy.copy(record)
+                record.exc_info, record.exc_text = None, None
+            emit(record)
+        return emit_record
+
+    for h in handlers.values():
+        h.emit = without_traceback(h.emit)
+    try:
+        yield
+    finally:
+        for h in handlers.values():
+            del h.emit  # the class's own again
 
 
 def _format_summary(s: dict) -> str:
@@ -199,7 +261,7 @@ def _f(x) -> str:
 
 def cmd_prepare(a) -> int:
     s = _settings_from_args(a)
-    check_settings(s)
+    check_settings(s, prepare_only=True)
     from flows.pipeline import prepare
 
     if getattr(a, "run_id_generated", False):
@@ -211,6 +273,11 @@ def cmd_prepare(a) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:
+        full = disk_full_message(e, s.pipeline.artifacts)
+        if full:
+            print(f"k3rl: error: prepare of run '{s.pipeline.run_id}' stopped: {full}; free space there and run the "
+                  "same command to resume", file=sys.stderr)
+            return 1
         print(f"k3rl: prepare of run '{s.pipeline.run_id}' failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     print(json.dumps(dataclasses.asdict(out), indent=2, default=str))
@@ -386,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # not bad input: the work failed; the traceback is for whoever debugs it
         if args.debug:
             traceback.print_exc()
+        full = disk_full_message(e, getattr(args, "artifacts", None) or ".")
+        if full:
+            print(f"k3rl: error: {full}; free space there and run the command again", file=sys.stderr)
+            return 1
         print(f"k3rl: error: {type(e).__name__}: {e}\nk3rl: the command failed; `k3rl --debug {args.cmd} ...` "
               "prints the traceback", file=sys.stderr)
         return 1

@@ -3,7 +3,8 @@ before anything is written under the artifact root.
 
 Owns: ``check_settings`` (what ``k3rl run`` and ``k3rl prepare`` check beyond the settings
 sections' own validation): the environment loads, the scale-out setting is usable, the source is a
-checkpoint, the artifact root can be written. Each failure is a ``ValueError`` whose message names
+checkpoint, the artifact root can be written, and a local root has room for what the run will
+write (``check_disk``: the peak bytes of ``k3core.rl.disk`` against the free space). Each failure is a ``ValueError`` whose message names
 the flag, the problem and the fix; the CLI prints it as one error with exit status 2.
 Does not own: the settings' own checks (``k3core.settings``, which deployments run too), or the
 fail-closed audit of a fetched checkpoint (the ``validate_checkpoint`` stage hashes every file). A
@@ -16,17 +17,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["check_artifact_root", "check_settings", "check_source"]
+__all__ = ["check_artifact_root", "check_disk", "check_settings", "check_source"]
 
 
-def check_settings(s) -> None:
-    """Everything a run's settings name that can be checked on this machine, cheaply, up front."""
+def check_settings(s, prepare_only: bool = False) -> None:
+    """Everything a run's settings name that can be checked on this machine, cheaply, up front.
+    ``prepare_only``: ``k3rl prepare`` (the disk must hold the prepared weights, not the iterations)."""
     from flows.scale import check_runner
     from k3core.device import decode_mode, run_device
     from k3core.rl.envs import load_env
 
-    load_env(s.pipeline.env)
+    env = load_env(s.pipeline.env)
     check_artifact_root(s.pipeline.artifacts, s.pipeline.run_id)
+    check_disk(s, env, prepare_only=prepare_only)
     if not _source_fetched(s.pipeline.artifacts, s.pipeline.run_id):
         check_source(s.model.source, s.model.preset)
     check_runner(s.scale_out)
@@ -120,3 +123,59 @@ def check_artifact_root(artifacts: str, run_id: str) -> None:
         if not os.access(where, os.W_OK | os.X_OK):
             raise ValueError(f"--artifacts {artifacts}: {where} is not writable (a read-only filesystem or its "
                              "permissions); choose a writable --artifacts, or make it writable")
+
+
+def check_disk(s, env=None, prepare_only: bool = False) -> None:
+    """A local artifact root must have room for the peak of what the rest of the run writes
+    (``k3core.rl.disk.run_disk_need``: the trainer states at once under ``--keep-checkpoints`` and
+    ``--save-every``, the prepared weights not yet published, the tables of the iterations left);
+    a resumed run counts only what remains. Refused with the free space, the need and the flags
+    under which it fits. A remote root is not measured (its store's own errors name a full bucket)."""
+    from k3core.rl import disk
+
+    root = _local_path(s.pipeline.artifacts)
+    if root is None:
+        return
+    progress = disk.run_progress(root, s.pipeline.run_id)
+    if prepare_only:
+        s = disk.with_pipeline(s, iterations=0)  # the prepared weights alone
+    tokens, agentic = _prompt_tokens(env, s.pipeline.seed)
+    source_bytes = _local_size(s.model.source)
+
+    def need_of(x):
+        return disk.run_disk_need(x, progress, tokens, agentic, source_bytes=source_bytes)
+
+    need, free = need_of(s), disk.free_bytes(root)
+    if need.total <= free:
+        return
+    resumed = " (what remains of this run)" if progress != disk.RunProgress() else ""
+    fits = disk.fitting_flags(s, free, need_of)
+    raise ValueError(f"--artifacts {s.pipeline.artifacts}: {disk.gb(free)} free on {disk.existing_dir(root)}, but the "
+                     f"run needs {disk.gb(need.total)}{resumed} at its peak ({need.describe()}); it would fit with "
+                     + "; or ".join(fits))
+
+
+def _prompt_tokens(env, seed: int) -> tuple[int, bool]:
+    """An upper bound of the run's prompt length in tokens (a token is at least one byte of the
+    prompt's text, plus the chat template around it) from a sample of the environment's prompts,
+    and whether its episodes are agentic (their length is ``--max-episode-tokens``)."""
+    import random
+
+    from k3core.rl.disk import TEMPLATE_TOKENS
+    from k3core.rl.episodes import is_agentic
+
+    if env is None:
+        return 1024, False
+    try:
+        longest = max(len(p.encode()) for p in env.prompts(random.Random(seed), 64))
+    except Exception:  # an environment's own failure is the rollout's to report, with its traceback
+        longest = 1024
+    return 2 * longest + TEMPLATE_TOKENS, is_agentic(env)
+
+
+def _local_size(source: str) -> int | None:
+    """Bytes of a local source checkpoint (what the fetch copies), None for any other."""
+    path = None if source.startswith("init:") else _local_path(source)
+    if path is None or not path.is_dir():
+        return None
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -1,11 +1,12 @@
-"""Fault injection for the kill -9 tests: ``K3RL_FAULT=<stage>:<point>`` makes the process SIGKILL
-itself at one named point of one stage, as a power cut or the OOM killer would.
+"""Fault injection for the kill -9 and full-disk tests: ``K3RL_FAULT=<stage>:<point>`` makes the
+process SIGKILL itself at one named point of one stage, as a power cut or the OOM killer would, or
+(``enospc``) makes that stage's write fail as on a full disk.
 
-Owns: reading ``K3RL_FAULT`` (once, at import), the name of the stage running in this thread, and the
-kill. Does not own: where the points sit (``k3core.artifacts.ArtifactStore.publish`` calls
+Owns: reading ``K3RL_FAULT`` (once, at import), the name of the stage running in this thread, the
+kill and the injected ``OSError``. Does not own: where the points sit (``k3core.artifacts.ArtifactStore.publish`` calls
 ``reached("before-publish" | "mid-write")``, the stage wrapper of ``tasks.common`` calls
 ``reached("after-publish")``), nor checking what a resumed run does after the kill
-(``tests/flows/test_kill_matrix.py``).
+(``tests/flows/test_kill_matrix.py``) or after a full disk (``tests/flows/test_disk_full.py``).
 
 ``<stage>``: a stage's task run name (``rollout-iter1``, ``save_checkpoint-iter0``, ``warmup``,
 ``evaluate-final``) or its timing key (``rollout``, ``save``: the first call of that stage).
@@ -18,7 +19,10 @@ kill. Does not own: where the points sit (``k3core.artifacts.ArtifactStore.publi
 - ``after-publish``: the stage body returned (every artifact of it published, pointers such as
   ``latest.json`` updated), but Prefect has not recorded the task run as finished nor persisted its
   result. For stages that publish no file (``transfer``, ``evaluate``, ``mismatch``) this is the
-  only point.
+  only point;
+- ``enospc``: at ``mid-write`` the staging path is left half written as there, and the stage's write
+  raises ``OSError(ENOSPC)`` naming that file instead of the process being killed: the stage fails as
+  on a full disk, and its publish removes the staging path.
 
 Unset (always, outside these tests) ``SPEC`` is None: ``reached`` returns after one comparison and
 stages run unwrapped.
@@ -28,12 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import os
 import signal
 from pathlib import Path
 from collections.abc import Iterator
 
-POINTS = ("before-publish", "mid-write", "after-publish")
+POINTS = ("before-publish", "mid-write", "after-publish", "enospc")
 
 
 def parse(text: str | None) -> tuple[str, str] | None:
@@ -63,31 +68,36 @@ def in_stage(*names: str) -> Iterator[None]:
 
 
 def reached(point: str, staging: Path | None = None) -> None:
-    """Kill this process if ``K3RL_FAULT`` names ``point`` of the stage running in this thread.
-    ``staging``: the artifact's staging path (``mid-write`` cuts it to half first)."""
+    """Kill this process if ``K3RL_FAULT`` names ``point`` of the stage running in this thread (for
+    ``enospc``: raise a full disk's ``OSError`` at ``mid-write``). ``staging``: the artifact's
+    staging path (``mid-write`` and ``enospc`` cut it to half first)."""
     if SPEC is None:
         return
     stage, want = SPEC
-    if want != point or stage not in _stage.get():
+    disk_full = want == "enospc" and point == "mid-write"
+    if (want != point and not disk_full) or stage not in _stage.get():
         return
-    if point == "mid-write" and staging is not None:
-        _cut_in_half(staging)
+    victim = _cut_in_half(staging) if point == "mid-write" and staging is not None else None
+    if disk_full:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(victim or staging))
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _cut_in_half(staging: Path) -> None:
-    """Leave ``staging`` as a write interrupted halfway leaves it: its largest file holding only the first half of its bytes. The file is unlinked and written anew,
+def _cut_in_half(staging: Path) -> Path | None:
+    """Leave ``staging`` as a write interrupted halfway leaves it: its largest file (returned) holding
+    only the first half of its bytes. The file is unlinked and written anew,
     never truncated in place: a staged file may be a hard link to a published one
     (``save_checkpoint`` links the trainer state's files), which must keep its bytes."""
     if staging.is_dir():  # the completion marker is written after this point
         files = [p for p in staging.rglob("*") if p.is_file()]
         if not files:
-            return
+            return None
         victim = max(files, key=lambda p: (p.stat().st_size, str(p)))
     elif staging.is_file():
         victim = staging
     else:
-        return
+        return None
     data = victim.read_bytes()
     victim.unlink()
     victim.write_bytes(data[: len(data) // 2])
+    return victim

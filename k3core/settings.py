@@ -292,7 +292,7 @@ class PipelineSettings(_Section):
                               "the checkpoint's chat template; completions end at <|im_end|>), raw (the prompt text), "
                               "or auto (chat where the checkpoint's tokenizer has a chat template, else raw)")
     seed: int = _int(0, "seed", "seed of prompts, sampling and a fresh checkpoint")
-    keep_checkpoints: int = _int(0, "keep-checkpoints", "keep the newest N checkpoints (trainer states) of the "
+    keep_checkpoints: int = _int(1, "keep-checkpoints", "keep the newest N checkpoints (trainer states) of the "
                                  "run and delete older ones after each iteration; resume's own always stay "
                                  "(0: keep all)")
     save_every: int = _int(1, "save-every", "write the trainer state (a checkpoint) every K iterations and after "

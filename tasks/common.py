@@ -1,7 +1,7 @@
 """What every stage shares: retries with backoff, resume-friendly caching, asset lineage, naming.
 
 - Retries: 2 with exponential backoff, except for errors retrying cannot fix (bad input, validation
-  failures, an environment returning NaN): those fail at once with their message.
+  failures, an environment returning NaN, a full disk): those fail at once with their message.
 - Caching: ``INPUTS + TASK_SOURCE`` with results persisted as JSON under
   ``<artifact root>/.prefect-results`` (not keyed on the flow run id), so a re-run of a run id skips
   every finished stage; a record there that is not k3rl's JSON is never read (``tasks/results.py``).
@@ -57,13 +57,16 @@ RETRIES = int(os.environ.get("K3RL_TASK_RETRIES", "2"))
 def retry_unless_bad_input(task, task_run, state) -> bool:
     """Prefect ``retry_condition_fn``: retry transient failures only. Storage errors (``StorageError``,
     after botocore's and s3fs's own retries) are retried unless they are access denied or missing
-    credentials (a ``PermissionError``) or a missing object or bucket (a ``FileNotFoundError``)."""
+    credentials (a ``PermissionError``) or a missing object or bucket (a ``FileNotFoundError``). A
+    full disk (``ENOSPC``, ``EDQUOT``) is not retried either: the space must be freed first."""
+    from k3core.rl.disk import disk_full_error
+
     try:
         state.result()
     except NON_RETRYABLE:
         return False
-    except Exception:
-        return True
+    except Exception as e:
+        return disk_full_error(e) is None
     return True
 
 

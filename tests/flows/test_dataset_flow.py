@@ -25,7 +25,8 @@ def _settings(root: Path, run_id: str, staleness: int) -> RLSettings:
     return RLSettings.from_dict(dict(
         preset="tiny", source="init:tiny:3", env="math", seed=SEED, iterations=3, artifacts=str(root), run_id=run_id,
         prompts_per_iteration=N, samples_per_prompt=2, max_new_tokens=3, warmup_steps=0, eval_prompts=4,
-        eval_every=0, mismatch_sequences=0, refill_rounds=1, lr=1e-3, reward_workers=1, max_staleness=staleness))
+        eval_every=0, mismatch_sequences=0, refill_rounds=1, lr=1e-3, reward_workers=1, max_staleness=staleness,
+        keep_checkpoints=0))  # every checkpoint stays: the test reads the data cursor of each
 
 
 def _rounds(run_root: Path, iteration: int) -> list[list[str]]:
