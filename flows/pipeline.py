@@ -8,7 +8,15 @@ nothing finished is recomputed, no rollout batch is lost. Stages hand each other
 handles. One iteration N (engine at weight version N):
 
     rollout(engine@N) -> rollouts.parquet -> score -> scored.parquet -> train_step(state N) -> state N+1
-    -> save_checkpoint (manifest, latest) -> transfer_weights (MXFP4 experts) -> engine@N+1
+    (live) -> transfer_weights (MXFP4 experts) -> engine@N+1
+
+Checkpoints off the critical path: state N+1 is written (``save_checkpoint``: the trainer state,
+hashed as written, then the checkpoint and ``latest``) beside iteration N+1's rollout and score,
+and joined before its train step changes the live state; with ``--save-every K`` only every K-th
+state (and the last) is written. An iteration is recorded (``metrics.json``, ``lineage.json``)
+once the state after it, or a later one, is durable; a resumed run re-runs the unrecorded
+iterations from the last checkpoint, finding their published tables (never sampled again) and
+repeating their train steps (bit-identical on the CPU).
 
 With ``--refill-rounds`` (dynamic sampling), rollout and score run again on new prompts
 (``rollouts-refill1.parquet``, ...) while too few groups carry signal, before the train step.
@@ -85,11 +93,13 @@ class Prepared:
 
 @dataclass
 class Iteration:
-    policy: Artifact  # the trainer state after the update (version N+1)
+    policy: Artifact  # the trainer state after the update (version N+1), live in this process or durable
     weights: Artifact  # what the engine serves next (version N+1)
     metrics: dict
     lineage: list[Artifact]
     next_rollouts: Artifact | None = None  # the next iteration's batch, sampled ahead at this version
+    saved: Artifact | None = None  # the checkpoint made durable in this iteration (this one's, or the previous one's)
+    unsaved: Artifact | None = None  # this iteration's state, to be written beside the next iteration's rollout
 
 
 @flow(name="prepare", flow_run_name="{settings.pipeline.run_id}-prepare", log_prints=True)
@@ -105,18 +115,35 @@ def prepare(settings: RLSettings) -> Prepared:
     return Prepared(checkpoint, report, policy, weights, seconds, memory_metrics(peaks))
 
 
+def save_due(s: RLSettings, iteration: int) -> bool:
+    """Whether the trainer state after ``iteration`` is written: every ``--save-every`` iterations
+    and after the last."""
+    return (iteration + 1) % s.pipeline.save_every == 0 or iteration + 1 >= s.pipeline.iterations
+
+
+def save_behind(s: RLSettings, iteration: int) -> bool:
+    """Whether that save runs beside the next iteration's rollout instead of in this iteration: when
+    there is a next iteration, and the trainer lives in this process (the local task runner and one
+    train process; Dask or Ray workers and torchrun ranks read each state from disk)."""
+    return (iteration + 1 < s.pipeline.iterations and s.scale_out.task_runner == "local"
+            and s.scale_out.train_procs == 1)
+
+
 @flow(name="rl_iteration", flow_run_name="{settings.pipeline.run_id}-iter{iteration}", log_prints=True,
-      task_runner=ThreadPoolTaskRunner(max_workers=2))
+      task_runner=ThreadPoolTaskRunner(max_workers=3))
 def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights: Artifact,
                  reference: Artifact | None = None, rollouts: Artifact | None = None,
-                 behind: Artifact | None = None) -> Iteration:
+                 behind: Artifact | None = None, unsaved: Artifact | None = None) -> Iteration:
     """One iteration (the module's diagram). ``policy``: the trainer's weights at the version the
     engine serves (``weights``); ``reference``: the frozen policy of the KL penalty (``kl_coef`` > 0);
     ``rollouts``: this iteration's batch when the previous iteration sampled it ahead, else sampled
-    here by ``behind`` (the version before ``weights``) or, without it, by ``weights``."""
+    here by ``behind`` (the version before ``weights``) or, without it, by ``weights``; ``unsaved``:
+    the previous iteration's trained state (live in this process, ``policy`` itself), written here
+    beside the rollout and score and joined before the train step changes it."""
     s, run, t0 = settings, Run.of(settings), time.perf_counter()
     ahead = s.grpo.max_staleness > 0 and iteration + 1 < s.pipeline.iterations
     with stage_timings() as seconds, stage_memory() as peaks:
+        saving = save_checkpoint.submit(run, iteration - 1, unsaved) if unsaved is not None else None
         heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
                    if s.evaluation.due(iteration) else {})
         batch = sample_round(s, run, iteration, behind or weights, Batch(s.rollout, data_position(policy)), rollouts)
@@ -128,15 +155,20 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                                      s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_due(iteration) else {})
         ref = reference_logprobs(run, iteration, reference, batch, s.grpo) if s.grpo.kl_coef else None
+        saved = saving.result() if saving is not None else None  # durable before the update changes it
         trained = train_step(run, iteration, policy, batch, s.grpo, ref, s.scale_out.train_procs)
-        checkpoint = save_checkpoint(run, iteration, trained)
+        live = trained.info.get("durable", True) is False  # a resumed run's state may be on disk already
+        later = save_due(s, iteration) and save_behind(s, iteration) and live
+        if save_due(s, iteration) and not later:
+            saved = save_checkpoint(run, iteration, trained)  # no later rollout to hide it behind
         next_rollouts = pending.result() if ahead else None  # the engine keeps this version until it is done
-        engine = transfer_weights(run, iteration, checkpoint, s.rollout.quantized)
+        engine = transfer_weights(run, iteration, trained, s.rollout.quantized)
     metrics = reports.iteration_metrics(iteration, batch, trained, engine, heldout, mismatch, seconds)
     metrics.update(seconds_iteration=time.perf_counter() - t0, device=run.device, dtype=run.dtype,
                    **memory_metrics(peaks))
-    lineage = [*batch.artifacts(), *([ref] if ref is not None else []), trained, checkpoint, engine]
-    return Iteration(checkpoint, _served(s, checkpoint), metrics, lineage, next_rollouts)
+    lineage = [*batch.artifacts(), *([ref] if ref is not None else []), trained, engine]
+    return Iteration(trained, _served(s, trained), metrics, lineage, next_rollouts, saved,
+                     trained if later else None)
 
 
 def sample_round(s: RLSettings, run: Run, iteration: int, weights: Artifact, batch: Batch,
@@ -192,7 +224,8 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     if done:
         # the recorded handles name the local paths of the machine that made them; on another machine,
         # or after its cache was emptied, the checkpoints read here are downloaded from the root again
-        checkpoints = [next(a for a in it if a.kind == "dcp" and "manifest" in a.info) for it in done]
+        # (with --save-every K only every K-th iteration has one; the last recorded always does)
+        checkpoints = [a for it in done for a in it if a.kind == "dcp" and "manifest" in a.info]
         policy = run.store.localize(checkpoints[-1])
         weights = _served(s, policy)
         behind = (_served(s, run.store.localize(checkpoints[-2])) if len(checkpoints) > 1 and s.grpo.max_staleness
@@ -200,23 +233,19 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
         log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
     reference = prep.policy if s.grpo.kl_coef else None
     t_loop = time.perf_counter()
+    unsaved, unrecorded = None, []  # a state written beside the next rollout; iterations not durable yet
     with iteration_runner(s.scale_out, run.run_id) as runner:  # a Dask or Ray cluster outlives each iteration
         for n in range(len(done), s.pipeline.iterations):
             iterate = rl_iteration if runner is None else rl_iteration.with_options(task_runner=runner())
             it = iterate(s, n, policy, weights, reference, pending,
-                         behind if s.grpo.max_staleness and n else None)
-            behind, pending = weights, it.next_rollouts
+                         behind if s.grpo.max_staleness and n else None, unsaved)
+            behind, pending, unsaved = weights, it.next_rollouts, it.unsaved
             policy, weights = it.policy, it.weights
-            history.append(it.metrics)
-            done.append(it.lineage)
+            unrecorded.append((it.metrics, it.lineage))
             pace = (time.perf_counter() - t_loop) / (n + 1 - done_before)  # seconds per iteration so far
             log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics, pace * (s.pipeline.iterations - n - 1)))
-            reports.record_lineage(s, prep.lineage(), done)
-            reports.publish_iteration(s, history, _flat(prep, done))
-            pruned = prune_checkpoints(s, latest=it.policy.version)  # after the records: resume never needs them
-            if pruned:
-                log.info(f"--keep-checkpoints {s.pipeline.keep_checkpoints}: deleted the checkpoints and trainer "
-                         f"states of versions {', '.join(map(str, pruned))}")
+            if it.saved is not None:  # durable up to its version: the iterations before it are recorded
+                unrecorded = _record(s, prep, history, done, unrecorded, it.saved)
             progress_event("iterations", done=n + 1, total=s.pipeline.iterations)
     final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward)
     # a continued run's prepare found its work done; the seconds it really cost are the recorded ones
@@ -225,6 +254,27 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
                               run.dtype)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary
+
+
+def _record(s: RLSettings, prep: Prepared, history: list[dict], done: list[list[Artifact]],
+            unrecorded: list[tuple[dict, list[Artifact]]], checkpoint: Artifact) -> list[tuple[dict, list[Artifact]]]:
+    """Record the iterations up to ``checkpoint``'s version (now durable): their metrics and lineage,
+    the checkpoint in the lineage of the iteration that trained it; then prune older checkpoints.
+    Returns the iterations still unrecorded. An iteration is on record only once a resume can start
+    after it: a resumed run re-runs the unrecorded ones (their published tables found, not sampled
+    again; their train steps repeated from the last checkpoint)."""
+    k = checkpoint.version - len(done)
+    for metrics, lineage in unrecorded[:k]:
+        history.append(metrics)
+        done.append(lineage)
+    done[-1] = [*done[-1], checkpoint]
+    reports.record_lineage(s, prep.lineage(), done)
+    reports.publish_iteration(s, history, _flat(prep, done))
+    pruned = prune_checkpoints(s, latest=checkpoint.version)  # after the records: resume never needs them
+    if pruned:
+        get_run_logger().info(f"--keep-checkpoints {s.pipeline.keep_checkpoints}: deleted the checkpoints and "
+                              f"trainer states of versions {', '.join(map(str, pruned))}")
+    return unrecorded[k:]
 
 
 def _served(s: RLSettings, checkpoint: Artifact) -> Artifact:

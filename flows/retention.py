@@ -8,7 +8,8 @@ tables, metrics, lineage and the prepared weights (source, warm-up, rollout weig
 deleted: they are small, and a resumed run must never regenerate a published rollout.
 
 Kept, whatever N is:
-- the newest N checkpoints;
+- the newest N checkpoints (with ``--save-every K`` there is one every K versions: the newest N of
+  those);
 - the latest (``latest.json``): resume continues from it and the engine serves it;
 - with ``--max-staleness 1``, the one before it: a resumed run samples its next batch with the
   version before the latest when that batch is not published yet.
@@ -28,12 +29,16 @@ from k3core.settings import RLSettings
 __all__ = ["checkpoints_to_keep", "prune_checkpoints"]
 
 
-def checkpoints_to_keep(latest: int, keep: int, max_staleness: int = 0) -> set[int]:
-    """Weight versions (1..``latest``) whose checkpoints stay; ``keep`` 0 keeps them all."""
+def checkpoints_to_keep(latest: int, keep: int, max_staleness: int = 0, saved: list[int] | None = None) -> set[int]:
+    """Weight versions (1..``latest``) whose checkpoints stay; ``keep`` 0 keeps them all. ``saved``:
+    the versions that have one (default: every version)."""
+    versions = sorted(v for v in (saved if saved is not None else range(1, latest + 1)) if 1 <= v <= latest)
+    if latest not in versions:
+        versions.append(latest)
     if keep <= 0:
-        return set(range(1, latest + 1))
-    needed = {latest} | ({latest - 1} if max_staleness and latest > 1 else set())
-    return set(range(max(1, latest - keep + 1), latest + 1)) | needed
+        return set(versions)
+    needed = {latest} | ({versions[-2]} if max_staleness and len(versions) > 1 else set())
+    return set(versions[-keep:]) | needed
 
 
 def prune_checkpoints(s: RLSettings, latest: int) -> list[int]:
@@ -42,7 +47,8 @@ def prune_checkpoints(s: RLSettings, latest: int) -> list[int]:
     if s.pipeline.keep_checkpoints <= 0:
         return []
     store, layout = ArtifactStore(s.pipeline.artifacts), RunLayout(s.pipeline.run_id)
-    keep = checkpoints_to_keep(latest, s.pipeline.keep_checkpoints, s.grpo.max_staleness)
+    saved = [v for v in range(1, latest + 1) if store.exists(layout.checkpoint_rel(v))]
+    keep = checkpoints_to_keep(latest, s.pipeline.keep_checkpoints, s.grpo.max_staleness, saved)
     removed = []
     for v in range(1, latest):
         if v in keep:

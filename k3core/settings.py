@@ -437,6 +437,11 @@ class RLSettings:
         if self.device.dtype == "bfloat16" and self.scale_out.train_procs > 1:
             cross.append("--dtype bfloat16 with --train-procs > 1: FSDP2 shards parameters of one dtype, and the bf16 "
                          "model keeps KDA's A_log and dt_bias in fp32; use --dtype float32 (or auto on the CPU)")
+        if self.pipeline.save_every > 1 and (runner in ("dask", "ray") or self.scale_out.train_procs > 1):
+            cross.append(f"--save-every {self.pipeline.save_every} keeps the trainer live in this process between "
+                         "checkpoints, but " + (f"--task-runner {runner}'s workers" if runner in ("dask", "ray") else
+                                                "--train-procs > 1's ranks") + " read every iteration's trainer "
+                         "state from disk: use --save-every 1 with them")
         if cross:
             raise SettingsError("RLSettings", cross)
         if not self.model.source:

@@ -166,6 +166,17 @@ class Run:
         fetched = self.store.exists(self.layout.tokenizer)
         return str(self.store.open_local(self.layout.tokenizer) if fetched else weights)
 
+    def model_config(self, weights: Artifact):
+        """The ``K3Config`` of ``weights``: its ``config.json``; for a trainer state that is live in
+        this process and not written yet, the run's (``fetch_checkpoint`` published the source's
+        beside its tokenizer; training changes weights, never the architecture)."""
+        from k3core.config import K3Config
+
+        own = Path(weights.path, "config.json")
+        if own.is_file() or weights.info.get("durable", True) is not False:
+            return K3Config.from_json_file(own)
+        return K3Config.from_json_file(Path(self.store.open_local(self.layout.tokenizer), "config.json"))
+
     def prompts(self, config, weights: str | os.PathLike) -> PromptFormat:
         """How this run writes prompts and reads completions: its tokenizer (``tokenizer_dir``, read as
         data, never executed) for a model of ``config``, its environment, its ``--prompt-format``."""
@@ -357,7 +368,7 @@ class Stage:
             peaks[self.key] = peaks[self.key].merged(probe.peak) if self.key in peaks else probe.peak
         if isinstance(out, Artifact):
             run_id = state.state_details.task_run_id
-            out = dataclasses.replace(run.store.localize(out), produced_by=name, inputs=tuple(inputs),
+            out = dataclasses.replace(_localized(run, out), produced_by=name, inputs=tuple(inputs),
                                       produced_by_id=str(run_id) if run_id else "")
         return out
 
@@ -411,9 +422,15 @@ class StageFuture:
             seconds[f"{self.key}_ahead"] = seconds.get(f"{self.key}_ahead", 0.0) + (self._done_at or t1) - self._submitted
         if isinstance(out, Artifact):
             run_id = getattr(self.future, "task_run_id", None)
-            out = dataclasses.replace(self.run.store.localize(out), produced_by=self.name, inputs=self.inputs,
+            out = dataclasses.replace(_localized(self.run, out), produced_by=self.name, inputs=self.inputs,
                                       produced_by_id=str(run_id) if run_id else "")
         return out
+
+
+def _localized(run: Run, out: Artifact) -> Artifact:
+    """``out`` readable on this machine (``ArtifactStore.localize``); a trainer state that is live in
+    this process and not written yet has nothing to download, and stays as it is."""
+    return out if out.info.get("durable", True) is False else run.store.localize(out)
 
 
 def round_run_name(stage_name: str) -> Callable[..., str]:

@@ -20,7 +20,6 @@ def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: R
     completion length and the sampling temperature of the run's rollouts; ``reward``: the sandbox's
     limits (user and dataset environments). The embedded engine runs on the run's device; its
     decode state is released afterwards (the train step may need the memory)."""
-    from k3core.config import K3Config
     from k3core.rl.data import heldout_prompts
     from k3core.rl.envs import load_env
     from k3core.rl.evaluate import evaluate as run_eval
@@ -28,7 +27,7 @@ def evaluate(run: Run, label: str, weights: Artifact, n_prompts: int, rollout: R
 
     client = rollout_client(run, weights, rollout.url)
     client.routing = False  # rewards need tokens only (a real SGLang returns routing only when enabled)
-    fmt = run.prompts(K3Config.from_json_file(f"{weights.path}/config.json"), weights.path)
+    fmt = run.prompts(run.model_config(weights), weights.path)
     env = load_env(run.env)
     prompts = heldout_prompts(env, run.seed, n_prompts, run.env)
     out = run_eval(client, fmt, env, run.env, prompts, rollout.max_new_tokens, rollout.temperature, seed=run.seed,

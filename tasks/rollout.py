@@ -72,9 +72,8 @@ def rollout_client(run: Run, weights: Artifact, url: str = "local"):
 
     if url in (None, "", "local"):
         return RolloutClient("local", engine=engine_for(run, weights))
-    from k3core.config import K3Config
 
-    config = K3Config.from_json_file(f"{weights.path}/config.json")
+    config = run.model_config(weights)
     client = RolloutClient(url, config=config)
     if str(client.weight_version()) == str(weights.version):
         return client
@@ -150,7 +149,6 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
     weights, in a file of its own (task run ``rollout-iterN-refillR``), its prompts numbered after
     the earlier rounds'. ``cursor``: the data position at the start of the iteration (``Batch.cursor``).
     The embedded engine's decode state is released once the batch is written."""
-    from k3core.config import K3Config
     from k3core.rl.episodes import EpisodeLimits
     from k3core.rl.tables import rollout_table
     from k3core.rollout.client import WeightVersionMismatch
@@ -158,7 +156,7 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
     def build(tmp):
         client = rollout_client(run, weights, settings.url)
         client.check_version(weights.version)
-        fmt = run.prompts(K3Config.from_json_file(f"{weights.path}/config.json"), weights.path)
+        fmt = run.prompts(run.model_config(weights), weights.path)
         prompts = _prompts(run, iteration, settings, refill, cursor)
         params = _sampling(run, iteration, refill, settings, fmt.stop_ids)
         # the client has generate()'s signature
@@ -199,9 +197,8 @@ def rollout_shard(run: Run, iteration: int, weights: Artifact, settings: Rollout
     made_by = {}
 
     def build(tmp):
-        from k3core.config import K3Config
 
-        fmt = run.prompts(K3Config.from_json_file(f"{weights.path}/config.json"), weights.path)
+        fmt = run.prompts(run.model_config(weights), weights.path)
         req = ShardRequest(run.run_id, str(weights.path), weights.kind, weights.version,
                            weights.info.get("quantized", True), tuple(prompts), bounds,
                            _sampling(run, iteration, refill, settings, fmt.stop_ids), iteration, refill * len(prompts),

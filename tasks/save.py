@@ -1,8 +1,17 @@
-"""save_checkpoint: commit a trained state as the run's checkpoint for that weight version: the
-files (hard-linked where possible), a manifest of their sha256 (``published_sha256``: a linked file's
-digest is the one its trainer-state handle computed, not a second read of the whole state, which
-holds the optimizer's host state beside the weights: docs/results/gpu_loop.md has its size at the
-medium preset), then the ``latest`` pointer, last."""
+"""save_checkpoint: make a trained state durable and commit it as the run's checkpoint for its weight
+version.
+
+1. The trainer state (``runs/<id>/iter-N/trainer``): when the train step left it live in this
+   process (``k3core.rl.trainers``), it is written here with torch.distributed.checkpoint through
+   the O_DIRECT writer, each file hashed as it is written (the manifest takes those digests, so
+   nothing is read back). The flow runs this stage beside the next iteration's rollout and score and
+   joins it before the next update changes the live state: no snapshot, no host memory beyond the
+   writer's fixed buffers. A state the train step already published (a torchrun job, a resumed run)
+   is taken as it is.
+2. The checkpoint (``runs/<id>/checkpoints/iter-V``): the state's files hard-linked where possible,
+   a manifest of their sha256 (``published_sha256``: a linked file's digest is the one recorded when
+   it was written, a stat, not a read of the whole state), then the ``latest`` pointer, last.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import shutil
 from pathlib import Path
 
 from k3core.artifacts import Artifact, published_sha256, sha256_file
+from k3core.rl import trainers
 from tasks.common import Run, stage
 
 
@@ -21,7 +31,7 @@ from tasks.common import Run, stage
 def save_checkpoint(run: Run, iteration: int, trained: Artifact) -> Artifact:
     """The checkpoint of ``trained`` (weight version ``trained.version``, after iteration ``iteration``)."""
     store, rel = run.store, run.checkpoint_rel(trained.version)
-    src = Path(trained.path)
+    src = write_trainer_state(run, iteration, trained)
 
     def build(tmp):
         names, linked = [], []
@@ -34,7 +44,7 @@ def save_checkpoint(run: Run, iteration: int, trained: Artifact) -> Artifact:
                 shutil.copy2(p, dst)
             names.append(str(p.relative_to(src)))
             linked.append(dst)
-        # a hard link is the trained state's own file, whose bytes its handle already hashed: a stat
+        # a hard link is the trained state's own file, whose bytes were hashed as they were written: a stat
         files = dict(zip(names, published_sha256(linked)))
         manifest = {"run_id": run.run_id, "iteration": trained.version, "version": trained.version,
                     "trained_from": trained.uri, "files": files}
@@ -46,3 +56,23 @@ def save_checkpoint(run: Run, iteration: int, trained: Artifact) -> Artifact:
     store.replace_text(run.layout.latest, json.dumps(pointer, indent=2))  # last: a crash before keeps the old
     return Artifact(kind="dcp", uri=store.uri(rel), path=str(local / "state"), sha256=sha256_file(local / "manifest.json"),
                     version=trained.version, info={"manifest": store.uri(f"{rel}/manifest.json")})
+
+
+def write_trainer_state(run: Run, iteration: int, trained: Artifact) -> Path:
+    """The local directory of the published trainer state of ``trained``: written now from the live
+    trainer when it is not published yet."""
+    from k3core.checkpoint.odirect import ODirectFileSystemWriter
+    from k3core.rl.trainer_state import save_trainer_state
+
+    if trained.info.get("durable", True) is not False:  # the train step published it (torchrun, a resumed run)
+        return Path(trained.path)
+
+    def build(tmp):
+        live = trainers.peek(run.run_id, trained.version)
+        if live is None:
+            raise RuntimeError(f"trainer state {trained.uri} (version {trained.version}) is not written and not live "
+                               "in this process: re-run the same command, which resumes from the last checkpoint")
+        save_trainer_state(tmp / "state", live.model, live.optimizer, live.extra,
+                           storage_writer_factory=lambda path: ODirectFileSystemWriter(path), rng=live.rng)
+
+    return run.store.publish_once(run.layout.trainer_rel(iteration), build, is_dir=True) / "state"

@@ -1,10 +1,14 @@
 """train_step: the GRPO updates (``ppo_epochs`` x ``minibatches``, PPO clipping, TIS correction,
-routing replay, micro-batches) of the trainer state on a scored batch; the new trainer state
-(model, optimizer, RNG, data cursor) is written with torch.distributed.checkpoint through the
-O_DIRECT writer into a staged directory that save_checkpoint then commits. The trained model stays
-live in this process (``k3core.rl.trainers``). With ``procs`` > 1 the step runs as a torchrun job of that
-many processes (``k3core.rl.fsdp``: FSDP2, gloo), which save the same trainer state together; the
-next stages then read it from disk."""
+routing replay, micro-batches) of the trainer state on a scored batch. The trained model and
+optimizer stay live in this process (``k3core.rl.trainers``) and the step returns a handle of that
+live state (``info["durable"]`` False); ``tasks.save.save_checkpoint`` writes it to disk, beside the
+next iteration's rollout or every ``--save-every`` iterations, before the next update changes it.
+A step whose trainer state is already published (a resumed run) returns that, and trains nothing.
+With ``procs`` > 1 the step runs as a torchrun job of that many processes (``k3core.rl.fsdp``:
+FSDP2, gloo), which write the trainer state together; the next stages then read it from disk.
+
+Not cached by Prefect: a live state exists only in the process that trained it, so a re-run
+finds the published state or trains again, never a record of a live state that is gone."""
 
 from __future__ import annotations
 
@@ -36,6 +40,9 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
         model = set_qat(load_policy(state.path, torch_dtype(run.dtype), device=run.device), settings.qat)
         _seed_first_trainer(run)
         return model, make_optimizer(model, settings.lr)
+    if not state.info.get("durable", True) and trainers.peek(run.run_id, state.version) is None:
+        raise RuntimeError(f"trainer state {state.uri} (version {state.version}) was never written and is not live in "
+                           "this process: re-run the same command, which resumes from the last checkpoint")
     trainers.weights(run.run_id, state, run.device, run.dtype)  # live, or read once from the DCP state
     live = trainers.take(run.run_id, state.version)
     set_rng_state(live.rng)
@@ -65,7 +72,8 @@ def _seed_first_trainer(run: Run) -> None:
 @stage(run_name="train_step-iter{iteration}", key="train",
        outputs=lambda run, iteration, **_: [run.uri(_rel(run, iteration))],
        inputs=lambda state, batch, reference, **_: [state.uri, *(a.uri for a in batch.scored),
-                                                    reference.uri if reference else ""])
+                                                    reference.uri if reference else ""],
+       cache_policy=None, persist_result=False)
 def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings: GRPOSettings,
                reference: Artifact | None = None, procs: int = 1) -> Artifact:
     """``batch``: the iteration's scored rounds, trained on together, and the settings they were
@@ -81,7 +89,7 @@ def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings
     import pyarrow.parquet as pq
 
     from k3core.rl.train import train_on_table
-    from k3core.rl.trainer_state import QAT_KEY, rng_state, save_trainer_state
+    from k3core.rl.trainer_state import QAT_KEY, WEIGHTS_FROM_MASTERS, WEIGHTS_KEY, rng_state
 
     rel, sampling = _rel(run, iteration), batch.sampling
     if settings.kl_coef and reference is None:
@@ -89,29 +97,53 @@ def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings
                          "(the reference_logprobs stage); set --kl-coef 0 to train without the penalty")
     if procs > 1 and run.device != "cpu":
         raise ValueError(f"--train-procs {procs} runs the FSDP2 job on gloo (CPU); it cannot train on {run.device}")
+    if run.store.exists(rel):  # written already (a resumed run): the update is not repeated
+        return durable_handle(run, iteration)
+    if procs > 1:
+        def build(tmp):
+            _log(iteration, _train_distributed(run, iteration, state, batch, settings, procs, tmp))
 
-    def build(tmp):
-        if procs > 1:
-            metrics = _train_distributed(run, iteration, state, batch, settings, procs, tmp)
-            _log(iteration, metrics)
-            return
-        model, opt = _trainer(run, state, settings)
-        table = pa.concat_tables([pq.read_table(a.path) for a in batch.scored])
-        metrics = train_on_table(model, opt, table, settings, model.config.pad_token_id,
-                                 temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
-                                 max_groups=sampling.prompts_per_iteration,
-                                 reference=pq.read_table(reference.path) if reference is not None else None)
-        extra = {**_lineage(iteration, state, batch), "reference": reference.uri if reference is not None else None,
-                 "metrics": metrics}
-        save_trainer_state(tmp / "state", model, opt, extra, storage_writer_factory=_writer_factory())
-        extra = json.loads((tmp / "state" / "extra.json").read_text())
-        trainers.put(run.run_id, trainers.LiveTrainer(iteration + 1, model, opt, extra, rng_state()))
-        _log(iteration, metrics)
+        run.store.publish_once(rel, build, is_dir=True)
+        return durable_handle(run, iteration)
+    model, opt = _trainer(run, state, settings)
+    table = pa.concat_tables([pq.read_table(a.path) for a in batch.scored])
+    metrics = train_on_table(model, opt, table, settings, model.config.pad_token_id,
+                             temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
+                             max_groups=sampling.prompts_per_iteration,
+                             reference=pq.read_table(reference.path) if reference is not None else None)
+    extra = {**_lineage(iteration, state, batch), "reference": reference.uri if reference is not None else None,
+             "metrics": metrics, QAT_KEY: bool(model.config.qat_routed_experts), WEIGHTS_KEY: WEIGHTS_FROM_MASTERS}
+    trainers.put(run.run_id, trainers.LiveTrainer(iteration + 1, model, opt, extra, rng_state()))
+    _log(iteration, metrics)
+    return live_handle(run, iteration, state, batch, reference, extra)
 
-    local = run.store.publish_once(rel, build, is_dir=True) / "state"
-    extra = json.loads((local / "extra.json").read_text())
+
+def durable_handle(run: Run, iteration: int) -> Artifact:
+    """The published trainer state of ``iteration`` (weight version ``iteration + 1``)."""
+    from k3core.rl.trainer_state import QAT_KEY
+
+    rel = _rel(run, iteration)
+    extra = json.loads((run.store.open_local(rel) / "state" / "extra.json").read_text())
     return run.store.handle(rel, "dcp", version=iteration + 1, inner="state", metrics=extra["metrics"],
                             qat=bool(extra.get(QAT_KEY, False)))
+
+
+def live_handle(run: Run, iteration: int, state: Artifact, batch: Batch, reference: Artifact | None,
+                extra: dict) -> Artifact:
+    """The handle of a trainer state that is live in this process and not written yet: the URI and
+    path it will be published at, and for ``sha256`` a digest of what it was derived from (the parent
+    state and the tables trained on), which a resumed run's retrained state shares."""
+    import hashlib
+
+    from k3core.rl.trainer_state import QAT_KEY
+
+    rel = _rel(run, iteration)
+    parts = [state.uri, state.sha256, *(f"{a.uri}:{a.sha256}" for a in batch.scored),
+             f"{reference.uri}:{reference.sha256}" if reference is not None else ""]
+    derived = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return Artifact(kind="dcp", uri=run.uri(rel), path=str(run.store.local_path(rel) / "state"), sha256=derived,
+                    version=iteration + 1, info={"metrics": extra["metrics"], "qat": bool(extra.get(QAT_KEY, False)),
+                                                 "durable": False, "next_position": batch.next_position})
 
 
 def _lineage(iteration: int, state: Artifact, batch: Batch) -> dict:
@@ -126,6 +158,8 @@ def data_position(state: Artifact) -> int:
     prompts start; 0 for a run's starting weights (not a trainer state)."""
     if state.kind != "dcp":
         return 0
+    if "next_position" in state.info:  # a live state carries it
+        return int(state.info["next_position"])
     extra = json.loads((Path(state.path) / "extra.json").read_text())
     return int(extra.get("data_cursor", {}).get("position", 0))
 
@@ -165,10 +199,3 @@ def _train_distributed(run: Run, iteration: int, state: Artifact, batch: Batch, 
                        max_groups=sampling.prompts_per_iteration, rng=rng, dtype=run.dtype,
                        extra=_lineage(iteration, state, batch))
         return run_train_job(job, procs, work)["metrics"]
-
-
-def _writer_factory():
-    """The O_DIRECT writer (fixed host memory, no page-cache growth)."""
-    from k3core.checkpoint.odirect import ODirectFileSystemWriter
-
-    return lambda path: ODirectFileSystemWriter(path)

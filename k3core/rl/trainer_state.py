@@ -10,7 +10,6 @@ entries for every parameter) still loads: its masters are read and its weight co
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import warnings
@@ -61,12 +60,17 @@ def _without_masters(msd: dict, osd: dict) -> dict:
 
 
 def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: torch.optim.Optimizer,
-                       extra: dict, storage_writer_factory=None) -> None:
+                       extra: dict, storage_writer_factory=None, rng: tuple | None = None) -> None:
     """DCP save of the optimizer, the model's entries the optimizer does not hold (buffers, frozen
     parameters), RNG states and ``extra`` (iteration, data cursor, ...) into ``out_dir`` (the caller
     publishes the directory atomically), plus ``config.json``. Whether the model trains with QAT
     goes into ``extra`` (``qat_routed_experts``), since config.json describes the model in public
-    names only and has no place for a training switch.
+    names only and has no place for a training switch. ``rng``: the (torch, Python) RNG states to
+    save (``rng_state()`` when the trainer was left; default: this process's now).
+
+    Reads ``model`` and ``optimizer`` only, and touches no global state, so it may run in a thread
+    beside stages that read them too (a rollout); the caller keeps an update from changing them
+    until it returns.
 
     Every file is hashed as it is written (``ODirectFileSystemWriter.digests``; the default writer is
     that pipeline without O_DIRECT), and the manifest takes those digests: nothing is read back. A
@@ -76,13 +80,12 @@ def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: tor
     out_dir = Path(out_dir)
     extra = {**extra, QAT_KEY: bool(model.config.qat_routed_experts), WEIGHTS_KEY: WEIGHTS_FROM_MASTERS}
     msd, osd = get_state_dict(model, optimizer)
+    torch_rng, python_rng = rng if rng is not None else rng_state()
     state = {"model": _without_masters(msd, osd), "optim": osd,
-             "rng": {"torch": torch.get_rng_state(), "python": json.dumps(random.getstate())},
-             "extra": json.dumps(extra)}
+             "rng": {"torch": torch_rng, "python": json.dumps(python_rng)}, "extra": json.dumps(extra)}
     factory = storage_writer_factory or (lambda path: ODirectFileSystemWriter(path, direct=False))
     writer = factory(out_dir)
-    with _single_process_dcp():
-        dcp.save(state, checkpoint_id=str(out_dir), storage_writer=writer)
+    dcp.save(state, checkpoint_id=str(out_dir), storage_writer=writer)
     known = dict(getattr(writer, "digests", None) or {})
     distributed = torch.distributed.is_initialized()
     if distributed:  # FSDP2: every rank wrote its own data files
@@ -132,8 +135,7 @@ def load_trainer_state(path: str | Path, lr: float, dtype: torch.dtype = torch.f
     msd, osd = get_state_dict(model, opt)
     state = {"model": _without_masters(msd, osd), "optim": osd, "rng": {"torch": torch.get_rng_state(), "python": ""},
              "extra": ""}
-    with _single_process_dcp():
-        safe_dcp_load(state, path, manifest=manifest)
+    safe_dcp_load(state, path, manifest=manifest)
     # the optimizer's load sets every weight it holds from its master (rounded to the weight's dtype)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))
@@ -167,14 +169,13 @@ def load_trainer_model(path: str | Path, dtype: torch.dtype = torch.float32,
     saved = verified_dcp_reader(path, manifest=manifest).read_metadata().state_dict_metadata
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     masters = {n for n in trainable if f"optim.state.{n}.master" in saved}
-    with _single_process_dcp():
-        safe_dcp_load({"model": {k: v for k, v in msd.items() if k not in masters}}, path, manifest=manifest)
-        with torch.no_grad():
-            for group in _groups(sorted(masters), lambda n: 4 * msd[n].numel(), _MASTER_READ_BYTES):
-                fp32 = {n: torch.empty(msd[n].shape, dtype=torch.float32) for n in group}
-                safe_dcp_load({"optim": {"state": {n: {"master": t} for n, t in fp32.items()}}}, path, manifest=manifest)
-                for n, t in fp32.items():
-                    msd[n].copy_(t)  # round to nearest into the weight's dtype, as StreamedAdamW does
+    safe_dcp_load({"model": {k: v for k, v in msd.items() if k not in masters}}, path, manifest=manifest)
+    with torch.no_grad():
+        for group in _groups(sorted(masters), lambda n: 4 * msd[n].numel(), _MASTER_READ_BYTES):
+            fp32 = {n: torch.empty(msd[n].shape, dtype=torch.float32) for n in group}
+            safe_dcp_load({"optim": {"state": {n: {"master": t} for n, t in fp32.items()}}}, path, manifest=manifest)
+            for n, t in fp32.items():
+                msd[n].copy_(t)  # round to nearest into the weight's dtype, as StreamedAdamW does
     set_model_state_dict(model, msd)
     set_qat(model, json.loads((path / "extra.json").read_text()).get(QAT_KEY, False))
     return model
@@ -205,12 +206,9 @@ def set_rng_state(state: tuple) -> None:
     random.setstate(state[1])
 
 
-@contextlib.contextmanager
-def _single_process_dcp():
-    """DCP warns on every save and load without a process group that it assumes a single process.
-    That is this trainer's case (one process; FSDP runs under torchrun with a group), so the
-    warning is silenced here and nowhere else."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
-                                category=UserWarning)
-        yield
+# DCP warns on every save and load without a process group that it assumes a single process. That
+# is this trainer's case (one process; FSDP runs under torchrun with a group). The filter is set
+# once, for that message only: a `warnings.catch_warnings()` block per call is not thread-safe, and
+# a trainer state is saved in a thread beside the next rollout.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)

@@ -27,7 +27,7 @@ from k3core.checkpoint.manifest import MANIFEST_NAME, ManifestError, read_manife
 from k3core.checkpoint.validate import CheckpointValidationError, validate_checkpoint
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
-from k3core.rl.trainer_state import _single_process_dcp, load_trainer_state, make_optimizer, save_trainer_state
+from k3core.rl.trainer_state import load_trainer_state, make_optimizer, save_trainer_state
 
 
 class Payload:
@@ -199,14 +199,12 @@ def test_planted_pickle_in_a_dcp_item_never_runs(tmp_path):
     """DCP stores non-tensor items as pickles inside its data files; with the manifest rewritten to
     match (the worst case), the safe planner still refuses them."""
     marker = tmp_path / "ran"
-    with _single_process_dcp():
-        dcp.save({"w": torch.ones(3), "extra": Payload(marker)}, checkpoint_id=str(tmp_path / "d"))
+    dcp.save({"w": torch.ones(3), "extra": Payload(marker)}, checkpoint_id=str(tmp_path / "d"))
     write_manifest(tmp_path / "d")
-    with _single_process_dcp():
-        dcp.load({"w": torch.zeros(3), "extra": ""}, checkpoint_id=str(tmp_path / "d"))  # stock: runs it
+    dcp.load({"w": torch.zeros(3), "extra": ""}, checkpoint_id=str(tmp_path / "d"))  # stock: runs it
     assert marker.read_text() == "ran"
     marker.unlink()
-    with _single_process_dcp(), pytest.raises(UnsafePickleError, match="'extra'"):
+    with pytest.raises(UnsafePickleError, match="'extra'"):
         safe_dcp_load({"w": torch.zeros(3), "extra": ""}, tmp_path / "d")
     assert not marker.exists()
 
