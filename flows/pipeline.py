@@ -11,8 +11,8 @@ handles. One iteration N (engine at weight version N):
     (live) -> transfer_weights (MXFP4 experts) -> engine@N+1
 
 Checkpoints off the critical path: state N+1 is written (``save_checkpoint``: the trainer state,
-hashed as written, then the checkpoint and ``latest``) beside iteration N+1's rollout and score,
-and joined before its train step changes the live state; with ``--save-every K`` only every K-th
+hashed as written, then the checkpoint and ``latest``) beside iteration N+1's rollout, score and
+train forward/backward, and joined by its first optimizer step, which is what changes the state; with ``--save-every K`` only every K-th
 state (and the last) is written. An iteration is recorded (``metrics.json``, ``lineage.json``)
 once the state after it, or a later one, is durable; a resumed run re-runs the unrecorded
 iterations from the last checkpoint, finding their published tables (never sampled again) and
@@ -43,6 +43,7 @@ from flows import reports
 from flows.retention import prune_checkpoints
 from flows.scale import iteration_runner
 from k3core.artifacts import Artifact
+from k3core.rl import trainers
 from k3core.settings import RLSettings
 from tasks.common import Batch, Run, memory_metrics, progress_event, stage_memory, stage_timings
 from tasks.evaluate import evaluate
@@ -139,11 +140,15 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
     ``rollouts``: this iteration's batch when the previous iteration sampled it ahead, else sampled
     here by ``behind`` (the version before ``weights``) or, without it, by ``weights``; ``unsaved``:
     the previous iteration's trained state (live in this process, ``policy`` itself), written here
-    beside the rollout and score and joined before the train step changes it."""
+    beside the rollout, score and the train step's forward and backward passes, and joined before
+    its first optimizer step changes it."""
     s, run, t0 = settings, Run.of(settings), time.perf_counter()
     ahead = s.grpo.max_staleness > 0 and iteration + 1 < s.pipeline.iterations
     with stage_timings() as seconds, stage_memory() as peaks:
-        saving = save_checkpoint.submit(run, iteration - 1, unsaved) if unsaved is not None else None
+        saving = None
+        if unsaved is not None:  # written beside the stages below; the train step's first update joins it
+            saving = save_checkpoint.submit(run, iteration - 1, unsaved)
+            trainers.write_behind(run.run_id, unsaved.version, saving.result)
         heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
                    if s.evaluation.due(iteration) else {})
         batch = sample_round(s, run, iteration, behind or weights, Batch(s.rollout, data_position(policy)), rollouts)
@@ -155,8 +160,8 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                                      s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_due(iteration) else {})
         ref = reference_logprobs(run, iteration, reference, batch, s.grpo) if s.grpo.kl_coef else None
-        saved = saving.result() if saving is not None else None  # durable before the update changes it
         trained = train_step(run, iteration, policy, batch, s.grpo, ref, s.scale_out.train_procs)
+        saved = saving.result() if saving is not None else None  # joined by the update already
         live = trained.info.get("durable", True) is False  # a resumed run's state may be on disk already
         later = save_due(s, iteration) and save_behind(s, iteration) and live
         if save_due(s, iteration) and not later:

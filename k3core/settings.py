@@ -106,7 +106,8 @@ class ModelSettings(_Section):
     preset: str = _str("small", "preset", "model preset: tiny, small, medium or full")
     source: str = _str("", "source", "checkpoint URL (file://, memory://, s3://, hf://) or init:PRESET[:SEED[:TOKENIZER]] "
                        "(TOKENIZER bytes, the default, or bpe: the bundled BPE with K3's special tokens and chat "
-                       "template); empty: a fresh seeded checkpoint of the preset (init:PRESET:SEED)")
+                       "template); empty: a fresh seeded checkpoint of the preset (init:PRESET:SEED, with :bpe for medium "
+                       "and full, whose vocabulary is the release's)")
 
     def problems(self) -> list[str]:
         out = super().problems()
@@ -387,6 +388,18 @@ _SECTIONS: dict[str, type[_Section]] = {"model": ModelSettings, "rollout": Rollo
                                         "device": DeviceSettings}
 
 
+
+def default_source(preset: str, seed: int) -> str:
+    """The fresh checkpoint a run starts from when ``--source`` is not given: the preset's, seeded,
+    with the byte tokenizer where its vocabulary is the byte one (tiny, small) and the bundled K3
+    BPE where it is the release's (medium, full), so its prompts can be written either way."""
+    from k3core.config import PRESETS, K3Config
+    from k3core.tokenizer import is_byte_vocabulary
+
+    bytes_vocab = preset in PRESETS and is_byte_vocabulary(K3Config.preset(preset))
+    return f"init:{preset}:{seed}" if bytes_vocab or preset not in PRESETS else f"init:{preset}:{seed}:bpe"
+
+
 @dataclass
 class RLSettings:
     """Everything a run needs, by section. ``model.source`` empty means ``init:<preset>:<seed>``."""
@@ -445,7 +458,7 @@ class RLSettings:
         if cross:
             raise SettingsError("RLSettings", cross)
         if not self.model.source:
-            self.model.source = f"init:{self.model.preset}:{self.pipeline.seed}"
+            self.model.source = default_source(self.model.preset, self.pipeline.seed)
 
     # ----------------------------------------------------------------------------- building
     @classmethod

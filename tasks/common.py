@@ -407,17 +407,20 @@ class StageFuture:
         self.future, self.name, self.inputs, self.key, self.run = future, name, inputs, key, run
         self._done_at: float | None = None
         self._submitted = submitted
+        self._timed = False
         future.add_done_callback(self._mark_done)
 
     def _mark_done(self, _future: Any) -> None:
         self._done_at = time.perf_counter()
 
     def result(self) -> Any:
+        """The stage's result (waits for it; a later call returns at once and is not timed again)."""
         t0 = time.perf_counter()
         out = self.future.result()
         t1 = time.perf_counter()
         seconds = _timings.get()
-        if seconds is not None:
+        first, self._timed = not self._timed, True
+        if seconds is not None and first:
             seconds[f"{self.key}_wait"] = seconds.get(f"{self.key}_wait", 0.0) + t1 - t0
             seconds[f"{self.key}_ahead"] = seconds.get(f"{self.key}_ahead", 0.0) + (self._done_at or t1) - self._submitted
         if isinstance(out, Artifact):

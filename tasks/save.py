@@ -25,6 +25,12 @@ from k3core.rl import trainers
 from tasks.common import Run, stage
 
 
+# Four files written at once, four pwrites in flight, 16 MiB buffers (10 of them: 160 MiB of host
+# memory whatever the state's size): the best of the settings docs/results/checkpoint_writer.md
+# measured on a disk-capped machine without a pool that grows with the buffer size.
+WRITER = dict(thread_count=4, io_threads=4, buffer_bytes=16 << 20, num_buffers=10)
+
+
 @stage(run_name="save_checkpoint-iter{iteration}", key="save",
        outputs=lambda run, trained, **_: [run.uri(run.checkpoint_rel(trained.version))],
        inputs=lambda trained, **_: [trained.uri])
@@ -73,6 +79,6 @@ def write_trainer_state(run: Run, iteration: int, trained: Artifact) -> Path:
             raise RuntimeError(f"trainer state {trained.uri} (version {trained.version}) is not written and not live "
                                "in this process: re-run the same command, which resumes from the last checkpoint")
         save_trainer_state(tmp / "state", live.model, live.optimizer, live.extra,
-                           storage_writer_factory=lambda path: ODirectFileSystemWriter(path), rng=live.rng)
+                           storage_writer_factory=lambda path: ODirectFileSystemWriter(path, **WRITER), rng=live.rng)
 
     return run.store.publish_once(run.layout.trainer_rel(iteration), build, is_dir=True) / "state"

@@ -12,6 +12,7 @@ finds the published state or trains again, never a record of a live state that i
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -28,10 +29,10 @@ def _rel(run: Run, iteration: int) -> str:
 
 
 def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
-    """(model, optimizer) at ``state`` with the model on the run's device: the live trainer (its saved RNG
-    restored), or read from the trainer state (DCP), or a public-layout checkpoint with a fresh
-    optimizer and the RNG seeded from the run's seed (the first iteration). The optimizer's state
-    stays on the host (``StreamedAdamW``)."""
+    """(model, optimizer, live trainer or None) at ``state`` with the model on the run's device: the
+    live trainer (its saved RNG restored), or read from the trainer state (DCP), or a public-layout
+    checkpoint with a fresh optimizer and the RNG seeded from the run's seed (the first iteration).
+    The optimizer's state stays on the host (``StreamedAdamW``)."""
     from k3core.device import torch_dtype
     from k3core.rl.trainer_state import QAT_KEY, make_optimizer, set_qat, set_rng_state
     from k3core.rl.weights import load_policy
@@ -39,7 +40,7 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
     if state.kind != "dcp":
         model = set_qat(load_policy(state.path, torch_dtype(run.dtype), device=run.device), settings.qat)
         _seed_first_trainer(run)
-        return model, make_optimizer(model, settings.lr)
+        return model, make_optimizer(model, settings.lr), None
     if not state.info.get("durable", True) and trainers.peek(run.run_id, state.version) is None:
         raise RuntimeError(f"trainer state {state.uri} (version {state.version}) was never written and is not live in "
                            "this process: re-run the same command, which resumes from the last checkpoint")
@@ -52,7 +53,7 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
         onoff = {True: "on", False: "off"}
         raise ValueError(f"trainer state {state.uri} was trained with QAT {onoff[was]}, this run asks for QAT "
                          f"{onoff[settings.qat]}: resume with --qat {str(was).lower()}, or start a new --run-id")
-    return model, opt
+    return model, opt, live
 
 
 def _seed_first_trainer(run: Run) -> None:
@@ -105,12 +106,14 @@ def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings
 
         run.store.publish_once(rel, build, is_dir=True)
         return durable_handle(run, iteration)
-    model, opt = _trainer(run, state, settings)
+    model, opt, live = _trainer(run, state, settings)
     table = pa.concat_tables([pq.read_table(a.path) for a in batch.scored])
-    metrics = train_on_table(model, opt, table, settings, model.config.pad_token_id,
-                             temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
-                             max_groups=sampling.prompts_per_iteration,
-                             reference=pq.read_table(reference.path) if reference is not None else None)
+    # the previous state may still be being written (``rl_iteration``): the first optimizer step waits for it
+    with trainers.update_after_write(live) if live is not None else contextlib.nullcontext():
+        metrics = train_on_table(model, opt, table, settings, model.config.pad_token_id,
+                                 temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
+                                 max_groups=sampling.prompts_per_iteration,
+                                 reference=pq.read_table(reference.path) if reference is not None else None)
     extra = {**_lineage(iteration, state, batch), "reference": reference.uri if reference is not None else None,
              "metrics": metrics, QAT_KEY: bool(model.config.qat_routed_experts), WEIGHTS_KEY: WEIGHTS_FROM_MASTERS}
     trainers.put(run.run_id, trainers.LiveTrainer(iteration + 1, model, opt, extra, rng_state()))

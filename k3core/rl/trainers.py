@@ -12,7 +12,9 @@ run and a continuing run draw the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,41 @@ class LiveTrainer:
     optimizer: Any
     extra: dict
     rng: tuple
+    # while this state is being written beside the next stages: joins that write (returns when it is
+    # durable, raises its error); the next update calls it before its first optimizer step
+    writing: Callable[[], Any] | None = None
+
+
+def write_behind(run_id: str, version: int, join: Callable[[], Any]) -> None:
+    """Record that the live trainer at ``version`` is being written, joined by ``join``."""
+    live = peek(run_id, version)
+    if live is not None:
+        live.writing = join
+
+
+@contextlib.contextmanager
+def update_after_write(live: LiveTrainer):
+    """Within the block, the optimizer's first step first joins the write of ``live``'s state (if one
+    is running): the forward and backward passes before it read what the write reads and change
+    none of it (the optimizer state, the buffers), so they run beside it; the step may not."""
+    join, live.writing = live.writing, None
+    if join is None:
+        yield
+        return
+    joined = []
+
+    def before_step(*_):
+        if not joined:
+            join()
+            joined.append(True)
+
+    handle = live.optimizer.register_step_pre_hook(before_step)
+    try:
+        yield
+        if not joined:  # no step was taken (no informative group): the write still ends before the state moves on
+            join()
+    finally:
+        handle.remove()
 
 
 def put(run_id: str, live: LiveTrainer) -> None:

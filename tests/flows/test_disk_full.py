@@ -132,10 +132,11 @@ def test_a_run_on_a_small_tmpfs_is_refused_before_any_stage(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_full_disk_mid_run_fails_clean_and_the_same_command_resumes_equal(tmp_path):
-    """The trainer state of iteration 1 hits ENOSPC halfway through its write (a fault point, as a
-    full disk would): one ``k3rl: error:`` line naming the disk, exit 1, no traceback, no retry, no
-    ``.tmp-*`` left; iteration 0 stays published. The same command, unarmed, resumes and ends with the
-    final trainer state, tables and metrics of an uninterrupted run."""
+    """Iteration 0's trainer state, written beside iteration 1's rollout, hits ENOSPC halfway through
+    its write (a fault point, as a full disk would), and iteration 1's first optimizer step, which
+    joins that write, fails with it: one ``k3rl: error:`` line naming the disk, exit 1, no traceback,
+    no retry, no ``.tmp-*`` left, no trainer state published. The same command, unarmed, resumes and
+    ends with the final trainer state, tables and metrics of an uninterrupted run."""
     km = _kill_matrix()
     base = tmp_path / "baseline"
     done, _ = km._k3rl(base / "artifacts", base / "prefect-home", None)
@@ -143,7 +144,7 @@ def test_a_full_disk_mid_run_fails_clean_and_the_same_command_resumes_equal(tmp_
     expected = km._final_state(base / "artifacts")
 
     root, home = tmp_path / "artifacts", tmp_path / "prefect-home"
-    failed, _ = km._k3rl(root, home, "train_step-iter1:enospc")
+    failed, _ = km._k3rl(root, home, "save_checkpoint-iter0:enospc")
     out = failed.stdout
     assert failed.returncode == 1, out[-3000:]
     [error] = _errors(out)
@@ -152,7 +153,7 @@ def test_a_full_disk_mid_run_fails_clean_and_the_same_command_resumes_equal(tmp_
     assert "Traceback" not in out and "Retrying" not in out, out[-3000:]
     run = root / "runs" / km.RUN_ID
     assert km._staging(run) == [] and not [p for p in root.rglob(".tmp-*")]
-    assert (run / "iter-0000" / "trainer" / "_COMPLETE").is_file() and not (run / "iter-0001" / "trainer").exists()
+    assert (run / "iter-0000" / "rollouts.parquet").is_file() and not (run / "iter-0000" / "trainer").exists()
 
     resumed, _ = km._k3rl(root, home, None)
     assert resumed.returncode == 0, resumed.stdout[-3000:]

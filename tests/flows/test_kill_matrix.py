@@ -54,11 +54,11 @@ RUN_ID = "kill"
 ARGS = ["run", "--preset", "tiny", "--source", "init:tiny:3", "--env", "even_bytes_env:make", "--iterations", "2",
         "--prompts-per-iteration", "2", "--samples-per-prompt", "2", "--max-new-tokens", "3", "--warmup-steps", "1",
         "--warmup-batch", "4", "--eval-prompts", "4", "--eval-every", "1", "--lr", "1e-3", "--minibatches", "2",
-        "--run-id", RUN_ID]
+        "--keep-checkpoints", "0", "--run-id", RUN_ID]  # every checkpoint kept: a deleted one would read as rewritten
 # every stage, in the order the run reaches them; kills in iteration 1 resume a run that has a
 # finished iteration and a live trainer and engine that the killed process lost
 PUBLISHING = ["fetch_checkpoint", "validate_checkpoint", "warmup", "quantize_mxfp4", "rollout-iter1",
-              "score_rewards-iter1", "train_step-iter1", "save_checkpoint-iter1"]
+              "score_rewards-iter1", "save_checkpoint-iter1"]
 ALL_STAGES = ["fetch_checkpoint", "validate_checkpoint", "warmup", "quantize_mxfp4", "rollout-iter1",
               "score_rewards-iter1", "rollout_mismatch-iter1", "train_step-iter1", "save_checkpoint-iter1",
               "transfer_weights-iter1", "evaluate-final"]
@@ -70,7 +70,7 @@ POINTERS = {"latest.json", "metrics.json", "lineage.json", "summary.json"}
 SERVER_APP = b"prefect.server.api.server:create_app"
 
 
-def _k3rl(artifacts: Path, home: Path, fault: str | None, api: str | None = None
+def _k3rl(artifacts: Path, home: Path, fault: str | None, api: str | None = None, extra: tuple[str, ...] = ()
           ) -> tuple[subprocess.CompletedProcess, int]:
     """Run the command once (``fault``: the K3RL_FAULT value, None: unarmed; ``api``: the Prefect
     server to report to, None: the process's own embedded server in ``home``); (result, pid)."""
@@ -81,7 +81,8 @@ def _k3rl(artifacts: Path, home: Path, fault: str | None, api: str | None = None
         env["PREFECT_API_URL"] = api
     if fault:
         env["K3RL_FAULT"] = fault
-    p = subprocess.Popen([sys.executable, "-m", "flows.cli", *ARGS, "--artifacts", str(artifacts)], cwd=ROOT, env=env,
+    p = subprocess.Popen([sys.executable, "-m", "flows.cli", *ARGS, *extra, "--artifacts", str(artifacts)], cwd=ROOT,
+                         env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = p.communicate(timeout=600)
@@ -249,3 +250,43 @@ def test_kill_at_every_stage_then_resume_equals_an_uninterrupted_run(chain, base
     final = _final_state(artifacts)
     assert final["iteration"] == baseline["iteration"] == 2
     _assert_same(_drop_timings(final), _drop_timings(baseline))
+
+
+# Kills that the chains cannot reach in a fixed order: iteration 0's trainer state is written in a
+# thread beside iteration 1's rollout (which of the two finishes first is up to the scheduler), and
+# with --save-every 2 the state after iteration 0 is never written. Each is one kill and one resume.
+BEHIND = {
+    # the background save killed with the trainer state half written in staging; the resume retrains
+    # iteration 0 from its published tables (and finds iteration 1's rollout if it was published)
+    "background-save-mid-write": ("save_checkpoint-iter0:mid-write", ()),
+    # killed after the background save published state 1 and its checkpoint, before the flow
+    # recorded iteration 0: the resume finds both and records it
+    "background-save-after-publish": ("save_checkpoint-iter0:after-publish", ()),
+    # --save-every 2: killed in iteration 1 while state 1 lives only in the dead process; the resume
+    # re-runs iteration 0's train step from its published tables (no trainer state is on disk yet)
+    "save-every-2-unsaved-state": ("score_rewards-iter1:mid-write", ("--save-every", "2")),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", list(BEHIND))
+def test_a_kill_around_the_background_save_or_between_saves_resumes_equal(case, baseline, tmp_path):
+    fault, extra = BEHIND[case]
+    artifacts, run, home = tmp_path / "artifacts", tmp_path / "artifacts" / "runs" / RUN_ID, tmp_path / "prefect-home"
+    killed, pid = _k3rl(artifacts, home, fault, extra=extra)
+    assert killed.returncode == -9, f"{fault}: expected SIGKILL at the fault point, got {killed.returncode}\n" \
+                                    f"{killed.stdout[-4000:]}"
+    if extra:  # --save-every 2: nothing of the trainer was written before the kill
+        assert not (run / "iter-0000" / "trainer").exists() and not (run / "checkpoints").exists()
+    published = _published(run)
+    done, _ = _k3rl(artifacts, home, None, extra=extra)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert f"from pid {pid}, which died holding it" in done.stdout
+    changed = {k for k, v in published.items() if _published(run).get(k) != v}
+    assert not changed, f"published artifacts were written again: {sorted(changed)}"
+    assert _staging(run) == []
+    final = _final_state(artifacts)
+    assert final["iteration"] == baseline["iteration"] == 2
+    _assert_same(_drop_timings(final), _drop_timings(baseline))
+
