@@ -25,10 +25,16 @@ from k3core.rl import trainers
 from tasks.common import Run, stage
 
 
-# Four files written at once, four pwrites in flight, 16 MiB buffers (10 of them: 160 MiB of host
-# memory whatever the state's size): the best of the settings docs/results/checkpoint_writer.md
-# measured on a disk-capped machine without a pool that grows with the buffer size.
-WRITER = dict(thread_count=4, io_threads=4, buffer_bytes=16 << 20, num_buffers=10)
+def writer_options(cores: int | None = None) -> dict:
+    """How the trainer state is written. With 8 cores or more: four files at once, four pwrites in
+    flight, 16 MiB buffers (10 of them: 160 MiB of host memory whatever the state's size), the best
+    of the settings docs/results/checkpoints_off_critical_path.md measured that keep the pool small.
+    With fewer cores the write shares them with the stages it runs beside, and every thread it adds
+    contends for the interpreter lock with theirs: one file, one pwrite in flight."""
+    cores = cores or os.cpu_count() or 1
+    if cores >= 8:
+        return dict(thread_count=4, io_threads=4, buffer_bytes=16 << 20, num_buffers=10)
+    return dict(thread_count=1, io_threads=1, buffer_bytes=16 << 20, num_buffers=4)
 
 
 @stage(run_name="save_checkpoint-iter{iteration}", key="save",
@@ -79,6 +85,6 @@ def write_trainer_state(run: Run, iteration: int, trained: Artifact) -> Path:
             raise RuntimeError(f"trainer state {trained.uri} (version {trained.version}) is not written and not live "
                                "in this process: re-run the same command, which resumes from the last checkpoint")
         save_trainer_state(tmp / "state", live.model, live.optimizer, live.extra,
-                           storage_writer_factory=lambda path: ODirectFileSystemWriter(path, **WRITER), rng=live.rng)
+                           storage_writer_factory=lambda path: ODirectFileSystemWriter(path, **writer_options()), rng=live.rng)
 
     return run.store.publish_once(run.layout.trainer_rel(iteration), build, is_dir=True) / "state"

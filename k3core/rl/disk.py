@@ -229,13 +229,38 @@ class DiskNeed:
         return ", ".join(bits)
 
 
+def run_config(s) -> K3Config:
+    """The config of the model run ``s`` trains: the fetched source's (``runs/<id>/tokenizer`` holds
+    its config.json) on a resumed local run, a local source directory's, or the one ``init:`` makes
+    (the preset's, its vocabulary sized to the bundled BPE for ``init:PRESET:SEED:bpe``)."""
+    from pathlib import Path
+
+    from k3core.rl.layout import RunLayout
+
+    root, source = s.pipeline.artifacts, s.model.source
+    candidates = []
+    if "://" not in root or root.startswith("file://"):
+        candidates.append(Path(root.removeprefix("file://"), RunLayout(s.pipeline.run_id).tokenizer, "config.json"))
+    if source and not source.startswith("init:") and ("://" not in source or source.startswith("file://")):
+        candidates.append(Path(source.removeprefix("file://"), "config.json"))
+    for c in candidates:
+        if c.is_file():
+            return K3Config.from_json_file(c)
+    config = K3Config.preset(s.model.preset)
+    if source.startswith("init:") and source.split(":")[3:4] == ["bpe"]:
+        from k3core.checkpoint.hf import _with_tokenizer
+
+        config = _with_tokenizer(config, "bpe")[0]
+    return config
+
+
 def run_disk_need(s, progress: RunProgress = RunProgress(), prompt_tokens: int = 512, agentic: bool = False,
                   source_bytes: int | None = None, state_bytes: int | None = None) -> DiskNeed:
     """The peak bytes the rest of run ``s`` (``RLSettings``) adds to its artifact root, given what
     ``progress`` says is published already."""
-    config = K3Config.preset(s.model.preset)
+    config = run_config(s)
     p = s.pipeline
-    state = preset_state_bytes(s.model.preset) if state_bytes is None else state_bytes
+    state = trainer_state_bytes(config) if state_bytes is None else state_bytes
     writes = len([v for v in saved_versions(p.iterations, p.save_every) if v > progress.latest_version])
     states = states_at_peak(writes, progress.states, p.keep_checkpoints, s.grpo.max_staleness)
     prep = prepared_bytes(config, source="source" not in progress.prepared,
