@@ -29,9 +29,9 @@ def check_settings(s, prepare_only: bool = False) -> None:
 
     env = load_env(s.pipeline.env)
     check_artifact_root(s.pipeline.artifacts, s.pipeline.run_id)
-    check_disk(s, env, prepare_only=prepare_only)
     if not _source_fetched(s.pipeline.artifacts, s.pipeline.run_id):
         check_source(s.model.source, s.model.preset)
+    check_disk(s, env, prepare_only=prepare_only)  # after the source: it sizes the run from the source's config
     check_runner(s.scale_out)
     decode_mode(run_device(s), s.rollout.decode)  # --device cuda where torch sees no GPU; --decode graph on the CPU
 

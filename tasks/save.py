@@ -73,7 +73,7 @@ def save_checkpoint(run: Run, iteration: int, trained: Artifact) -> Artifact:
 def write_trainer_state(run: Run, iteration: int, trained: Artifact) -> Path:
     """The local directory of the published trainer state of ``trained``: written now from the live
     trainer when it is not published yet."""
-    from k3core.checkpoint.odirect import ODirectFileSystemWriter
+    from k3core.checkpoint.odirect import ODirectFileSystemWriter, one_intra_op_thread
     from k3core.rl.trainer_state import save_trainer_state
 
     if trained.info.get("durable", True) is not False:  # the train step published it (torchrun, a resumed run)
@@ -84,7 +84,9 @@ def write_trainer_state(run: Run, iteration: int, trained: Artifact) -> Path:
         if live is None:
             raise RuntimeError(f"trainer state {trained.uri} (version {trained.version}) is not written and not live "
                                "in this process: re-run the same command, which resumes from the last checkpoint")
-        save_trainer_state(tmp / "state", live.model, live.optimizer, live.extra,
-                           storage_writer_factory=lambda path: ODirectFileSystemWriter(path, **writer_options()), rng=live.rng)
+        with one_intra_op_thread():  # beside other stages: no OpenMP team of its own
+            save_trainer_state(tmp / "state", live.model, live.optimizer, live.extra,
+                               storage_writer_factory=lambda path: ODirectFileSystemWriter(path, **writer_options()),
+                               rng=live.rng)
 
     return run.store.publish_once(run.layout.trainer_rel(iteration), build, is_dir=True) / "state"

@@ -48,6 +48,7 @@ Not supported (raise ValueError): stream-transform `_extensions` and `Serializat
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -82,6 +83,7 @@ __all__ = [
     "AlignedBufferPool",
     "dio_alignment",
     "is_memory_filesystem",
+    "one_intra_op_thread",
 ]
 
 # Private to torch but unchanged from 2.4 through 2.13: the reader unpickles `_StorageInfo`
@@ -500,6 +502,20 @@ class _AlignedFile:
 # --------------------------------------------------------------------------- the DCP writer
 
 
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch ops of the calling thread on that thread alone, restored on exit. The writer's copies
+    to the host run beside other stages (a rollout, a train step's forward): a thread that runs
+    torch ops gets an OpenMP team of its own, whose workers spin after each op and take cores from
+    the stages beside it. torch's thread count is per calling thread (OpenMP's nthreads ICV)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @dataclasses.dataclass
 class WriteStats:
     """What the last `write_data` call did on this rank (the writer's own accounting)."""
@@ -679,6 +695,10 @@ class ODirectFileSystemWriter(FileSystemWriter):
         self.digests = {}
 
         def serialise() -> None:
+            with one_intra_op_thread():
+                serialise_files()
+
+        def serialise_files() -> None:
             while not failures:
                 try:
                     name, group = jobs.get_nowait()

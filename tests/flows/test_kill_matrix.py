@@ -252,19 +252,19 @@ def test_kill_at_every_stage_then_resume_equals_an_uninterrupted_run(chain, base
     _assert_same(_drop_timings(final), _drop_timings(baseline))
 
 
-# Kills that the chains cannot reach in a fixed order: iteration 0's trainer state is written in a
-# thread beside iteration 1's rollout (which of the two finishes first is up to the scheduler), and
-# with --save-every 2 the state after iteration 0 is never written. Each is one kill and one resume.
+# Kills that the chains above cannot reach in a fixed order: iteration 0's trainer state is written in
+# a thread beside iteration 1's rollout (which of the two finishes first is up to the scheduler), and
+# with --save-every 2 the state after iteration 0 is never written. Each chain: its kills in turn, each
+# resumed by the next run, then an unarmed run.
 BEHIND = {
-    # the background save killed with the trainer state half written in staging; the resume retrains
-    # iteration 0 from its published tables (and finds iteration 1's rollout if it was published)
-    "background-save-mid-write": ("save_checkpoint-iter0:mid-write", ()),
-    # killed after the background save published state 1 and its checkpoint, before the flow
-    # recorded iteration 0: the resume finds both and records it
-    "background-save-after-publish": ("save_checkpoint-iter0:after-publish", ()),
+    # the background save killed with the trainer state half written in staging (the resume retrains
+    # iteration 0 from its published tables, and finds iteration 1's rollout if it was published);
+    # that resume's own background save then killed after it published state 1, its checkpoint and
+    # latest.json, before the flow recorded iteration 0 (the last resume finds both and records it)
+    "background-save": (["save_checkpoint-iter0:mid-write", "save_checkpoint-iter0:after-publish"], ()),
     # --save-every 2: killed in iteration 1 while state 1 lives only in the dead process; the resume
     # re-runs iteration 0's train step from its published tables (no trainer state is on disk yet)
-    "save-every-2-unsaved-state": ("score_rewards-iter1:mid-write", ("--save-every", "2")),
+    "save-every-2": (["score_rewards-iter1:mid-write"], ("--save-every", "2")),
 }
 
 
@@ -272,21 +272,25 @@ BEHIND = {
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(BEHIND))
 def test_a_kill_around_the_background_save_or_between_saves_resumes_equal(case, baseline, tmp_path):
-    fault, extra = BEHIND[case]
+    faults, extra = BEHIND[case]
     artifacts, run, home = tmp_path / "artifacts", tmp_path / "artifacts" / "runs" / RUN_ID, tmp_path / "prefect-home"
-    killed, pid = _k3rl(artifacts, home, fault, extra=extra)
-    assert killed.returncode == -9, f"{fault}: expected SIGKILL at the fault point, got {killed.returncode}\n" \
-                                    f"{killed.stdout[-4000:]}"
-    if extra:  # --save-every 2: nothing of the trainer was written before the kill
-        assert not (run / "iter-0000" / "trainer").exists() and not (run / "checkpoints").exists()
-    published = _published(run)
-    done, _ = _k3rl(artifacts, home, None, extra=extra)
-    assert done.returncode == 0, done.stdout[-4000:]
-    assert f"from pid {pid}, which died holding it" in done.stdout
-    changed = {k for k, v in published.items() if _published(run).get(k) != v}
-    assert not changed, f"published artifacts were written again: {sorted(changed)}"
+    killed_pid = None
+    for fault in [*faults, None]:
+        published = _published(run) if run.exists() else {}
+        done, pid = _k3rl(artifacts, home, fault, extra=extra)
+        log = done.stdout[-4000:]
+        if killed_pid is not None:
+            assert f"from pid {killed_pid}, which died holding it" in done.stdout, f"{fault}: no lock takeover\n{log}"
+        changed = {k for k, v in published.items() if _published(run).get(k) != v}
+        assert not changed, f"{fault}: published artifacts were written again: {sorted(changed)}"
+        if fault is None:
+            assert done.returncode == 0, log
+            break
+        assert done.returncode == -9, f"{fault}: expected SIGKILL at the fault point, got {done.returncode}\n{log}"
+        if extra:  # --save-every 2: nothing of the trainer was written before the kill
+            assert not (run / "iter-0000" / "trainer").exists() and not (run / "checkpoints").exists()
+        killed_pid = pid
     assert _staging(run) == []
     final = _final_state(artifacts)
     assert final["iteration"] == baseline["iteration"] == 2
     _assert_same(_drop_timings(final), _drop_timings(baseline))
-

@@ -127,6 +127,7 @@ def test_a_worker_engine_takes_the_runs_dtype(scored):
     """Dask and Ray workers build their resident engines in the run's dtype (``ShardRequest.dtype``),
     as the embedded engine does: from a public checkpoint, and pushed from a trainer state."""
     from k3core.rl.shards import ResidentEngines
+    from tasks.save import write_trainer_state
     from tasks.train import train_step
 
     holder = ResidentEngines()
@@ -136,6 +137,7 @@ def test_a_worker_engine_takes_the_runs_dtype(scored):
     with disable_run_logger():
         run = dataclasses.replace(scored["run"], run_id="worker-bf16", dtype="bfloat16")
         state = train_step.fn(run, 0, ck, scored["batch"], GRPOSettings(lr=1e-3))
-    pushed = holder.engine("w", state.path, state.kind, 1, False, "bfloat16")
+        path = write_trainer_state(run, 0, state)  # the train step leaves it live; a worker reads it from disk
+    pushed = holder.engine("w", str(path), state.kind, 1, False, "bfloat16")
     assert pushed is eng and eng.weight_version == 1 and trainers.dtype_of(eng.model) == torch.bfloat16
     assert trainers.dtype_of(ResidentEngines().engine("w", ck.path, ck.kind, 0, False).model) == torch.float32

@@ -24,6 +24,7 @@ from k3core.tokenizer import ByteTokenizer
 from k3core.rl import trainers
 from tasks.common import Batch, Run
 from tasks.fetch import fetch_checkpoint
+from tasks.save import write_trainer_state
 from tasks.train import train_step
 
 
@@ -51,10 +52,11 @@ def test_train_step_as_two_process_fsdp_job_equals_one_process(tmp_path):
         pq.write_table(table, tmp_path / "scored.parquet")
         scored = Artifact(kind="scored", uri=(tmp_path / "scored.parquet").as_uri(), path=str(tmp_path / "scored.parquet"),
                           sha256=sha256_file(tmp_path / "scored.parquet"), version=0)
-        states = {}
+        states, paths = {}, {}
         for procs in (1, 2):  # both seed the minibatch shuffle from the run's seed (0): the same draws
             run = Run(str(tmp_path / f"art{procs}"), f"p{procs}")
             states[procs] = train_step.fn(run, 0, ck, Batch(sampling, 0, (), (scored,)), settings, procs=procs)
+            paths[procs] = write_trainer_state(run, 0, states[procs])  # one process leaves it live: written here
     one, two = states[1], states[2]
     assert two.kind == one.kind == "dcp" and two.version == one.version == 1
     assert two.info["metrics"]["train_procs"] == 2 and two.info["metrics"]["updates"] == 2
@@ -62,9 +64,10 @@ def test_train_step_as_two_process_fsdp_job_equals_one_process(tmp_path):
         assert b["sequences"] == a["sequences"] and b["tokens"] == a["tokens"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-6)
+    assert one.info["durable"] is False and "durable" not in two.info  # the torchrun job wrote its state
     extra = json.loads(Path(two.path, "extra.json").read_text())
     assert extra["iteration"] == 1 and extra["parent"] == ck.uri and extra["scored"] == scored.uri
-    want = load_trainer_state(one.path, lr=0.0)[0].state_dict()
-    got = load_trainer_state(two.path, lr=0.0)[0].state_dict()
+    want = load_trainer_state(paths[1], lr=0.0)[0].state_dict()
+    got = load_trainer_state(paths[2], lr=0.0)[0].state_dict()
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-5, msg=k)
