@@ -138,3 +138,21 @@ def test_a_full_disk_is_told_through_the_exception_chain():
         assert disk.disk_full_error(wrapped) is full
     assert disk.disk_full_error(OSError(errno.EDQUOT, "Disk quota exceeded")) is not None
     assert disk.disk_full_error(OSError(errno.EIO, "I/O error")) is None and disk.disk_full_error(ValueError()) is None
+
+
+def test_the_run_is_sized_from_the_config_its_source_makes(tmp_path):
+    """A fresh medium checkpoint carries the bundled BPE, whose vocabulary is far smaller than the
+    release's: the need follows the checkpoint the run will train, not the preset's table. A fetched
+    run's own config.json wins over both."""
+    from k3core.checkpoint.hf import init_checkpoint
+    from k3core.tokenizer import BUNDLED_K3_BPE, load_tokenizer
+
+    s = RLSettings.from_dict({"model": {"preset": "medium"}, "pipeline": {"artifacts": str(tmp_path), "run_id": "r"}})
+    assert s.model.source == "init:medium:0:bpe"
+    config = disk.run_config(s)
+    assert config.vocab_size == load_tokenizer(BUNDLED_K3_BPE).vocab_size < K3Config.preset("medium").vocab_size
+    assert disk.trainer_state_bytes(config) < disk.trainer_state_bytes(K3Config.preset("medium"))
+
+    fetched = tmp_path / "runs" / "r" / "tokenizer"
+    init_checkpoint("tiny", fetched, seed=0)
+    assert disk.run_config(s).vocab_size == K3Config.preset("tiny").vocab_size
