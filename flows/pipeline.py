@@ -12,8 +12,8 @@ handles. One iteration N (engine at weight version N):
 
 Checkpoints off the critical path: state N+1 is written (``save_checkpoint``: the trainer state,
 hashed as written, then the checkpoint and ``latest``) beside iteration N+1's rollout, score and
-train forward/backward, and joined by its first optimizer step, which is what changes the state; with ``--save-every K`` only every K-th
-state (and the last) is written. An iteration is recorded (``metrics.json``, ``lineage.json``)
+train forward/backward, and joined by its first optimizer step, which is what changes the state;
+with ``--save-every K`` only every K-th state (and the last) is written. An iteration is recorded (``metrics.json``, ``lineage.json``)
 once the state after it, or a later one, is durable; a resumed run re-runs the unrecorded
 iterations from the last checkpoint, finding their published tables (never sampled again) and
 repeating their train steps (bit-identical on the CPU).
