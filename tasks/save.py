@@ -80,7 +80,7 @@ def write_trainer_state(run: Run, iteration: int, trained: Artifact) -> Path:
         return Path(trained.path)
 
     def build(tmp):
-        live = trainers.peek(run.run_id, trained.version)
+        live = trainers.being_written(run.run_id, trained.version)  # the next update may have taken it already
         if live is None:
             raise RuntimeError(f"trainer state {trained.uri} (version {trained.version}) is not written and not live "
                                "in this process: re-run the same command, which resumes from the last checkpoint")
@@ -89,4 +89,7 @@ def write_trainer_state(run: Run, iteration: int, trained: Artifact) -> Path:
                                storage_writer_factory=lambda path: ODirectFileSystemWriter(path, **writer_options()),
                                rng=live.rng)
 
-    return run.store.publish_once(run.layout.trainer_rel(iteration), build, is_dir=True) / "state"
+    try:
+        return run.store.publish_once(run.layout.trainer_rel(iteration), build, is_dir=True) / "state"
+    finally:
+        trainers.written(run.run_id, trained.version)

@@ -114,6 +114,7 @@ def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings
                                  temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
                                  max_groups=sampling.prompts_per_iteration,
                                  reference=pq.read_table(reference.path) if reference is not None else None)
+    trainers.written(run.run_id, state.version)  # joined: the write of the previous state is over
     extra = {**_lineage(iteration, state, batch), "reference": reference.uri if reference is not None else None,
              "metrics": metrics, QAT_KEY: bool(model.config.qat_routed_experts), WEIGHTS_KEY: WEIGHTS_FROM_MASTERS}
     trainers.put(run.run_id, trainers.LiveTrainer(iteration + 1, model, opt, extra, rng_state()))

@@ -24,6 +24,7 @@ from k3core.artifacts import Artifact
 
 _lock = threading.Lock()
 _live: dict[str, LiveTrainer] = {}
+_being_written: dict[tuple[str, int], LiveTrainer] = {}  # (run id, version): a write behind reads it
 
 
 @dataclass
@@ -39,10 +40,27 @@ class LiveTrainer:
 
 
 def write_behind(run_id: str, version: int, join: Callable[[], Any]) -> None:
-    """Record that the live trainer at ``version`` is being written, joined by ``join``."""
+    """Record that the live trainer at ``version`` is being written, joined by ``join``; the writer
+    finds it with ``being_written`` even after the next update has taken it out of the registry."""
     live = peek(run_id, version)
     if live is not None:
         live.writing = join
+        with _lock:
+            _being_written[(run_id, version)] = live
+
+
+def being_written(run_id: str, version: int) -> LiveTrainer | None:
+    """The live trainer at ``version`` that a write behind reads: the one ``write_behind`` recorded,
+    or the registry's."""
+    with _lock:
+        live = _being_written.get((run_id, version))
+    return live if live is not None else peek(run_id, version)
+
+
+def written(run_id: str, version: int) -> None:
+    """The write of ``version`` ended (or was not needed): forget it."""
+    with _lock:
+        _being_written.pop((run_id, version), None)
 
 
 @contextlib.contextmanager
@@ -94,6 +112,7 @@ def peek(run_id: str, version: int | None) -> LiveTrainer | None:
 def clear() -> None:
     with _lock:
         _live.clear()
+        _being_written.clear()
 
 
 def _device_of(model) -> torch.device:

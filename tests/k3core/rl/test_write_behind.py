@@ -60,3 +60,14 @@ def test_a_failed_write_fails_the_update_and_leaves_the_state_as_it_was():
     with pytest.raises(OSError, match="No space"), trainers.update_after_write(live):
         _step(live)
     assert all(torch.equal(a, b) for a, b in zip(_masters(live), before))
+
+
+def test_the_writer_finds_the_state_after_the_next_update_took_it_from_the_registry():
+    trainers.clear()
+    live = _live()
+    trainers.put("r", live)
+    trainers.write_behind("r", 1, lambda: None)
+    assert trainers.take("r", 1) is live  # the next train step takes it over before the write begins
+    assert trainers.peek("r", 1) is None and trainers.being_written("r", 1) is live
+    trainers.written("r", 1)
+    assert trainers.being_written("r", 1) is None
