@@ -4,9 +4,9 @@ version.
 1. The trainer state (``runs/<id>/iter-N/trainer``): when the train step left it live in this
    process (``k3core.rl.trainers``), it is written here with torch.distributed.checkpoint through
    the O_DIRECT writer, each file hashed as it is written (the manifest takes those digests, so
-   nothing is read back). The flow runs this stage beside the next iteration's rollout and score and
-   joins it before the next update changes the live state: no snapshot, no host memory beyond the
-   writer's fixed buffers. A state the train step already published (a torchrun job, a resumed run)
+   nothing is read back). The flow runs this stage beside the next iteration's rollout, score and
+   train forward/backward, and that train step's first optimizer step joins it before it changes
+   the live state: no snapshot, no host memory beyond the writer's fixed buffers. A state the train step already published (a torchrun job, a resumed run)
    is taken as it is.
 2. The checkpoint (``runs/<id>/checkpoints/iter-V``): the state's files hard-linked where possible,
    a manifest of their sha256 (``published_sha256``: a linked file's digest is the one recorded when
@@ -30,7 +30,7 @@ def writer_options(cores: int | None = None) -> dict:
     flight, 16 MiB buffers (10 of them: 160 MiB of host memory whatever the state's size), the best
     of the settings docs/results/checkpoints_off_critical_path.md measured that keep the pool small.
     With fewer cores the write shares them with the stages it runs beside, and every thread it adds
-    contends for the interpreter lock with theirs: one file, one pwrite in flight."""
+    competes with theirs for the cores and the interpreter lock: one file, one pwrite in flight."""
     cores = cores or os.cpu_count() or 1
     if cores >= 8:
         return dict(thread_count=4, io_threads=4, buffer_bytes=16 << 20, num_buffers=10)
