@@ -162,8 +162,8 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
         ref = reference_logprobs(run, iteration, reference, batch, s.grpo) if s.grpo.kl_coef else None
         trained = train_step(run, iteration, policy, batch, s.grpo, ref, s.scale_out.train_procs)
         saved = saving.result() if saving is not None else None  # joined by the update already
-        live = trained.info.get("durable", True) is False  # a resumed run's state may be on disk already
-        later = save_due(s, iteration) and save_behind(s, iteration) and live
+        # a resumed run's state may be on disk already: only its commit is left, done here
+        later = save_due(s, iteration) and save_behind(s, iteration) and trainers.unwritten(trained)
         if save_due(s, iteration) and not later:
             saved = save_checkpoint(run, iteration, trained)  # no later rollout to hide it behind
         next_rollouts = pending.result() if ahead else None  # the engine keeps this version until it is done

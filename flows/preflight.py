@@ -84,13 +84,6 @@ def check_source(source: str, preset: str) -> None:
                          f"complete checkpoint of that preset (`k3rl checkpoint validate DIR` audits one)") from None
 
 
-def _nearest_existing(path: Path) -> Path:
-    p = path.absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
 def check_artifact_root(artifacts: str, run_id: str) -> None:
     """``--artifacts``: another filesystem's protocol must be known (its package installed); a local
     root must be a directory, or creatable, and writable where the run will write (its run directory,
@@ -113,10 +106,11 @@ def check_artifact_root(artifacts: str, run_id: str) -> None:
     if path.exists() and not path.is_dir():
         raise ValueError(f"--artifacts {artifacts} is a file, not a directory; point --artifacts at a directory "
                          "(it is created when missing)")
+    from k3core.rl.disk import existing_dir
     from k3core.rl.layout import RunLayout
 
     for target in (path / RunLayout(run_id).rel(), path):
-        where = _nearest_existing(target)
+        where = existing_dir(target)
         if not where.is_dir():
             raise ValueError(f"--artifacts {artifacts}: {where} is a file, so the artifact root cannot be created "
                              "there; choose another --artifacts")

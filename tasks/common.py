@@ -172,8 +172,10 @@ class Run:
         beside its tokenizer; training changes weights, never the architecture)."""
         from k3core.config import K3Config
 
+        from k3core.rl.trainers import unwritten
+
         own = Path(weights.path, "config.json")
-        if own.is_file() or weights.info.get("durable", True) is not False:
+        if own.is_file() or not unwritten(weights):
             return K3Config.from_json_file(own)
         return K3Config.from_json_file(Path(self.store.open_local(self.layout.tokenizer), "config.json"))
 
@@ -433,7 +435,9 @@ class StageFuture:
 def _localized(run: Run, out: Artifact) -> Artifact:
     """``out`` readable on this machine (``ArtifactStore.localize``); a trainer state that is live in
     this process and not written yet has nothing to download, and stays as it is."""
-    return out if out.info.get("durable", True) is False else run.store.localize(out)
+    from k3core.rl.trainers import unwritten
+
+    return out if unwritten(out) else run.store.localize(out)
 
 
 def round_run_name(stage_name: str) -> Callable[..., str]:

@@ -76,7 +76,7 @@ def write_trainer_state(run: Run, iteration: int, trained: Artifact) -> Path:
     from k3core.checkpoint.odirect import ODirectFileSystemWriter, one_intra_op_thread
     from k3core.rl.trainer_state import save_trainer_state
 
-    if trained.info.get("durable", True) is not False:  # the train step published it (torchrun, a resumed run)
+    if not trainers.unwritten(trained):  # the train step published it (torchrun, a resumed run)
         return Path(trained.path)
 
     def build(tmp):

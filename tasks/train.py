@@ -41,7 +41,7 @@ def _trainer(run: Run, state: Artifact, settings: GRPOSettings):
         model = set_qat(load_policy(state.path, torch_dtype(run.dtype), device=run.device), settings.qat)
         _seed_first_trainer(run)
         return model, make_optimizer(model, settings.lr), None
-    if not state.info.get("durable", True) and trainers.peek(run.run_id, state.version) is None:
+    if trainers.unwritten(state) and trainers.peek(run.run_id, state.version) is None:
         raise RuntimeError(f"trainer state {state.uri} (version {state.version}) was never written and is not live in "
                            "this process: re-run the same command, which resumes from the last checkpoint")
     trainers.weights(run.run_id, state, run.device, run.dtype)  # live, or read once from the DCP state

@@ -29,13 +29,13 @@ import functools
 import io
 import json
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from k3core.config import K3Config
 
 __all__ = ["DISK_FULL", "DiskNeed", "RunProgress", "disk_full_error", "existing_dir", "fitting_flags", "free_bytes", "gb", "prepared_bytes",
-           "preset_state_bytes", "run_disk_need", "run_progress", "saved_versions", "state_entries", "states_at_peak",
+           "run_config", "run_disk_need", "run_progress", "saved_versions", "state_entries", "states_at_peak",
            "table_bytes_per_iteration", "trainer_state_bytes", "with_pipeline"]
 
 # Per DCP entry in ``.metadata``: its key, chunk metadata and tensor properties, pickled (an upper
@@ -107,12 +107,6 @@ def trainer_state_bytes(config: K3Config, with_weights_dtype=None) -> int:
     """Bytes a trainer state of ``config`` takes on disk (8 B per trainable parameter element,
     persistent buffers at their dtype, the records and metadata around them)."""
     return _entries_bytes(state_entries(config, with_weights_dtype)) + STATE_FIXED_BYTES
-
-
-@functools.cache
-def preset_state_bytes(preset: str) -> int:
-    """``trainer_state_bytes`` of a preset's config (built once per process)."""
-    return trainer_state_bytes(K3Config.preset(preset))
 
 
 def _layout_bytes(config: K3Config, target: str) -> int:
@@ -215,7 +209,6 @@ class DiskNeed:
     states: int
     prepared: int
     tables: int
-    parts: dict = field(default_factory=dict, compare=False)
 
     @property
     def total(self) -> int:
@@ -233,8 +226,6 @@ def run_config(s) -> K3Config:
     """The config of the model run ``s`` trains: the fetched source's (``runs/<id>/tokenizer`` holds
     its config.json) on a resumed local run, a local source directory's, or the one ``init:`` makes
     (the preset's, its vocabulary sized to the bundled BPE for ``init:PRESET:SEED:bpe``)."""
-    from pathlib import Path
-
     from k3core.rl.layout import RunLayout
 
     root, source = s.pipeline.artifacts, s.model.source

@@ -75,6 +75,7 @@ def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: tor
     Every file is hashed as it is written (``ODirectFileSystemWriter.digests``; the default writer is
     that pipeline without O_DIRECT), and the manifest takes those digests: nothing is read back. A
     ``storage_writer_factory`` whose writer reports no digests gets its files hashed from disk."""
+    from k3core.artifacts import remember_digests
     from k3core.checkpoint.odirect import ODirectFileSystemWriter
 
     out_dir = Path(out_dir)
@@ -97,8 +98,6 @@ def save_trainer_state(out_dir: str | Path, model: K3ForCausalLM, optimizer: tor
         (out_dir / "extra.json").write_text(json.dumps(extra, indent=2))
         # last: sha256 of every file (all ranks' data, .metadata included), checked before any load
         manifest = write_manifest(out_dir, known=known)
-        from k3core.artifacts import remember_digests
-
         remember_digests(out_dir, {n: e["sha256"] for n, e in manifest["files"].items()})
 
 

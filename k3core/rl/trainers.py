@@ -88,6 +88,12 @@ def update_after_write(live: LiveTrainer):
         handle.remove()
 
 
+def unwritten(state: Artifact) -> bool:
+    """Whether ``state`` is the handle of a trainer state that is live in its process and not written
+    yet (``tasks.train.live_handle``: ``info["durable"]`` False): nothing of it is on disk."""
+    return state.info.get("durable", True) is False
+
+
 def put(run_id: str, live: LiveTrainer) -> None:
     with _lock:
         _live[run_id] = live

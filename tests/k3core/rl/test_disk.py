@@ -82,7 +82,7 @@ def _settings(**flat):
 
 def test_a_run_needs_its_states_prepared_weights_and_tables():
     s = _settings(iterations=10, keep_checkpoints=2, warmup_steps=5)
-    state = disk.preset_state_bytes("tiny")
+    state = disk.trainer_state_bytes(K3Config.preset("tiny"))
     n = disk.run_disk_need(s, prompt_tokens=64)
     assert n.states == 3 and n.state_bytes == state
     assert n.prepared == disk.prepared_bytes(K3Config.preset("tiny"))
@@ -115,7 +115,7 @@ def test_run_progress_reads_what_a_local_root_has_published(tmp_path):
 
 def test_the_flags_that_fit_name_their_need():
     s = _settings(iterations=30, keep_checkpoints=0)
-    state = disk.preset_state_bytes("tiny")
+    state = disk.trainer_state_bytes(K3Config.preset("tiny"))
 
     def need_of(x):
         return disk.run_disk_need(x, prompt_tokens=16)

@@ -5,15 +5,32 @@ import torch
 from k3core.config import K3Config
 from k3core.model import K3ForCausalLM
 from k3core.rl.trainer_state import load_trainer_state, make_optimizer, save_trainer_state
-def test_trainer_state_round_trip_after_steps(tmp_path):
-    torch.manual_seed(0)
-    m = K3ForCausalLM(K3Config.preset("tiny"))
-    opt = make_optimizer(m, 1e-3)
+
+
+def _step(model, opt, ids):
+    opt.zero_grad()
+    model(ids, targets=ids.roll(-1, 1)).loss.backward()
+    opt.step()
+
+
+def _stepped_model(seed: int = 0, dtype=torch.float32, lr: float = 1e-3):
+    """(model, optimizer, batch): the tiny model after two optimizer steps on one batch."""
+    torch.manual_seed(seed)
+    m = K3ForCausalLM(K3Config.preset("tiny")).cast(dtype)
+    opt = make_optimizer(m, lr)
     ids = torch.randint(0, 256, (2, 8))
     for _ in range(2):
-        opt.zero_grad()
-        m(ids, targets=ids.roll(-1, 1)).loss.backward()
-        opt.step()
+        _step(m, opt, ids)
+    return m, opt, ids
+
+
+def _stepped_bf16_model(seed: int = 0):
+    m, opt, _ = _stepped_model(seed, torch.bfloat16, lr=1e-2)
+    return m, opt
+
+
+def test_trainer_state_round_trip_after_steps(tmp_path):
+    m, opt, ids = _stepped_model()
     assert all(p in opt.state for p in m.parameters() if p.requires_grad)  # every trainable weight stepped
     save_trainer_state(tmp_path / "s", m, opt, {"iteration": 3, "data_cursor": {"next_iteration": 3}})
     expect_rng = torch.get_rng_state()
@@ -25,23 +42,9 @@ def test_trainer_state_round_trip_after_steps(tmp_path):
         assert torch.equal(a, b), n
     # one more identical step on both gives identical weights (optimizer moments restored)
     for model, o in ((m, opt), (m2, opt2)):
-        o.zero_grad()
-        model(ids, targets=ids.roll(-1, 1)).loss.backward()
-        o.step()
+        _step(model, o, ids)
     for (n, a), b in zip(m.state_dict().items(), m2.state_dict().values()):
         assert torch.equal(a, b), n
-
-
-def _stepped_bf16_model(seed: int = 0):
-    torch.manual_seed(seed)
-    m = K3ForCausalLM(K3Config.preset("tiny")).cast(torch.bfloat16)
-    opt = make_optimizer(m, 1e-2)
-    ids = torch.randint(0, 256, (2, 8))
-    for _ in range(2):
-        opt.zero_grad()
-        m(ids, targets=ids.roll(-1, 1)).loss.backward()
-        opt.step()
-    return m, opt
 
 
 def _saved_keys(path):
