@@ -11,9 +11,11 @@ handles. One iteration N (engine at weight version N):
     (live) -> transfer_weights (MXFP4 experts) -> engine@N+1
 
 Checkpoints off the critical path: state N+1 is written (``save_checkpoint``: the trainer state,
-hashed as written, then the checkpoint and ``latest``) beside iteration N+1's rollout, score and
-train forward/backward, and joined by its first optimizer step, which is what changes the state;
-with ``--save-every K`` only every K-th state (and the last) is written. An iteration is recorded (``metrics.json``, ``lineage.json``)
+hashed as written, then the checkpoint and ``latest``) as a task of ``rl_run`` beside the whole of
+iteration N+1, and joined after it, before the next save starts. Iteration N+1's first optimizer
+step, which is what changes the state, freezes the write first: the writer copies what it has not
+read yet and goes on (``k3core.rl.trainers.WriteBehind``). With ``--save-every K`` only every K-th
+state (and the last) is written, so a write slower than an iteration still hides behind K of them. An iteration is recorded (``metrics.json``, ``lineage.json``)
 once the state after it, or a later one, is durable; a resumed run re-runs the unrecorded
 iterations from the last checkpoint, finding their published tables (never sampled again) and
 repeating their train steps (bit-identical on the CPU).
@@ -99,8 +101,8 @@ class Iteration:
     metrics: dict
     lineage: list[Artifact]
     next_rollouts: Artifact | None = None  # the next iteration's batch, sampled ahead at this version
-    saved: Artifact | None = None  # the checkpoint made durable in this iteration (this one's, or the previous one's)
-    unsaved: Artifact | None = None  # this iteration's state, to be written beside the next iteration's rollout
+    saved: Artifact | None = None  # this iteration's checkpoint, when it was written here (no next iteration to hide it)
+    unsaved: Artifact | None = None  # this iteration's state, to be written beside the next iteration
 
 
 @flow(name="prepare", flow_run_name="{settings.pipeline.run_id}-prepare", log_prints=True)
@@ -134,21 +136,14 @@ def save_behind(s: RLSettings, iteration: int) -> bool:
       task_runner=ThreadPoolTaskRunner(max_workers=3))
 def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights: Artifact,
                  reference: Artifact | None = None, rollouts: Artifact | None = None,
-                 behind: Artifact | None = None, unsaved: Artifact | None = None) -> Iteration:
+                 behind: Artifact | None = None) -> Iteration:
     """One iteration (the module's diagram). ``policy``: the trainer's weights at the version the
     engine serves (``weights``); ``reference``: the frozen policy of the KL penalty (``kl_coef`` > 0);
     ``rollouts``: this iteration's batch when the previous iteration sampled it ahead, else sampled
-    here by ``behind`` (the version before ``weights``) or, without it, by ``weights``; ``unsaved``:
-    the previous iteration's trained state (live in this process, ``policy`` itself), written here
-    beside the rollout, score and the train step's forward and backward passes, and joined before
-    its first optimizer step changes it."""
+    here by ``behind`` (the version before ``weights``) or, without it, by ``weights``."""
     s, run, t0 = settings, Run.of(settings), time.perf_counter()
     ahead = s.grpo.max_staleness > 0 and iteration + 1 < s.pipeline.iterations
     with stage_timings() as seconds, stage_memory() as peaks:
-        saving = None
-        if unsaved is not None:  # written beside the stages below; the train step's first update joins it
-            saving = save_checkpoint.submit(run, iteration - 1, unsaved)
-            trainers.write_behind(run.run_id, unsaved.version, saving.result)
         heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
                    if s.evaluation.due(iteration) else {})
         batch = sample_round(s, run, iteration, behind or weights, Batch(s.rollout, data_position(policy)), rollouts)
@@ -161,11 +156,9 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                     if s.rollout.quantized and s.evaluation.mismatch_due(iteration) else {})
         ref = reference_logprobs(run, iteration, reference, batch, s.grpo) if s.grpo.kl_coef else None
         trained = train_step(run, iteration, policy, batch, s.grpo, ref, s.scale_out.train_procs)
-        saved = saving.result() if saving is not None else None  # joined by the update already
         # a resumed run's state may be on disk already: only its commit is left, done here
         later = save_due(s, iteration) and save_behind(s, iteration) and trainers.unwritten(trained)
-        if save_due(s, iteration) and not later:
-            saved = save_checkpoint(run, iteration, trained)  # no later rollout to hide it behind
+        saved = save_checkpoint(run, iteration, trained) if save_due(s, iteration) and not later else None
         next_rollouts = pending.result() if ahead else None  # the engine keeps this version until it is done
         engine = transfer_weights(run, iteration, trained, s.rollout.quantized)
     metrics = reports.iteration_metrics(iteration, batch, trained, engine, heldout, mismatch, seconds)
@@ -238,19 +231,20 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
         log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
     reference = prep.policy if s.grpo.kl_coef else None
     t_loop = time.perf_counter()
-    unsaved, unrecorded = None, []  # a state written beside the next rollout; iterations not durable yet
+    unsaved, unrecorded = None, []  # a state written beside the next iteration; iterations not durable yet
     with iteration_runner(s.scale_out, run.run_id) as runner:  # a Dask or Ray cluster outlives each iteration
         for n in range(len(done), s.pipeline.iterations):
+            saving = write_behind(run, n - 1, unsaved) if unsaved is not None else None
             iterate = rl_iteration if runner is None else rl_iteration.with_options(task_runner=runner())
-            it = iterate(s, n, policy, weights, reference, pending,
-                         behind if s.grpo.max_staleness and n else None, unsaved)
+            it = iterate(s, n, policy, weights, reference, pending, behind if s.grpo.max_staleness and n else None)
             behind, pending, unsaved = weights, it.next_rollouts, it.unsaved
             policy, weights = it.policy, it.weights
             unrecorded.append((it.metrics, it.lineage))
+            for saved in (joined(saving, it.metrics), it.saved):  # durable up to its version: record up to it
+                if saved is not None:
+                    unrecorded = _record(s, prep, history, done, unrecorded, saved)
             pace = (time.perf_counter() - t_loop) / (n + 1 - done_before)  # seconds per iteration so far
             log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics, pace * (s.pipeline.iterations - n - 1)))
-            if it.saved is not None:  # durable up to its version: the iterations before it are recorded
-                unrecorded = _record(s, prep, history, done, unrecorded, it.saved)
             progress_event("iterations", done=n + 1, total=s.pipeline.iterations)
     final = evaluate(run, "final", weights, s.evaluation.prompts, s.rollout, s.reward)
     # a continued run's prepare found its work done; the seconds it really cost are the recorded ones
@@ -259,6 +253,28 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
                               run.dtype)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
     return summary
+
+
+def write_behind(run: Run, iteration: int, unsaved: Artifact):
+    """Submit the save of ``unsaved`` (the state after ``iteration``, live in this process) to run
+    beside the next iteration; that iteration's first optimizer step releases it first."""
+    saving = save_checkpoint.submit(run, iteration, unsaved)
+    trainers.write_behind(run.run_id, unsaved.version, saving.result, lambda: saving.future.state.is_final())
+    return saving
+
+
+def joined(saving, metrics: dict) -> Artifact | None:
+    """The checkpoint of a save submitted by ``write_behind``, once it is durable (None without one).
+    The iteration it ran beside gets ``seconds_save_wait`` (how long the flow still waited for it
+    after the iteration's stages, also added to ``seconds_iteration``) and ``seconds_save_ahead`` (its
+    whole time, from submission)."""
+    if saving is None:
+        return None
+    with stage_timings() as seconds:
+        saved = saving.result()
+    metrics.update({f"seconds_{k}": v for k, v in seconds.items()})
+    metrics["seconds_iteration"] = metrics.get("seconds_iteration", 0.0) + seconds.get("save_wait", 0.0)
+    return saved
 
 
 def _record(s: RLSettings, prep: Prepared, history: list[dict], done: list[list[Artifact]],

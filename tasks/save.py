@@ -4,10 +4,12 @@ version.
 1. The trainer state (``runs/<id>/iter-N/trainer``): when the train step left it live in this
    process (``k3core.rl.trainers``), it is written here with torch.distributed.checkpoint through
    the O_DIRECT writer, each file hashed as it is written (the manifest takes those digests, so
-   nothing is read back). The flow runs this stage beside the next iteration's rollout, score and
-   train forward/backward, and that train step's first optimizer step joins it before it changes
-   the live state: no snapshot, no host memory beyond the writer's fixed buffers. A state the train step already published (a torchrun job, a resumed run)
-   is taken as it is.
+   nothing is read back). The flow runs this stage beside the next iteration (``flows.pipeline``),
+   whose first optimizer step freezes the writer before it changes the live state: the writer copies
+   the tensors it has not read yet (host memory: at most the unwritten part of one state, freed as
+   it is written) and goes on writing beside the update, so the update waits for a memory copy, not
+   for the disk. A state the train step already published (a torchrun job, a resumed run) is taken
+   as it is.
 2. The checkpoint (``runs/<id>/checkpoints/iter-V``): the state's files hard-linked where possible,
    a manifest of their sha256 (``published_sha256``: a linked file's digest is the one recorded when
    it was written, a stat, not a read of the whole state), then the ``latest`` pointer, last.
@@ -84,9 +86,13 @@ def write_trainer_state(run: Run, iteration: int, trained: Artifact) -> Path:
         if live is None:
             raise RuntimeError(f"trainer state {trained.uri} (version {trained.version}) is not written and not live "
                                "in this process: re-run the same command, which resumes from the last checkpoint")
+        def writer(path):  # freezable: the next update copies what it has not written yet, then goes on
+            w = ODirectFileSystemWriter(path, freezable=True, **writer_options())
+            trainers.writing_with(live, w)
+            return w
+
         with one_intra_op_thread():  # beside other stages: no OpenMP team of its own
-            save_trainer_state(tmp / "state", live.model, live.optimizer, live.extra,
-                               storage_writer_factory=lambda path: ODirectFileSystemWriter(path, **writer_options()),
+            save_trainer_state(tmp / "state", live.model, live.optimizer, live.extra, storage_writer_factory=writer,
                                rng=live.rng)
 
     try:

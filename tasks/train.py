@@ -108,13 +108,15 @@ def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings
         return durable_handle(run, iteration)
     model, opt, live = _trainer(run, state, settings)
     table = pa.concat_tables([pq.read_table(a.path) for a in batch.scored])
-    # the previous state may still be being written (``rl_iteration``): the first optimizer step waits for it
-    with trainers.update_after_write(live) if live is not None else contextlib.nullcontext():
+    # the previous state may still be being written (``flows.pipeline.write_behind``): the first
+    # optimizer step releases that write (the writer copies what it has not read yet) before it starts
+    with trainers.update_after_write(live) if live is not None else contextlib.nullcontext({}) as waited:
         metrics = train_on_table(model, opt, table, settings, model.config.pad_token_id,
                                  temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
                                  max_groups=sampling.prompts_per_iteration,
                                  reference=pq.read_table(reference.path) if reference is not None else None)
-    trainers.written(run.run_id, state.version)  # joined: the write of the previous state is over
+    metrics.update(waited)
+    trainers.written(run.run_id, state.version)  # released: the write reads the state no more
     extra = {**_lineage(iteration, state, batch), "reference": reference.uri if reference is not None else None,
              "metrics": metrics, QAT_KEY: bool(model.config.qat_routed_experts), WEIGHTS_KEY: WEIGHTS_FROM_MASTERS}
     trainers.put(run.run_id, trainers.LiveTrainer(iteration + 1, model, opt, extra, rng_state()))

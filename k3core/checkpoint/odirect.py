@@ -61,6 +61,7 @@ import os
 import pickle
 import queue
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -564,6 +565,92 @@ def _cpu_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     return tensor
 
 
+def _own_copy(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    """A CPU copy of the item's tensor that nothing else holds (its own minimal storage)."""
+    tensor = planner.resolve_data(item).detach()
+    return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
+
+
+class _FreezableSource:
+    """Where a freezable writer's tensors come from, and ``freeze``.
+
+    Until a freeze, each tensor item is copied from the state dict when a serialising thread reaches
+    it; the writer then reads only that copy. ``freeze`` copies every item no thread has reached yet,
+    at once, in the caller's thread, and waits for the copies in progress: after it returns nothing
+    the write does reads the state dict, so the caller may change it (an optimizer step) while the
+    write goes on. Host memory after a freeze: the items not written yet, each freed once written."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._ready = threading.Event()  # the plan is known (or the write ended): a freeze can answer
+        self._planner: SavePlanner | None = None
+        self._pending: dict[Any, WriteItem] = {}  # items no thread has reached
+        self._claimed: set = set()  # items a freeze is copying
+        self._copies: dict[Any, torch.Tensor] = {}  # the freeze's copies, taken by the threads
+        self._copying = 0  # threads copying from the state dict right now
+        self._ended: bool | None = None  # the data phase: None running, True written, False failed
+        self.frozen = False  # a freeze returned: the caller may have changed the state dict since
+
+    def start(self, planner: SavePlanner, items: list[WriteItem]) -> None:
+        with self._cond:
+            self._planner = planner
+            self._pending = {it.index: it for it in items if it.type != WriteItemType.BYTE_IO}
+        self._ready.set()
+
+    def end(self, ok: bool) -> None:
+        """The write's data phase ended: every item written (``ok``), or it failed (a freeze after
+        that answers False: the state must stay as it is for whatever writes it next)."""
+        with self._cond:
+            self._pending.clear()
+            self._ended = ok
+            self._cond.notify_all()
+        self._ready.set()
+
+    def tensor(self, item: WriteItem) -> torch.Tensor:
+        with self._cond:
+            while item.index in self._claimed:
+                self._cond.wait()
+            copy = self._copies.pop(item.index, None)
+            if copy is not None:
+                return copy
+            self._pending.pop(item.index, None)
+            self._copying += 1
+        try:
+            return _own_copy(self._planner, item)
+        finally:
+            with self._cond:
+                self._copying -= 1
+                self._cond.notify_all()
+
+    def freeze(self, timeout: float | None = None) -> bool:
+        """Copy what the write has not read yet; False when the plan is not known within ``timeout``."""
+        if not self._ready.wait(timeout):
+            return False
+        with self._cond:
+            if self.frozen or self._ended:
+                self.frozen = True
+                return True
+            if self._ended is False:
+                return False
+            claim, self._pending = self._pending, {}
+            self._claimed = set(claim)
+        copies: dict[Any, torch.Tensor] = {}
+        try:
+            for index, item in claim.items():
+                copies[index] = _own_copy(self._planner, item)
+        finally:
+            with self._cond:  # on a failure (out of memory) the items not copied go back to the threads
+                self._copies.update(copies)
+                self._pending.update({i: it for i, it in claim.items() if i not in copies})
+                self._claimed = set()
+                self._cond.notify_all()
+        with self._cond:
+            while self._copying:
+                self._cond.wait()
+            self.frozen = True
+        return True
+
+
 class ODirectFileSystemWriter(FileSystemWriter):
     """Drop-in for `torch.distributed.checkpoint.FileSystemWriter` that writes data files with
     O_DIRECT through a bounded pool of aligned buffers (see the module docstring).
@@ -587,6 +674,10 @@ class ODirectFileSystemWriter(FileSystemWriter):
         direct: False writes through the page cache (same pipeline, no warning).
         remove_stale: after publishing, delete `__*_*.distcp` files that the new metadata does not
             name (the previous checkpoint's data, debris of a killed save).
+        freezable: every tensor is copied before it is serialised (not only views and device
+            tensors), and `freeze()` may be called from another thread while the save runs: it
+            copies what the write has not read yet, after which the caller may change the state
+            dict (see `_FreezableSource`).
 
     After a save, `last_stats` holds this rank's `WriteStats` and `digests` the sha256 and size of
     every file it wrote (data files; `.metadata` on the coordinator), computed from the bytes as
@@ -612,6 +703,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
         hash_threads: int | None = None,
         direct: bool = True,
         remove_stale: bool = True,
+        freezable: bool = False,
     ) -> None:
         if _extensions:
             raise ValueError("ODirectFileSystemWriter does not support stream-transform _extensions")
@@ -638,6 +730,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
         self.hash_threads = hash_threads or thread_count
         self.direct = direct
         self.remove_stale = remove_stale
+        self._source = _FreezableSource() if freezable else None
         self.last_stats: WriteStats | None = None
         self.digests: dict[str, tuple[str, int]] = {}
         self._fallback_lock = threading.Lock()
@@ -667,6 +760,19 @@ class ODirectFileSystemWriter(FileSystemWriter):
             stacklevel=2,
         )
 
+    def freeze(self, timeout: float | None = None) -> bool:
+        """From its return on, the save reads none of the state dict's tensors: the items it has
+        not read yet are copied now (host memory: their bytes, freed as they are written). False
+        when the save has not planned its items within ``timeout`` (call again). Needs ``freezable``."""
+        if self._source is None:
+            raise ValueError("freeze() needs ODirectFileSystemWriter(..., freezable=True)")
+        return self._source.freeze(timeout)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether a ``freeze`` returned: the state dict may have changed since."""
+        return self._source is not None and self._source.frozen
+
     # ---- data
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         t0 = time.perf_counter()
@@ -693,6 +799,8 @@ class ODirectFileSystemWriter(FileSystemWriter):
         pool = AlignedBufferPool(self.num_buffers, self.buffer_bytes)
         io = _IOThreads(pool, self.io_threads, self.hash_threads)
         self.digests = {}
+        if self._source is not None:
+            self._source.start(planner, plan.items)
 
         def serialise() -> None:
             with one_intra_op_thread():
@@ -727,6 +835,8 @@ class ODirectFileSystemWriter(FileSystemWriter):
             for w in workers:
                 w.join()
         finally:
+            if self._source is not None:
+                self._source.end(ok=not failures and sys.exc_info()[0] is None)
             io.close()
             stats.pool_bytes = pool.capacity_bytes
             stats.peak_pool_bytes_in_use = pool.peak_in_use_bytes
@@ -765,7 +875,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
             for item in items:
                 if item.type == WriteItemType.BYTE_IO:
                     continue
-                tensor = _cpu_tensor(planner, item)
+                tensor = self._source.tensor(item) if self._source is not None else _cpu_tensor(planner, item)
                 offset = f.tell()
                 torch.save(tensor, f)
                 del tensor

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,19 +35,53 @@ class LiveTrainer:
     optimizer: Any
     extra: dict
     rng: tuple
-    # while this state is being written beside the next stages: joins that write (returns when it is
-    # durable, raises its error); the next update calls it before its first optimizer step
-    writing: Callable[[], Any] | None = None
+    # while this state is being written beside the next stages: that write (the next update calls its
+    # ``release`` before its first optimizer step), and the storage writer it writes with once it has one
+    writing: WriteBehind | None = None
+    writer: Any = None
 
 
-def write_behind(run_id: str, version: int, join: Callable[[], Any]) -> None:
-    """Record that the live trainer at ``version`` is being written, joined by ``join``; the writer
+@dataclass
+class WriteBehind:
+    """A write of ``live``'s state running beside the stages after it: ``join`` returns once it is
+    durable (raises its error), ``done`` says whether it ended."""
+    live: LiveTrainer
+    join: Callable[[], Any]
+    done: Callable[[], bool]
+
+    def release(self) -> None:
+        """Return once the state may change: the write's storage writer has copied what it has not
+        read yet (``ODirectFileSystemWriter.freeze``; the write goes on beside the update), or the
+        write ended (its error raised)."""
+        while True:
+            writer = self.live.writer
+            if writer is not None and writer.freeze(timeout=0.05):
+                return
+            if self.done():
+                self.join()
+                return
+            if writer is None:
+                time.sleep(0.01)
+
+
+def write_behind(run_id: str, version: int, join: Callable[[], Any], done: Callable[[], bool]) -> None:
+    """Record that the live trainer at ``version`` is being written (``WriteBehind``); the writer
     finds it with ``being_written`` even after the next update has taken it out of the registry."""
     live = peek(run_id, version)
     if live is not None:
-        live.writing = join
         with _lock:
+            live.writing = WriteBehind(live, join, done)
             _being_written[(run_id, version)] = live
+
+
+def writing_with(live: LiveTrainer, writer: Any) -> None:
+    """The write of ``live``'s state uses ``writer``, a freezable storage writer: the next update
+    freezes it instead of waiting for the disk. Refused when an earlier attempt's writer was frozen:
+    the update may have changed the state since, so writing it again would mix two versions."""
+    if live.writer is not None and live.writer.frozen:
+        raise RuntimeError(f"the write of trainer state version {live.version} failed after the next update had "
+                           "started changing it: re-run the same command, which resumes from the last checkpoint")
+    live.writer = writer
 
 
 def being_written(run_id: str, version: int) -> LiveTrainer | None:
@@ -65,25 +100,28 @@ def written(run_id: str, version: int) -> None:
 
 @contextlib.contextmanager
 def update_after_write(live: LiveTrainer):
-    """Within the block, the optimizer's first step first joins the write of ``live``'s state (if one
-    is running): the forward and backward passes before it read what the write reads and change
-    none of it (the optimizer state, the buffers), so they run beside it; the step may not."""
-    join, live.writing = live.writing, None
-    if join is None:
-        yield
+    """Within the block, the optimizer's first step first releases the write of ``live``'s state (if
+    one is running, ``WriteBehind.release``): the forward and backward passes before it read what the
+    write reads and change none of it (the optimizer state, the buffers), so they run beside it; the
+    step may change the state only once the writer holds its own copy of what it has still to write.
+    Yields a dict that gets ``release_seconds``: how long the step waited for the release."""
+    with _lock:
+        writing, live.writing = live.writing, None
+    waited: dict[str, float] = {}
+    if writing is None:
+        yield waited
         return
-    joined = []
 
-    def before_step(*_):
-        if not joined:
-            join()
-            joined.append(True)
+    def release(*_):
+        if "release_seconds" not in waited:
+            t0 = time.perf_counter()
+            writing.release()
+            waited["release_seconds"] = time.perf_counter() - t0
 
-    handle = live.optimizer.register_step_pre_hook(before_step)
+    handle = live.optimizer.register_step_pre_hook(release)
     try:
-        yield
-        if not joined:  # no step was taken (no informative group): the write still ends before the state moves on
-            join()
+        yield waited
+        release()  # no step was taken (no informative group): released before the state moves on
     finally:
         handle.remove()
 

@@ -133,8 +133,8 @@ def test_a_run_on_a_small_tmpfs_is_refused_before_any_stage(tmp_path):
 @pytest.mark.timeout(900)
 def test_a_full_disk_mid_run_fails_clean_and_the_same_command_resumes_equal(tmp_path):
     """Iteration 0's trainer state, written beside iteration 1's rollout, hits ENOSPC halfway through
-    its write (a fault point, as a full disk would), and iteration 1's first optimizer step, which
-    joins that write, fails with it: one ``k3rl: error:`` line naming the disk, exit 1, no traceback,
+    its write (a fault point, as a full disk would), and the run, which joins that write after
+    iteration 1, fails with it: one ``k3rl: error:`` line naming the disk, exit 1, no traceback,
     no retry, no ``.tmp-*`` left, no trainer state published. The same command, unarmed, resumes and
     ends with the final trainer state, tables and metrics of an uninterrupted run."""
     km = _kill_matrix()

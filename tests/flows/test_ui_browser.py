@@ -8,7 +8,8 @@ in prefect/server/ui-v2, the default UI) and waits for the single-page app to re
 
 - the ``rl_run`` flow run lists its subflow runs (``prepare``, ``rl_iteration`` x 2) and artifacts;
 - each ``rl_iteration`` run lists its stage task runs, named by stage and iteration
-  (``rollout-iter1``, ``train_step-iter1``, ...); ``prepare`` lists fetch/validate/warm-up/quantize;
+  (``rollout-iter1``, ``train_step-iter1``, ...; the saves written behind the next iteration are
+  ``rl_run``'s task runs); ``prepare`` lists fetch/validate/warm-up/quantize;
 - the ``rl-metrics`` page shows the table, with the values of the run's ``metrics.json``;
 - the ``rl-lineage`` page shows the lineage table, with the hash of the latest checkpoint's manifest;
 - the ``rl-curves`` page shows the reward/KL PNG: the ``<img>`` has decoded (``naturalWidth`` equals
@@ -243,11 +244,15 @@ def test_prefect_ui_shows_run_stages_artifacts_and_lineage(tmp_path):
                           "rl_run page with its subflow runs")
         browser.screenshot(shots / "01-rl_run-graph-and-subflows.png")
 
-        # each iteration: its stage task runs, named by stage and iteration; the save of state n runs
-        # behind iteration n+1's rollout (in that iteration's flow run), the last one in its own
+        # the saves written behind the next iteration are the run's own task runs
+        browser.open(f"{ui}/runs/flow-run/{top['id']}?tab=TaskRuns")
+        browser.wait_text([f"save_checkpoint-iter{n}" for n in range(ITERATIONS - 1)], "rl_run's task runs")
+
+        # each iteration: its stage task runs, named by stage and iteration (the last one's save too:
+        # no later iteration hides it)
         for n, it in enumerate(iters):
             browser.open(f"{ui}/runs/flow-run/{it['id']}?tab=TaskRuns")
-            saves = [f"save_checkpoint-iter{m}" for m in (n - 1, n) if m >= 0 and (m < n or n == ITERATIONS - 1)]
+            saves = [f"save_checkpoint-iter{n}"] if n == ITERATIONS - 1 else []
             browser.wait_text([f"{stage}-iter{n}" for stage in
                                ("evaluate", "rollout", "score_rewards", "train_step", "transfer_weights")] + saves,
                               f"task runs of iteration {n}")
