@@ -6,9 +6,9 @@ version.
    the O_DIRECT writer, each file hashed as it is written (the manifest takes those digests, so
    nothing is read back). The flow runs this stage beside the next iteration (``flows.pipeline``),
    whose first optimizer step freezes the writer before it changes the live state: the writer copies
-   the tensors it has not read yet (host memory: at most the unwritten part of one state, freed as
-   it is written) and goes on writing beside the update, so the update waits for a memory copy, not
-   for the disk. A state the train step already published (a torchrun job, a resumed run) is taken
+   the tensors it has not read yet into an arena kept for the next freeze (host memory: at most one
+   state's bytes, ``snapshot_arena``) and goes on writing beside the update, so the update waits for
+   a memory copy, not for the disk. A state the train step already published (a torchrun job, a resumed run) is taken
    as it is.
 2. The checkpoint (``runs/<id>/checkpoints/iter-V``): the state's files hard-linked where possible,
    a manifest of their sha256 (``published_sha256``: a linked file's digest is the one recorded when
@@ -17,6 +17,7 @@ version.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -25,6 +26,16 @@ from pathlib import Path
 from k3core.artifacts import Artifact, published_sha256, sha256_file
 from k3core.rl import trainers
 from tasks.common import Run, stage
+
+
+@functools.cache
+def snapshot_arena():
+    """Where the freezes of this process's writes copy to: the largest so far (at most one trainer
+    state's bytes) stays allocated for the next, whose copy then runs at memory speed, not at the
+    speed of first-touch page faults."""
+    from k3core.checkpoint.odirect import SnapshotArena
+
+    return SnapshotArena()
 
 
 def writer_options(cores: int | None = None) -> dict:
@@ -87,7 +98,7 @@ def write_trainer_state(run: Run, iteration: int, trained: Artifact) -> Path:
             raise RuntimeError(f"trainer state {trained.uri} (version {trained.version}) is not written and not live "
                                "in this process: re-run the same command, which resumes from the last checkpoint")
         def writer(path):  # freezable: the next update copies what it has not written yet, then goes on
-            w = ODirectFileSystemWriter(path, freezable=True, **writer_options())
+            w = ODirectFileSystemWriter(path, freezable=True, snapshot_arena=snapshot_arena(), **writer_options())
             trainers.writing_with(live, w)
             return w
 

@@ -85,6 +85,7 @@ __all__ = [
     "dio_alignment",
     "is_memory_filesystem",
     "one_intra_op_thread",
+    "SnapshotArena",
 ]
 
 # Private to torch but unchanged from 2.4 through 2.13: the reader unpickles `_StorageInfo`
@@ -571,6 +572,62 @@ def _own_copy(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
 
 
+class SnapshotArena:
+    """Host memory that a freeze copies into, kept from one write to the next. A copy into fresh
+    memory pays a page fault per page on first touch and runs several times slower than one into
+    touched memory (docs/results/checkpoints_off_critical_path.md), and a write behind freezes once
+    per iteration, so the arena keeps the largest freeze so far (at most one trainer state's bytes)
+    for the next. One write uses it at a time; a second one meanwhile copies into fresh memory."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._map: mmap.mmap | None = None
+        self._busy = False
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._map) if self._map is not None else 0
+
+    def take(self, nbytes: int) -> memoryview | None:
+        """``nbytes`` of the arena for one freeze (None while another write holds it)."""
+        with self._lock:
+            if self._busy:
+                return None
+            if self.nbytes < nbytes:
+                old, self._map = self._map, mmap.mmap(-1, nbytes)
+                if old is not None:
+                    with contextlib.suppress(BufferError):  # a view still alive: freed with it
+                        old.close()
+            self._busy = True
+            return memoryview(self._map)[:nbytes]
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._busy = False
+
+
+def _copies_into(arena: SnapshotArena | None, tensors: dict[Any, torch.Tensor]) -> tuple[dict[Any, torch.Tensor], bool]:
+    """CPU copies of ``tensors``, each with a storage of its own size (``torch.save`` writes a whole
+    storage), laid out in ``arena`` when it is free (then True: the caller gives it back once the
+    copies are written), else in fresh memory."""
+    align = 64
+    offsets, total = {}, 0
+    for k, t in tensors.items():
+        offsets[k] = total
+        total += -(-t.numel() * t.element_size() // align) * align
+    room = arena.take(total) if arena is not None and total else None
+    if room is None:
+        return {k: t.clone() if t.device.type == "cpu" else t.cpu() for k, t in tensors.items()}, False
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # frombuffer: the arena is writable, the warning is moot
+        for k, t in tensors.items():
+            n = t.numel() * t.element_size()
+            dst = torch.frombuffer(room[offsets[k]:offsets[k] + n], dtype=t.dtype) if n else torch.empty(0, dtype=t.dtype)
+            out[k] = dst.view(t.shape).copy_(t)
+    return out, True
+
+
 class _FreezableSource:
     """Where a freezable writer's tensors come from, and ``freeze``.
 
@@ -580,7 +637,9 @@ class _FreezableSource:
     the write does reads the state dict, so the caller may change it (an optimizer step) while the
     write goes on. Host memory after a freeze: the items not written yet, each freed once written."""
 
-    def __init__(self) -> None:
+    def __init__(self, arena: SnapshotArena | None = None) -> None:
+        self._arena = arena
+        self._in_arena = False
         self._cond = threading.Condition()
         self._ready = threading.Event()  # the plan is known (or the write ended): a freeze can answer
         self._planner: SavePlanner | None = None
@@ -590,6 +649,7 @@ class _FreezableSource:
         self._copying = 0  # threads copying from the state dict right now
         self._ended: bool | None = None  # the data phase: None running, True written, False failed
         self.frozen = False  # a freeze returned: the caller may have changed the state dict since
+        self.frozen_bytes = 0  # what the freeze copied: the host memory it added, freed as written
 
     def start(self, planner: SavePlanner, items: list[WriteItem]) -> None:
         with self._cond:
@@ -602,8 +662,12 @@ class _FreezableSource:
         that answers False: the state must stay as it is for whatever writes it next)."""
         with self._cond:
             self._pending.clear()
+            self._copies.clear()  # written, or abandoned with the failed write
             self._ended = ok
             self._cond.notify_all()
+        if self._in_arena:
+            self._in_arena = False
+            self._arena.give_back()
         self._ready.set()
 
     def tensor(self, item: WriteItem) -> torch.Tensor:
@@ -636,8 +700,9 @@ class _FreezableSource:
             self._claimed = set(claim)
         copies: dict[Any, torch.Tensor] = {}
         try:
-            for index, item in claim.items():
-                copies[index] = _own_copy(self._planner, item)
+            sources = {index: self._planner.resolve_data(item).detach() for index, item in claim.items()}
+            copies, self._in_arena = _copies_into(self._arena, sources)
+            self.frozen_bytes = sum(c.numel() * c.element_size() for c in copies.values())
         finally:
             with self._cond:  # on a failure (out of memory) the items not copied go back to the threads
                 self._copies.update(copies)
@@ -678,6 +743,8 @@ class ODirectFileSystemWriter(FileSystemWriter):
             tensors), and `freeze()` may be called from another thread while the save runs: it
             copies what the write has not read yet, after which the caller may change the state
             dict (see `_FreezableSource`).
+        snapshot_arena: where a freeze copies to (`SnapshotArena`, kept by the caller from one
+            write to the next); without one, fresh memory.
 
     After a save, `last_stats` holds this rank's `WriteStats` and `digests` the sha256 and size of
     every file it wrote (data files; `.metadata` on the coordinator), computed from the bytes as
@@ -704,6 +771,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
         direct: bool = True,
         remove_stale: bool = True,
         freezable: bool = False,
+        snapshot_arena: SnapshotArena | None = None,
     ) -> None:
         if _extensions:
             raise ValueError("ODirectFileSystemWriter does not support stream-transform _extensions")
@@ -730,7 +798,7 @@ class ODirectFileSystemWriter(FileSystemWriter):
         self.hash_threads = hash_threads or thread_count
         self.direct = direct
         self.remove_stale = remove_stale
-        self._source = _FreezableSource() if freezable else None
+        self._source = _FreezableSource(snapshot_arena) if freezable else None
         self.last_stats: WriteStats | None = None
         self.digests: dict[str, tuple[str, int]] = {}
         self._fallback_lock = threading.Lock()
@@ -772,6 +840,11 @@ class ODirectFileSystemWriter(FileSystemWriter):
     def frozen(self) -> bool:
         """Whether a ``freeze`` returned: the state dict may have changed since."""
         return self._source is not None and self._source.frozen
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes the freeze copied (the host memory it added until they were written)."""
+        return self._source.frozen_bytes if self._source is not None else 0
 
     # ---- data
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:

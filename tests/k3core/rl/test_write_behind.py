@@ -113,7 +113,7 @@ def _write_held_after(monkeypatch, items: int):
     return reached, go
 
 
-def _save_with_update_midway(tmp_path, monkeypatch, freezable: bool):
+def _save_with_update_midway(tmp_path, monkeypatch, freezable: bool, arena=None):
     """Write ``live``'s state in a thread, stopped after 5 of its tensors; meanwhile two optimizer
     steps run, released through ``update_after_write`` when the writer is freezable. Returns the
     state before the steps, the state after them and the directory written."""
@@ -123,7 +123,7 @@ def _save_with_update_midway(tmp_path, monkeypatch, freezable: bool):
     out, failures = tmp_path / "state", []
 
     def writer(path):
-        w = ODirectFileSystemWriter(path, freezable=freezable, direct=False, thread_count=2)
+        w = ODirectFileSystemWriter(path, freezable=freezable, direct=False, thread_count=2, snapshot_arena=arena)
         if freezable:
             trainers.writing_with(live, w)
         return w
@@ -152,13 +152,17 @@ def _save_with_update_midway(tmp_path, monkeypatch, freezable: bool):
     return before, after, out
 
 
-def test_a_frozen_write_saves_the_state_from_before_the_update_bit_for_bit(tmp_path, monkeypatch):
-    before, after, out = _save_with_update_midway(tmp_path, monkeypatch, freezable=True)
+@pytest.mark.parametrize("arena", [False, True], ids=["fresh-memory", "arena"])
+def test_a_frozen_write_saves_the_state_from_before_the_update_bit_for_bit(tmp_path, monkeypatch, arena):
+    arena = odirect.SnapshotArena() if arena else None
+    before, after, out = _save_with_update_midway(tmp_path, monkeypatch, freezable=True, arena=arena)
     _, saved_opt, _ = load_trainer_state(out, lr=0.0)
     saved = _host_state(saved_opt)
     assert saved.keys() == before.keys()
     assert all(torch.equal(saved[k], before[k]) for k in before)
     assert not all(torch.equal(after[k], before[k]) for k in before)  # the steps changed what it wrote meanwhile
+    if arena is not None:  # the freeze copied into it, and gave it back for the next write
+        assert arena.nbytes > 0 and arena.take(1) is not None
 
 
 def test_without_the_freeze_the_same_write_mixes_two_versions(tmp_path, monkeypatch):
@@ -199,3 +203,21 @@ def test_a_freeze_after_a_failed_data_phase_says_no_and_a_release_then_raises_th
 
     with pytest.raises(OSError, match="Input/output"):
         trainers.WriteBehind(live, join, lambda: True).release()
+
+
+def test_arena_copies_own_storages_of_their_size_and_a_busy_arena_gives_fresh_memory():
+    arena = odirect.SnapshotArena()
+    big = torch.randn(1000)
+    tensors = {"view": big[10:20].view(2, 5), "bf16": torch.randn(3, 7).to(torch.bfloat16), "scalar": torch.tensor(4.0)}
+    copies, used = odirect._copies_into(arena, tensors)
+    assert used and arena.nbytes >= sum(t.numel() * t.element_size() for t in tensors.values())
+    for k, t in tensors.items():
+        c = copies[k]
+        assert torch.equal(c, t) and c.dtype == t.dtype and c.shape == t.shape
+        assert c.untyped_storage().nbytes() == t.numel() * t.element_size()  # torch.save writes only these bytes
+    big[10:20] = 0  # the copies are copies
+    assert not torch.equal(copies["view"], tensors["view"])
+    again, used_again = odirect._copies_into(arena, tensors)  # taken: the next write copies into fresh memory
+    assert not used_again and all(torch.equal(again[k], tensors[k]) for k in tensors)
+    arena.give_back()
+    assert arena.take(8) is not None
