@@ -131,7 +131,7 @@ def test_a_run_on_a_small_tmpfs_is_refused_before_any_stage(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_full_disk_mid_run_fails_clean_and_the_same_command_resumes_equal(tmp_path):
+def test_a_full_disk_mid_run_fails_clean_and_the_same_command_resumes_equal(tmp_path, prefect_server):
     """Iteration 0's trainer state, written beside iteration 1's rollout, hits ENOSPC halfway through
     its write (a fault point, as a full disk would), and the run, which joins that write after
     iteration 1, fails with it: one ``k3rl: error:`` line naming the disk, exit 1, no traceback,
@@ -139,12 +139,12 @@ def test_a_full_disk_mid_run_fails_clean_and_the_same_command_resumes_equal(tmp_
     ends with the final trainer state, tables and metrics of an uninterrupted run."""
     km = _kill_matrix()
     base = tmp_path / "baseline"
-    done, _ = km._k3rl(base / "artifacts", base / "prefect-home", None)
+    done, _ = km._k3rl(base / "artifacts", base / "prefect-home", None, prefect_server.api)
     assert done.returncode == 0, done.stdout[-3000:]
     expected = km._final_state(base / "artifacts")
 
     root, home = tmp_path / "artifacts", tmp_path / "prefect-home"
-    failed, _ = km._k3rl(root, home, "save_checkpoint-iter0:enospc")
+    failed, _ = km._k3rl(root, home, "save_checkpoint-iter0:enospc", prefect_server.api)
     out = failed.stdout
     assert failed.returncode == 1, out[-3000:]
     [error] = _errors(out)
@@ -155,7 +155,7 @@ def test_a_full_disk_mid_run_fails_clean_and_the_same_command_resumes_equal(tmp_
     assert km._staging(run) == [] and not [p for p in root.rglob(".tmp-*")]
     assert (run / "iter-0000" / "rollouts.parquet").is_file() and not (run / "iter-0000" / "trainer").exists()
 
-    resumed, _ = km._k3rl(root, home, None)
+    resumed, _ = km._k3rl(root, home, None, prefect_server.api)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     got = km._final_state(root)
     km._assert_same(km._drop_timings(got), km._drop_timings(expected))

@@ -15,7 +15,9 @@ one process per stage.
 - ``after-publish``: every stage, killed after its body returned (published, not recorded by
   Prefect), so the resume must find the finished work instead of redoing it. Its processes report
   to one ``prefect server start`` for the test session (``PREFECT_API_URL``), as a deployment's
-  would: a server that outlives the killed process must see its flow runs marked Crashed too.
+  would: a server that outlives the killed process must see its flow runs marked Crashed too. The
+  baseline and the chains around the background save report to that server as well (the staging
+  chain is the one that tests the embedded server).
 
 After every kill, and after the resume that follows it:
 
@@ -188,10 +190,10 @@ def _assert_same(a, b, where: str = "") -> None:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """The same command, never killed."""
+def baseline(tmp_path_factory, prefect_server):
+    """The same command, never killed (reporting to the session's server: no embedded one to start)."""
     base = tmp_path_factory.mktemp("baseline")
-    done, _ = _k3rl(base / "artifacts", base / "prefect-home", None)
+    done, _ = _k3rl(base / "artifacts", base / "prefect-home", None, prefect_server.api)
     assert done.returncode == 0, done.stdout[-3000:]
     return _final_state(base / "artifacts")
 
@@ -271,13 +273,13 @@ BEHIND = {
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(BEHIND))
-def test_a_kill_around_the_background_save_or_between_saves_resumes_equal(case, baseline, tmp_path):
+def test_a_kill_around_the_background_save_or_between_saves_resumes_equal(case, baseline, tmp_path, prefect_server):
     faults, extra = BEHIND[case]
     artifacts, run, home = tmp_path / "artifacts", tmp_path / "artifacts" / "runs" / RUN_ID, tmp_path / "prefect-home"
     killed_pid = None
     for fault in [*faults, None]:
         published = _published(run) if run.exists() else {}
-        done, pid = _k3rl(artifacts, home, fault, extra=extra)
+        done, pid = _k3rl(artifacts, home, fault, prefect_server.api, extra=extra)
         log = done.stdout[-4000:]
         if killed_pid is not None:
             assert f"from pid {killed_pid}, which died holding it" in done.stdout, f"{fault}: no lock takeover\n{log}"
