@@ -59,6 +59,38 @@ class Hostile(ReverseEnv):
         if what == "signal":  # kill(pid, 0): the permission check alone, harmless if it were allowed
             os.kill(int(arg), 0)
             return 1.0
+        if what == "descriptors":  # only its stdin (/dev/null), stdout and stderr (its own file) and one more
+            links = {}
+            for fd in sorted(int(f) for f in os.listdir("/proc/self/fd")):
+                try:
+                    links[fd] = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:  # listdir's own descriptor, closed by now
+                    pass
+            own = links[0] == "/dev/null" and links[1] == links[2] and links[1].endswith(".out")
+            more = [fd for fd in links if fd > 2]  # the call's result pipe, and nothing else
+            return 1.0 if own and len(more) == 1 and links[more[0]].startswith("pipe:") else 0.0
+        if what == "forge":  # a forged verdict on every descriptor it holds, then an honest answer
+            for fd in range(3, 64):
+                try:
+                    os.write(fd, b'{"reward": 7.5}\n{"id": 1, "reward": 1.0}\n')
+                except OSError:
+                    pass
+            return 0.25
+        if what == "environment":  # what of the pipeline's environment it sees
+            return 1.0 if set(os.environ) <= {"HOME", "TMPDIR", "PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ"} else 0.0
+        if what == "capabilities":  # reported through the broken message
+            with open("/proc/self/status") as f:
+                raise RuntimeError(" ".join(ln.split()[0] + ln.split()[1] for ln in f if ln.startswith("Cap")))
+        if what == "print":
+            print("a line of the reward's own output")
+            print("and one on stderr", file=sys.stderr)
+            return 0.5
+        if what == "flood":
+            sys.stdout.write("x" * (32 << 20))
+            sys.stdout.flush()
+            return 1.0
+        if what == "secret":  # an exception carrying what the environment holds
+            raise RuntimeError(f"secret={os.environ.get('K3RL_TEST_SECRET')}")
         if what == "raise":
             raise KeyError("bug in the reward")
         if what == "nan":

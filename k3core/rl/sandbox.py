@@ -52,11 +52,21 @@ What is enforced where (``enforcement()`` probes this machine; every mechanism i
   the dropped uid) stand in the way, and ``enforcement()`` says so.
 - leftover processes: killed by process group always; by uid (``kill(-1)`` under the call's uid)
   for a root pipeline.
-- reads are not confined: the dropped uid keeps CAP_DAC_READ_SEARCH (see ``_drop_to``).
+- capabilities: a root pipeline's call runs under a uid of its own with none (its bounding set
+  emptied, no ambient ones), so file permissions hold for reads too; only where the interpreter or
+  the import path sits in a directory closed to other users (such as /root) does the uid keep
+  CAP_DAC_READ_SEARCH, and ``enforcement()`` says so (see ``_drop_to``);
+- descriptors and environment: a call holds only its stdin (/dev/null), its stdout and stderr (a
+  file of its own, under the file-size limit from offset 0, never the pipeline's log) and its result
+  pipe (not inheritable); its environment is HOME, TMPDIR, PATH, the locale and the time zone;
+- verdicts: whatever a call writes, the worker and then the pipeline accept only a verdict
+  (``checked_answer``: a reward is a finite number in [0, 1]), matched to its request by id;
+  reasons are cut to 500 characters and scrubbed of the pipeline's environment values.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -75,6 +85,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 __all__ = ["RewardOutcome", "RewardSandbox", "SandboxLimits", "enforcement", "limit_reason"]
 
@@ -169,6 +180,48 @@ def _landlock_confine(writable: str, tcp: bool = True) -> list[str]:
     return out
 
 
+_LL_EXECUTE, _LL_READ_FILE, _LL_READ_DIR = 1 << 0, 1 << 2, 1 << 3
+# what a program needs to start an interpreter, besides the interpreter's own tree: the dynamic
+# loader's cache and the system's shared libraries, and the devices the standard library opens
+_SYSTEM_READS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/etc/ld.so.cache", "/dev/null", "/dev/urandom",
+                 "/proc/self")
+
+
+def confine_reads(readable: list[str]) -> bool:
+    """Refuse this process (and what it executes) every read, directory listing and execution outside
+    ``readable`` and ``_SYSTEM_READS`` (Landlock, ABI 1+; capabilities do not lift it). Returns False,
+    confining nothing, where Landlock is missing. Meant for a process about to ``exec`` a program
+    (``subprocess``'s ``preexec_fn``): the reward that judges the program keeps its own reads."""
+    abi = landlock_abi()
+    if abi < 1:
+        return False
+    handled = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
+    attr = _RulesetAttr(handled_access_fs=handled, handled_access_net=0, scoped=0)
+    rfd = _libc.syscall(_SYS_LANDLOCK_CREATE, ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
+    if rfd < 0:
+        return False
+    try:
+        for path in {*readable, *_SYSTEM_READS}:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # not on this machine
+            try:
+                access = handled if os.path.isdir(path) else _LL_EXECUTE | _LL_READ_FILE
+                rule = _PathBeneath(allowed_access=access, parent_fd=fd)
+                if _libc.syscall(_SYS_LANDLOCK_ADD_RULE, ctypes.c_int(rfd), ctypes.c_int(1), ctypes.byref(rule),
+                                 ctypes.c_uint32(0)) < 0:
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
+            finally:
+                os.close(fd)
+        _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+        if _libc.syscall(_SYS_LANDLOCK_RESTRICT, ctypes.c_int(rfd), ctypes.c_uint32(0)) < 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    finally:
+        os.close(rfd)
+    return True
+
+
 def _unshare_network() -> str:
     """A new network namespace for this process and its children. -> what it enforced ('' if refused)."""
     if _libc.unshare(_CLONE_NEWNET) == 0:
@@ -189,20 +242,54 @@ class _CapData(ctypes.Structure):
 _CAP_DAC_READ_SEARCH, _PR_SET_KEEPCAPS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE = 2, 8, 47, 2
 
 
-def _drop_to(uid: int) -> None:
-    """Become ``uid`` (no groups) keeping one capability, CAP_DAC_READ_SEARCH, also across exec (ambient):
-    a root pipeline's interpreter and libraries may sit in directories only root can search (such as
-    /root), and the call must still import lazily and run ``python``; writing stays refused. Linux
-    then enforces RLIMIT_NPROC, which it skips for root."""
-    _libc.prctl(_PR_SET_KEEPCAPS, 1, 0, 0, 0)
+_PR_CAPBSET_DROP, _CAP_LAST_FILE = 24, "/proc/sys/kernel/cap_last_cap"
+
+
+def unreadable_by_others(paths: list[str]) -> str:
+    """The first of ``paths`` (or a directory above one) that a user other than its owner cannot
+    read and search, or '' when every one is open to them: the interpreter, its standard library and
+    the import path must be, for a call under a uid of its own to run with no capability."""
+    import stat
+
+    for p in paths:
+        p = os.path.realpath(p)
+        if not os.path.exists(p):
+            continue
+        for d in [*reversed(Path(p).parents), Path(p)]:
+            mode = os.stat(d).st_mode
+            need = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) or d == Path(p) and os.access(p, os.X_OK) else 0)
+            if mode & need != need:
+                return str(d)
+    return ""
+
+
+def interpreter_paths() -> list[str]:
+    """What a call's lazy imports and the programs it runs read: the interpreter and the import path."""
+    return [sys.executable, getattr(sys, "_base_executable", sys.executable), sys.prefix, sys.base_prefix,
+            *(p for p in sys.path if p)]
+
+
+def _drop_to(uid: int, keep_read: bool) -> None:
+    """Become ``uid`` (no groups) with no capability: every one is dropped from the bounding set first
+    (nothing the call executes can regain one), and the permitted, effective, inheritable and ambient
+    sets end empty. ``keep_read``: keep CAP_DAC_READ_SEARCH (also across exec, ambient) for a root
+    pipeline whose interpreter or libraries sit where other users cannot read (such as /root): the
+    call must still import lazily and run ``python``; writing stays refused, and reads are then not
+    confined (``enforcement()`` says so). Linux then enforces RLIMIT_NPROC, which it skips for root."""
+    last = int(Path(_CAP_LAST_FILE).read_text()) if os.path.exists(_CAP_LAST_FILE) else 40
+    for cap in range(last + 1):
+        if not (keep_read and cap == _CAP_DAC_READ_SEARCH):
+            _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+    _libc.prctl(_PR_SET_KEEPCAPS, 1 if keep_read else 0, 0, 0, 0)
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
-    keep = 1 << _CAP_DAC_READ_SEARCH
+    keep = (1 << _CAP_DAC_READ_SEARCH) if keep_read else 0
     data = (_CapData * 2)(_CapData(keep, keep, keep), _CapData(0, 0, 0))
     if _libc.capset(ctypes.byref(_CapHeader(0x20080522, 0)), data) != 0:
         raise OSError(ctypes.get_errno(), "capset failed")
-    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _CAP_DAC_READ_SEARCH, 0, 0)
+    if keep_read:
+        _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _CAP_DAC_READ_SEARCH, 0, 0)
 
 
 def _user_process_count(uid: int) -> int:
@@ -234,6 +321,11 @@ def enforcement() -> dict[str, str]:
             got["filesystem"] = ll[0] if ll else ("NOT enforced beyond file permissions: no Landlock in this kernel"
                                                   + ("; the dropped uid protects the user's files" if os.geteuid() == 0
                                                      else ""))
+            if os.geteuid() == 0:
+                closed = unreadable_by_others(interpreter_paths())
+                got["capabilities"] = (f"none but CAP_DAC_READ_SEARCH, so reads are not confined: {closed} is closed to "
+                                       "other users and the call must read the interpreter" if closed else
+                                       "none (the call's uid holds no capability; its bounding set is empty)")
             got["processes"] = ("RLIMIT_NPROC under a uid of the call's own" if os.geteuid() == 0 else
                                 "RLIMIT_NPROC, counted over all of this user's processes")
             got["signals"] = next((x for x in ll if "signals" in x), "other users' processes only (file permissions)")
@@ -324,20 +416,23 @@ def _tool_verdict(env, prompt: str, name: str, arguments: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------ the worker
-def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: int | None) -> dict:
+def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: int | None,
+                   keep_read: bool = False) -> dict:
     """Fork a confined child for one call (a reward, or a tool where ``request["kind"]`` is "tool");
     wait at most ``timeout_s``; clean up after it."""
     call_dir = tempfile.mkdtemp(prefix="call-", dir=root)
+    output = call_dir + ".out"  # the call's stdout and stderr, beside its (empty) directory
     if uid is not None:
         os.chown(call_dir, uid, uid)
-    r, w = os.pipe()
+    r, w = os.pipe()  # not inheritable: a program the call runs does not get it
     pid = os.fork()
     if pid == 0:
         os.close(r)
         try:
             os.setsid()
+            _own_descriptors(w, output)
             os.chdir(call_dir)
-            os.environ.update(HOME=call_dir, TMPDIR=call_dir)
+            _call_environment(call_dir)
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write raises EFBIG instead
             cpu = int(math.ceil(limits.timeout_s)) + 1
             mem = limits.memory_mb << 20
@@ -346,7 +441,7 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
                              (resource.RLIMIT_FSIZE, limits.file_size_mb << 20), (resource.RLIMIT_NPROC, nproc)):
                 resource.setrlimit(lim, (val, val))
             if uid is not None:
-                _drop_to(uid)
+                _drop_to(uid, keep_read)
             _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
             out = (_tool_verdict(env, request["prompt"], request["name"], request["arguments"])
                    if request.get("kind") == "tool" else _verdict(env, request["prompt"], request["completion"]))
@@ -381,21 +476,79 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
     _, status = os.waitpid(pid, 0)
     _sweep(uid)
     shutil.rmtree(call_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.unlink(output)
     if timed_out:
         what = "tool" if request.get("kind") == "tool" else "reward"
         return {"reward": 0.0, "reason": f"timeout: the {what} call ran past {limits.timeout_s:g} s (wall)",
                 "stopped": True}
     if data:
         try:
-            return json.loads(data.splitlines()[0])
+            answer = json.loads(data.splitlines()[0])
         except ValueError:
             return {"broken": f"wrote an unreadable answer {data[:200]!r}"}
+        return checked_answer(answer, tool=request.get("kind") == "tool")
     if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU:
         return {"reward": 0.0, "reason": f"cpu: the call used more than {math.ceil(limits.timeout_s) + 1} s "
                                          "of CPU (RLIMIT_CPU)", "stopped": True}
     if os.WIFSIGNALED(status):
         return {"broken": f"died by signal {signal.Signals(os.WTERMSIG(status)).name} without returning a reward"}
     return {"broken": f"exited (status {os.waitstatus_to_exitcode(status)}) without returning a reward"}
+
+
+_CALL_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")  # what of the pipeline's environment a call keeps
+
+
+def _own_descriptors(result: int, output: str) -> None:
+    """Leave the call only its own descriptors: stdin from /dev/null, stdout and stderr into
+    ``output`` (a file of its own, under its file-size limit from offset 0, so the pipeline's log
+    never counts against the call and the call never writes into it), and its result pipe; every
+    other descriptor the worker holds (its pipes to the pipeline among them) is closed."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    null = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.closerange(3, result)
+    os.closerange(result + 1, max(result + 2, os.sysconf("SC_OPEN_MAX")))
+
+
+def _call_environment(call_dir: str) -> None:
+    """The call's environment variables: its directory as HOME and TMPDIR, and of the pipeline's only
+    the locale, the time zone and PATH (no credentials, tokens or settings reach a call, or a program
+    it runs)."""
+    keep = {k: os.environ[k] for k in _CALL_ENV if k in os.environ}
+    os.environ.clear()
+    os.environ.update(keep, HOME=call_dir, TMPDIR=call_dir)
+
+
+_REASON_CHARS = 500  # of a reason or a broken reward's message, in a published table
+
+
+def checked_answer(answer, tool: bool) -> dict:
+    """``answer`` as the verdict of one call, or a ``broken`` one saying what is wrong with it: a reward
+    is a finite number in [0, 1] (``reason`` text, ``stopped`` a bool); a tool answers text, a reason
+    it was stopped, or a broken message. Whatever wrote the answer, nothing else passes."""
+    def text(v):
+        return isinstance(v, str)
+
+    if isinstance(answer, dict) and set(answer) == {"broken"} and text(answer["broken"]):
+        return {"broken": answer["broken"][:_REASON_CHARS]}
+    if isinstance(answer, dict) and tool:
+        if set(answer) == {"result"} and text(answer["result"]):
+            return answer
+        if set(answer) <= {"stopped", "reason", "reward"} and answer.get("stopped") is True and text(answer.get("reason")):
+            return {"stopped": True, "reason": answer["reason"][:_REASON_CHARS]}
+    elif isinstance(answer, dict) and set(answer) <= {"reward", "reason", "stopped"} and "reward" in answer:
+        value, reason, stopped = answer["reward"], answer.get("reason", ""), answer.get("stopped", False)
+        if (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and 0.0 <= value <= 1.0 and text(reason) and isinstance(stopped, bool)):
+            return {"reward": float(value), "reason": reason[:_REASON_CHARS], "stopped": stopped}
+    return {"broken": f"answered {json.dumps(answer)[:200]}, which is not a verdict (a reward must be a number in "
+                      "[0, 1]; a tool answers text)"}
 
 
 def kill_uid(uid: int) -> None:
@@ -436,6 +589,8 @@ def _worker_main(rfd: int, wfd: int) -> None:
     """The worker: load the environment, confine itself, then answer one reward call per line."""
     from k3core.rl.envs import load_env
 
+    for fd in (rfd, wfd):  # passed to this worker only: no call or program it runs inherits them
+        os.set_inheritable(fd, False)
     inp, out = os.fdopen(rfd, "r"), os.fdopen(wfd, "w")
     hello = json.loads(inp.readline())
     sys.path[:0] = [p for p in hello["sys_path"] if p not in sys.path]
@@ -458,15 +613,20 @@ def _worker_main(rfd: int, wfd: int) -> None:
 
     gc.freeze()  # what the worker holds now never moves to a collected generation: forks copy fewer pages
     uid = 1_000_000 + os.getpid() if os.geteuid() == 0 else None
+    closed = unreadable_by_others(interpreter_paths()) if uid is not None else ""
     _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     net = _unshare_network()
     enforced = [x for x in [net, *_landlock_confine(root, tcp=not net)] if x]
+    if uid is not None:
+        enforced.append(f"no capabilities but CAP_DAC_READ_SEARCH ({closed} is closed to other users)" if closed
+                        else "no capabilities (bounding set emptied)")
     out.write(json.dumps({"ready": enforced}) + "\n")
     out.flush()
     try:
         for line in inp:  # ends when the pipeline closes the pipe, or dies
             req = json.loads(line)
-            out.write(json.dumps(_call_in_child(env, req, limits, root, uid)) + "\n")
+            out.write(json.dumps({**_call_in_child(env, req, limits, root, uid, bool(closed)), "id": req.get("id")})
+                      + "\n")
             out.flush()
     except BrokenPipeError:
         pass  # the pipeline is gone: nobody to answer
@@ -498,6 +658,7 @@ class _Worker:
         os.close(c2p_w)
         self.w, self.r = os.fdopen(p2c_w, "w"), c2p_r
         self.buf = b""
+        self.calls = 0
         self.send({"spec": spec, "limits": asdict(limits), "root": self.root, "sys_path": sys.path})
         hello = self.recv(timeout=120.0)
         if "error" in hello:
@@ -524,8 +685,14 @@ class _Worker:
         return json.loads(line)
 
     def call(self, request: dict) -> dict:
-        self.send(request)
-        return self.recv(self.timeout)
+        """The worker's answer to ``request``: matched to it by id, and a verdict (``checked_answer``)."""
+        self.calls += 1
+        self.send({**request, "id": self.calls})
+        answer = self.recv(self.timeout)
+        if not isinstance(answer, dict) or answer.pop("id", None) != self.calls:
+            raise SandboxError(f"sandbox worker {self.proc.pid} answered out of step (call {self.calls}): "
+                               f"{json.dumps(answer)[:200]}")
+        return checked_answer(answer, tool=request.get("kind") == "tool")
 
     def close(self) -> None:
         try:
@@ -539,6 +706,16 @@ class _Worker:
             self.proc.wait()
         os.close(self.r)
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def scrubbed(text: str) -> str:
+    """``text`` with every value of the pipeline's environment variables (8 characters or more, beyond
+    the few a call keeps) replaced by ``<$NAME>``: what a call reports is published (``scored.parquet``,
+    a trajectory), and a call never sees those values, so one in its report came from somewhere else."""
+    for name, value in sorted(os.environ.items(), key=lambda kv: -len(kv[1])):
+        if len(value) >= 8 and name not in _CALL_ENV and value in text:
+            text = text.replace(value, f"<${name}>")
+    return text
 
 
 def _has_fileno(f) -> bool:
@@ -596,14 +773,14 @@ class RewardSandbox:
         returned non-text or was stopped. Thread-safe: ``workers`` calls at a time."""
         res = self._request({"kind": "tool", "prompt": prompt, "name": name, "arguments": arguments})
         if "result" in res:
-            return res["result"]
-        raise ToolError(f"was stopped ({res['reason']})" if res.get("stopped") else res["broken"])
+            return scrubbed(res["result"])
+        raise ToolError(scrubbed(f"was stopped ({res['reason']})" if res.get("stopped") else res["broken"]))
 
     def _one(self, pair: tuple[str, str]) -> RewardOutcome:
         res = self._request({"prompt": pair[0], "completion": pair[1]})
         if "broken" in res:
-            return RewardOutcome(0.0, broken=res["broken"])
-        return RewardOutcome(float(res["reward"]), res.get("reason", ""), bool(res.get("stopped", False)))
+            return RewardOutcome(0.0, broken=scrubbed(res["broken"]))
+        return RewardOutcome(res["reward"], scrubbed(res["reason"]), res["stopped"])
 
     def score(self, prompts: list[str], completions: list[str]) -> list[RewardOutcome]:
         """One outcome per (prompt, completion), in order, ``workers`` calls at a time."""

@@ -15,10 +15,13 @@ A reference answer that cannot be read is the dataset's fault: ``ValueError`` (t
 naming the prompt).
 
 Code (``code_reward``): the completion continues the prompt, so the program is prompt + completion.
-It runs as its own ``python -I`` process (inheriting the sandbox's limits), defines its names, then
-each test expression is evaluated in its namespace; the result, as JSON, must equal the test's
-expected value. Reward: the fraction of tests passed. The expected values never enter the program's
-process, so a program cannot report passing without computing them.
+It runs as its own process of the base interpreter with ``-I -S`` (inheriting the sandbox's limits:
+the standard library only, no site-packages, no project package), confined to reading the
+interpreter's tree, the system's libraries and its own directory (Landlock, ``confine_reads``),
+defines its names, then each test expression is evaluated in its namespace; the result, as JSON,
+must equal the test's expected value. Reward: the fraction of tests passed. The expected values
+never enter the program's process, and the dataset that holds them is closed to it, so a program
+cannot report passing without computing them.
 """
 
 from __future__ import annotations
@@ -135,14 +138,36 @@ out.write(json.dumps({"results": results}) + "\n")
 """
 
 
+def program_command() -> list[str]:
+    """The program's interpreter: the base interpreter (not a virtual environment's), isolated (-I:
+    no PYTHON* variables, no user site) and without ``site`` (-S: no site-packages), so a program
+    imports the standard library and nothing else, neither the project's packages nor its data."""
+    return [getattr(sys, "_base_executable", None) or sys.executable, "-I", "-S", "-c", _HARNESS]
+
+
+def _program_env() -> dict:
+    return {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "HOME", "TMPDIR")}
+
+
+def _confine_program() -> None:
+    """In the program's process before its interpreter starts: it may read only the interpreter's own
+    tree (binary and standard library), the system's shared libraries and its working directory
+    (``k3core.rl.sandbox.confine_reads``): the dataset, the project and the rest of the machine are
+    closed to it, whatever its uid may read."""
+    from k3core.rl.sandbox import confine_reads
+
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    confine_reads([sys.base_prefix, sys.base_exec_prefix, os.path.realpath(base), os.getcwd()])
+
+
 def code_reward(program: str, tests: list[tuple[str, object]]) -> tuple[float, str]:
     """Run ``program`` as a process of its own and evaluate each ``(expression, expected)`` test."""
     if not tests:
         raise ValueError("a code prompt has no tests: every row needs at least one [expression, expected] pair")
     request = json.dumps({"program": program, "tests": [t[0] for t in tests]})
     with open("program-output.txt", "w+b") as out:  # bounded by the sandbox's file-size limit
-        proc = subprocess.run([sys.executable, "-I", "-c", _HARNESS], input=request.encode(), stdout=out,
-                              stderr=subprocess.DEVNULL, cwd=os.getcwd())
+        proc = subprocess.run(program_command(), input=request.encode(), stdout=out, stderr=subprocess.DEVNULL,
+                              cwd=os.getcwd(), preexec_fn=_confine_program, env=_program_env())
         out.seek(0)
         text = out.read(1 << 20).decode(errors="replace")
     lines = [ln for ln in text.splitlines() if ln.startswith("{")]

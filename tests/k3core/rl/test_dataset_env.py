@@ -7,6 +7,7 @@ against the script that makes them."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import fsspec
 import pyarrow as pa
@@ -145,3 +146,20 @@ def test_every_bundled_reference_answer_scores_one(spec):
     outs = score_completions(env, spec, prompts, [env.reference(p) for p in prompts],
                              SandboxLimits(timeout_s=20.0, workers=2))
     assert [p for p, o in zip(prompts, outs) if o.reward != 1.0] == []
+
+
+def test_a_code_program_sees_neither_the_dataset_nor_the_project(code_env, tmp_path):
+    """The cheats of a program that knows where it runs: read the expected values from the dataset
+    (the run's, or the one bundled with k3rl), import the project or a site package to find them, list
+    the machine's files. Each scores 0 and says what refused it; an honest program still passes."""
+    data = code_env.split(":", 2)[2]
+    bundled = str(Path(__file__).resolve().parents[3] / "k3core" / "rl" / "bundled" / "code.parquet")
+    env = load_env(code_env)
+    cheats = [f"0\nopen({data!r}).read()", f"0\nopen({bundled!r}, 'rb').read(4)", "0\nimport k3core",
+              "0\nimport pyarrow", "0\nimport os\nos.listdir('/etc')", "x*3+1"]
+    outs = score_completions(env, code_env, [PROMPT] * len(cheats), cheats, SandboxLimits(timeout_s=5.0, workers=2))
+    assert [o.reward for o in outs] == [0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [o.reason for o in outs]
+    for o in outs[:2]:
+        assert o.reason.startswith("program raised PermissionError"), o.reason
+    assert [o.reason.split(":")[0] for o in outs[2:4]] == ["program raised ModuleNotFoundError"] * 2
+    assert outs[4].reason.startswith("program raised PermissionError"), outs[4].reason

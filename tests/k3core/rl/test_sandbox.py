@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -215,7 +216,7 @@ def test_a_non_root_pipeline_gets_the_same_verdicts(tmp_path):
     outside = Path("/tmp") / f"k3rl-escape-nonroot-{os.getpid()}"  # world-writable: only Landlock refuses it
     script = NON_ROOT_PIPELINE.format(repo=repo, tests=TESTS, outside=outside)
     try:
-        proc = subprocess.run([sys.executable, "-c", script], preexec_fn=lambda: sandbox._drop_to(uid),
+        proc = subprocess.run([sys.executable, "-c", script], preexec_fn=lambda: sandbox._drop_to(uid, keep_read=True),
                               capture_output=True, text=True, cwd="/tmp", timeout=300)
     finally:
         kill_uid(uid)  # whatever the run left under that uid
@@ -227,3 +228,111 @@ def test_a_non_root_pipeline_gets_the_same_verdicts(tmp_path):
         "ok": (0.5, ""), "loop": (0.0, "timeout"), "alloc-10g": (0.0, "memory"), "fork-bomb": (0.0, "processes"),
         "write-outside": (0.0, "filesystem"), "resolve": (0.0, "network"), "connect": (0.0, "network")}
     assert not outside.exists()
+
+
+# ------------------------------------------------------------------ what a call holds and can forge
+def test_a_call_holds_only_its_own_descriptors(sandbox):
+    """stdin /dev/null, stdout and stderr a file of its own, its result pipe: no pipe to the pipeline."""
+    assert _one(sandbox, "descriptors").reward == 1.0
+
+
+def test_a_forged_verdict_fails_the_call_and_never_reaches_another_prompt(sandbox):
+    """A reward that writes a verdict of its own (out of range; or shaped as the worker's answer to the
+    pipeline) on every descriptor it holds: the first line on its result pipe is not a verdict, so the
+    call is broken (the stage fails naming the prompt); the worker's pipes are closed to it, so no
+    other prompt's answer moves; the worker answers the next calls in step."""
+    outs = sandbox.score(["rev:abc=|"] * 3, ["ok", "forge", "ok"])
+    assert [o.reward for o in outs] == [0.5, 0.0, 0.5]
+    assert "not a verdict" in outs[1].broken and not outs[0].broken and not outs[2].broken
+    assert [o.reward for o in sandbox.score(["rev:abc=|"] * 4, ["ok"] * 4)] == [0.5] * 4
+
+
+def test_an_answer_that_is_not_a_verdict_is_refused_wherever_it_comes_from():
+    from k3core.rl.sandbox import checked_answer
+
+    for bad in ({"reward": 7.5}, {"reward": -3.0}, {"reward": float("nan")}, {"reward": True}, {"reward": "1"},
+                {"reward": 0.5, "stopped": "no"}, {"reward": 0.5, "extra": 1}, {"reason": "x"}, [], "1.0",
+                {"result": 3}):
+        assert "not a verdict" in checked_answer(bad, tool=False)["broken"], bad
+    assert checked_answer({"reward": 1, "reason": "r" * 9000}, tool=False) == {"reward": 1.0, "reason": "r" * 500,
+                                                                               "stopped": False}
+    assert checked_answer({"result": "text"}, tool=True) == {"result": "text"}
+    assert "not a verdict" in checked_answer({"result": ["not text"]}, tool=True)["broken"]
+
+
+def test_a_call_sees_none_of_the_pipelines_environment_and_reasons_are_scrubbed(monkeypatch):
+    from k3core.rl import sandbox as sbx
+
+    monkeypatch.setenv("K3RL_TEST_SECRET", "hunter2-very-secret")
+    monkeypatch.syspath_prepend(TESTS)
+    with RewardSandbox(SPEC, SandboxLimits(timeout_s=5.0, workers=1)) as sb:
+        env, secret = sb.score(["rev:abc=|"] * 2, ["environment", "secret"])
+    assert env.reward == 1.0
+    assert secret.broken.endswith("secret=None")  # the call never had it
+    assert sbx.scrubbed("token hunter2-very-secret leaked") == "token <$K3RL_TEST_SECRET> leaked"
+
+
+def test_the_calls_uid_holds_no_capability_but_the_one_its_interpreter_needs(sandbox):
+    """Root pipelines: the call's bounding, permitted, effective and ambient sets are empty, except
+    CAP_DAC_READ_SEARCH where the interpreter sits in a directory closed to other users."""
+    from k3core.rl.sandbox import interpreter_paths, unreadable_by_others
+
+    if os.geteuid() != 0:
+        pytest.skip("a non-root pipeline's calls keep its uid, which holds no capability to drop")
+    caps = dict(kv.split(":") for kv in _one(sandbox, "capabilities").broken.split("RuntimeError: ")[1].split())
+    read = 1 << 2  # CAP_DAC_READ_SEARCH
+    want = read if unreadable_by_others(interpreter_paths()) else 0
+    assert {k: int(v, 16) for k, v in caps.items()} == {"CapInh": want, "CapPrm": want, "CapEff": want,
+                                                         "CapBnd": want, "CapAmb": want}
+
+
+def test_drop_to_empties_every_capability_set(tmp_path):
+    """The drop itself, where nothing needs the read capability: in a forked child of a root process."""
+    from k3core.rl import sandbox as sbx
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            sbx._drop_to(1_000_000 + os.getpid(), keep_read=False)
+            with open("/proc/self/status") as f:
+                caps = {ln.split()[0]: int(ln.split()[1], 16) for ln in f if ln.startswith("Cap")}
+            try:
+                open("/etc/shadow").close()
+                shadow = "read"
+            except OSError as e:
+                shadow = type(e).__name__
+            os.write(w, repr((caps, shadow)).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 4096):
+        out += chunk
+    os.waitpid(pid, 0)
+    caps, shadow = eval(out)  # noqa: S307 - our own child's repr
+    assert set(caps.values()) == {0} and shadow == "PermissionError", (caps, shadow)
+
+
+def test_a_pipeline_log_past_the_file_size_limit_never_changes_a_score(tmp_path):
+    """The call writes into a file of its own from offset 0: a pipeline whose stderr is a 17 MiB log
+    (past the call's 16 MiB file-size limit) still gets the reward of a call that prints; a call that
+    floods 32 MiB keeps its reward too (its output file holds the first 16 MiB, then is deleted with
+    the call), and none of it reaches the pipeline's log."""
+    log = tmp_path / "pipeline.log"
+    log.write_bytes(b"." * (17 << 20))
+    script = (f"import sys; sys.path.insert(0, {TESTS!r})\n"
+              "from k3core.rl.sandbox import RewardSandbox, SandboxLimits\n"
+              f"with RewardSandbox({SPEC!r}, SandboxLimits(timeout_s=10.0, workers=1)) as sb:\n"
+              "    outs = sb.score(['rev:abc=|'] * 2, ['print', 'flood'])\n"
+              "print(repr([(o.reward, o.reason.split(':')[0], o.broken) for o in outs]))\n")
+    with open(log, "ab") as err:
+        done = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=err, text=True,
+                              timeout=120)
+    assert done.returncode == 0, log.read_bytes()[17 << 20:][-3000:]
+    assert done.stdout.strip() == repr([(0.5, "", ""), (1.0, "", "")])
+    written = log.read_bytes()[17 << 20:]
+    assert b"reward's own output" not in written and b"xxxx" not in written
