@@ -270,7 +270,8 @@ class DiskUpdateRequest(BaseModel):
 
     model_path: Annotated[StrictStr, Field(min_length=1, description="a string: the path of a checkpoint directory "
                                                                     "in the public layout")]
-    weight_version: Annotated[StrictInt | StrictStr | None, Field(description="an integer or a string")] = None
+    weight_version: Annotated[StrictInt | None, Field(ge=0, description="a non-negative integer (a JSON number): "
+                                                                       "versions are ordered, a string is not")] = None
     load_format: Annotated[Literal["auto", "safetensors"] | None, Field(description="'auto' or 'safetensors'")] = None
     abort_all_requests: Annotated[StrictBool | None, AfterValidator(_only_false), Field(
         description="false (requests in flight finish on the old version)")] = None
@@ -740,14 +741,14 @@ def _check_not_older(new, current) -> None:
                          f"forward; a server reused by a new run needs --allow-version-rollback)")
 
 
-def _version(v: int | str | None, current):
-    """A request's weight_version (an int or a string; a numeric string reads as the int), default the
+def _version(v: int | None, current):
+    """A request's weight_version (a non-negative integer, checked by ``DiskUpdateRequest``), default the
     current one + 1."""
     if v is None:
         if isinstance(current, int):
             return current + 1
         raise BadRequest("'weight_version' is required (the current one is not a number)")
-    return int(v) if isinstance(v, str) and v.lstrip("-").isdigit() else v
+    return v
 
 
 def tokenizer_for(config, checkpoint: str | None = None):

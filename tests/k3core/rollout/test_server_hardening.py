@@ -216,6 +216,13 @@ def test_weight_updates_only_from_the_root_finite_and_not_older(srv, tmp_path):
     assert client.weight_version() == v
     assert [c.output_ids for c in client.generate(PROMPTS, GREEDY)] == before
 
+    # a version is a non-negative integer in a JSON number: a string cannot step around the order
+    for bad in ("v-rollback", "\u00b3", str(v + 9), -1, 2.5, True):
+        status, body, _ = post(srv["port"], "/update_weights_from_disk", {"model_path": str(allowed / "b"),
+                                                                         "weight_version": bad})
+        assert status == 400 and "weight_version" in body["message"], (bad, status, body)
+    assert client.weight_version() == v
+
     client.update_weights_from_disk(str(allowed / "b"), v + 5)
     with pytest.raises(WeightUpdateRefused, match=f"weight version {v + 3} is older than the served {v + 5}"):
         client.update_weights_from_disk(str(allowed / "a"), v + 3)
