@@ -138,8 +138,9 @@ def _run_locked(a, s, lock_file) -> int:
           f"{run_device(s).type}, artifacts at {s.pipeline.artifacts}\n"
           f"k3rl: to resume or continue it: {resume_command(a.argv, run_id)}", file=sys.stderr, flush=True)
     from flows.estimate import estimate_line
-    from flows.reports import finished_summary
+    from flows.reports import finished_iterations, finished_summary
 
+    finished_iterations(s)  # a record that is not k3rl's (RunRecordError): one line naming it, before any work
     summary = finished_summary(s)
     if summary is not None:  # a replay of a finished run: no Prefect server, no stage, no record rewritten
         print(f"k3rl: run '{run_id}' finished its {summary['iterations']} iterations already; its recorded summary "

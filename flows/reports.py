@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import io
-import re
 import json
+import re
 import statistics
 from typing import TYPE_CHECKING
 
@@ -41,7 +42,7 @@ from prefect.artifacts import (
 from prefect.context import FlowRunContext
 
 from k3core.artifacts import Artifact, ArtifactStore
-from k3core.rl.layout import RunLayout
+from k3core.rl.layout import RunLayout, RunRecordError, parse_record
 from k3core.settings import RLSettings
 
 if TYPE_CHECKING:
@@ -74,8 +75,13 @@ def table_number(x):
 def artifact_key(kind: str, run_id: str) -> str:
     """The Prefect artifact key of one of a run's reports, ``rl-<kind>-<run id>``: keys are global in
     Prefect, so without the run id one run's reports would supersede another's. Keys allow lowercase
-    letters, digits and dashes only; other characters of the run id become dashes."""
-    return f"rl-{kind}-" + re.sub(r"[^a-z0-9-]", "-", run_id.lower())
+    letters, digits and dashes only: a run id made of those is the key's tail as it is; any other has
+    its other characters as dashes and 8 hex digits of its sha256 after them, so two run ids never
+    share a key (``Exp.1`` and ``exp-1`` would both read ``exp-1``)."""
+    tail = re.sub(r"[^a-z0-9-]", "-", run_id.lower())
+    if tail != run_id:
+        tail += "-" + hashlib.sha256(run_id.encode()).hexdigest()[:8]
+    return f"rl-{kind}-{tail}"
 
 
 def _files(s: RLSettings) -> tuple[ArtifactStore, RunLayout]:
@@ -238,6 +244,11 @@ def record_lineage(s: RLSettings, prepared: list[Artifact], iterations: list[lis
     store.replace_text(layout.lineage, json.dumps(doc, indent=1))
 
 
+def read_record(store: ArtifactStore, rel: str):
+    """A run record's JSON (``k3core.rl.layout.parse_record``: ``RunRecordError`` names the file)."""
+    return parse_record(store.read_text(rel), store.uri(rel))
+
+
 def finished_iterations(s: RLSettings) -> tuple[list[dict], list[list[Artifact]]]:
     """(metrics, artifacts) of the iterations this run has finished and recorded, at most
     ``iterations`` of them; empty when there are none or the records disagree with the checkpoints
@@ -245,8 +256,17 @@ def finished_iterations(s: RLSettings) -> tuple[list[dict], list[list[Artifact]]
     store, layout = _files(s)
     if not (store.exists(layout.metrics) and store.exists(layout.lineage)):
         return [], []
-    history = json.loads(store.read_text(layout.metrics))
-    lineage = [[Artifact.from_dict(a) for a in it] for it in json.loads(store.read_text(layout.lineage))["iterations"]]
+    history = read_record(store, layout.metrics)
+    recorded = read_record(store, layout.lineage)
+    try:
+        lineage = [[Artifact.from_dict(a) for a in it] for it in recorded["iterations"]]
+        if not all(isinstance(h, dict) for h in history):
+            raise TypeError("a metrics row is not an object")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise RunRecordError(f"{store.uri(layout.lineage)} or {store.uri(layout.metrics)} is not a k3rl run record "
+                             f"({type(e).__name__}: {e}); restore them from a copy, or delete both to have the run "
+                             "re-recorded from iteration 0 (its published tables and checkpoints are found, not made "
+                             "again)") from None
     n = min(len(history), len(lineage), s.pipeline.iterations)
     if n == 0 or not store.exists(layout.checkpoint_rel(n)):
         return [], []
@@ -260,7 +280,7 @@ def finished_summary(s: RLSettings) -> dict | None:
     store, layout = _files(s)
     if not store.exists(layout.summary):
         return None
-    recorded = json.loads(store.read_text(layout.summary))
+    recorded = read_record(store, layout.summary)
     n = recorded.get("iterations")
     if not isinstance(n, int) or n < s.pipeline.iterations:
         return None
@@ -273,7 +293,7 @@ def recorded_prepare_seconds(s: RLSettings) -> dict[str, float] | None:
     store, layout = _files(s)
     if not store.exists(layout.summary):
         return None
-    per_stage = json.loads(store.read_text(layout.summary)).get("seconds_per_stage") or {}
+    per_stage = read_record(store, layout.summary).get("seconds_per_stage") or {}
     out = {k[len("prepare_"):]: v for k, v in per_stage.items() if k.startswith("prepare_")}
     return out or None
 

@@ -13,7 +13,6 @@ before that iteration's update (version N); the final evaluation scores version 
 
 from __future__ import annotations
 
-import json
 
 __all__ = ["RunNotFound", "format_status", "list_runs", "newest_run", "run_status"]
 
@@ -56,7 +55,9 @@ def newest_run(artifacts: str) -> str:
 
 
 def _read_json(store, rel: str):
-    return json.loads(store.read_text(rel)) if store.exists(rel) else None
+    from k3core.rl.layout import parse_record
+
+    return parse_record(store.read_text(rel), store.uri(rel)) if store.exists(rel) else None
 
 
 def _trend(points: list[tuple[int, float]], key: str) -> dict | None:

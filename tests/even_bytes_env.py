@@ -10,6 +10,7 @@ from k3core.rl.envs import ReverseEnv
 
 class EvenBytes(ReverseEnv):
     name = "even-bytes"
+    passes_environment = ("K3RL_TEST_CRASH_FILE",)  # the sandboxed call sees no other variable of the pipeline's
 
     def reward(self, prompt, completion):
         marker = os.environ.get("K3RL_TEST_CRASH_FILE")

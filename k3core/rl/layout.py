@@ -10,9 +10,10 @@ a run import it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-__all__ = ["RUNS", "RunLayout"]
+__all__ = ["RUNS", "RunLayout", "RunRecordError", "parse_record"]
 
 RUNS = "runs"  # the folder of every run under the artifact root
 
@@ -83,3 +84,52 @@ class RunLayout:
     def lock(self) -> str:
         """The run's lock file (``flows.runlock``: on local disk, in the cache of a remote root)."""
         return self.rel(".lock")
+
+
+class RunRecordError(ValueError):
+    """A run record (``latest.json``, ``metrics.json``, ``lineage.json``, ``summary.json``) that is
+    not what k3rl writes: named, with the fix."""
+
+
+_SHAPES = {"metrics.json": (list, "a list of per-iteration metrics"),
+           "lineage.json": (dict, "an object with the iterations' artifacts"),
+           "latest.json": (dict, "an object naming the latest checkpoint"),
+           "summary.json": (dict, "an object summarising the run")}
+_MAX_DEPTH = 64  # k3rl's records nest a few levels; far deeper is not one of them (and recursion-bound)
+
+
+def _depth(text: str) -> int:
+    """How deep ``text``'s brackets nest (outside strings): checked before ``json.loads`` recurses."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, in_string) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def parse_record(text: str, where: str) -> object:
+    """The JSON of the run record at ``where`` (its path or URI; its file name gives the expected
+    shape), or ``RunRecordError`` naming the file, what is wrong and the fix."""
+    name = where.rstrip("/").rsplit("/", 1)[-1]
+    kind, what = _SHAPES.get(name, (object, "JSON"))
+    fix = ("k3rl rewrites it after each recorded iteration: restore it from a copy, or delete metrics.json and "
+           "lineage.json together to have the run re-recorded from iteration 0 (its published tables and "
+           "checkpoints are found, not made again)") if name != "latest.json" else (
+           "restore it from a copy, or delete it and resume: the run then starts from its recorded iterations")
+    if _depth(text) > _MAX_DEPTH:
+        raise RunRecordError(f"{where} nests deeper than {_MAX_DEPTH} levels: not a k3rl run record; {fix}")
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise RunRecordError(f"{where} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(value, kind):
+        raise RunRecordError(f"{where} holds {type(value).__name__}, not {what}; {fix}")
+    return value

@@ -58,7 +58,8 @@ What is enforced where (``enforcement()`` probes this machine; every mechanism i
   CAP_DAC_READ_SEARCH, and ``enforcement()`` says so (see ``_drop_to``);
 - descriptors and environment: a call holds only its stdin (/dev/null), its stdout and stderr (a
   file of its own, under the file-size limit from offset 0, never the pipeline's log) and its result
-  pipe (not inheritable); its environment is HOME, TMPDIR, PATH, the locale and the time zone;
+  pipe (not inheritable); its environment is HOME, TMPDIR, PATH, the locale, the time zone and the
+  variables the environment names in ``passes_environment``;
 - verdicts: whatever a call writes, the worker and then the pipeline accept only a verdict
   (``checked_answer``: a reward is a finite number in [0, 1]), matched to its request by id;
   reasons are cut to 500 characters and scrubbed of the pipeline's environment values.
@@ -86,6 +87,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from k3core.rl.landlock import landlock_confine
 
 __all__ = ["RewardOutcome", "RewardSandbox", "SandboxLimits", "enforcement", "limit_reason"]
 
@@ -123,105 +126,6 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _CLONE_NEWNET, _CLONE_NEWUSER = 0x40000000, 0x10000000
 _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = 38, 36
-_SYS_LANDLOCK_CREATE, _SYS_LANDLOCK_ADD_RULE, _SYS_LANDLOCK_RESTRICT = 444, 445, 446  # one number on every arch
-_LL_WRITE_FILE, _LL_TRUNCATE, _LL_REFER = 1 << 1, 1 << 14, 1 << 13
-_LL_WRITE_TREE = sum(1 << b for b in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))  # write, remove, make *
-
-
-def landlock_abi() -> int:
-    """The kernel's Landlock ABI version (0: unavailable)."""
-    v = _libc.syscall(_SYS_LANDLOCK_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
-    return max(int(v), 0)
-
-
-class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
-
-
-class _PathBeneath(ctypes.Structure):
-    _pack_ = 1
-    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
-
-
-def _landlock_confine(writable: str, tcp: bool = True) -> list[str]:
-    """Refuse writes outside ``writable`` (and /dev/null), with ``tcp`` every TCP bind and connect (ABI 4+),
-    signals and abstract Unix sockets beyond this domain (ABI 6+). -> what it enforced."""
-    abi = landlock_abi()
-    if abi < 1:
-        return []
-    fs = _LL_WRITE_TREE | (_LL_REFER if abi >= 2 else 0) | (_LL_TRUNCATE if abi >= 3 else 0)
-    attr = _RulesetAttr(handled_access_fs=fs, handled_access_net=3 if abi >= 4 and tcp else 0, scoped=3 if abi >= 6 else 0)
-    size = 8 if abi < 4 else 16 if abi < 6 else 24
-    rfd = _libc.syscall(_SYS_LANDLOCK_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
-    if rfd < 0:
-        return []
-    try:
-        for path, allowed in ((writable, fs), ("/dev/null", _LL_WRITE_FILE | (_LL_TRUNCATE if abi >= 3 else 0))):
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            try:
-                rule = _PathBeneath(allowed_access=allowed, parent_fd=fd)
-                if _libc.syscall(_SYS_LANDLOCK_ADD_RULE, ctypes.c_int(rfd), ctypes.c_int(1), ctypes.byref(rule),
-                                 ctypes.c_uint32(0)) < 0:
-                    return []
-            finally:
-                os.close(fd)
-        if os.geteuid() != 0:
-            _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        if _libc.syscall(_SYS_LANDLOCK_RESTRICT, ctypes.c_int(rfd), ctypes.c_uint32(0)) < 0:
-            return []
-    finally:
-        os.close(rfd)
-    out = [f"filesystem writes only under the worker's directory (Landlock ABI {abi})"]
-    if abi >= 4 and tcp:
-        out.append("TCP bind/connect refused (Landlock)")
-    if abi >= 6:
-        out.append("signals and abstract Unix sockets beyond the sandbox refused (Landlock)")
-    return out
-
-
-_LL_EXECUTE, _LL_READ_FILE, _LL_READ_DIR = 1 << 0, 1 << 2, 1 << 3
-# what a program needs to start an interpreter, besides the interpreter's own tree: the dynamic
-# loader's cache and the system's shared libraries, and the devices the standard library opens
-_SYSTEM_READS = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/etc/ld.so.cache", "/dev/null", "/dev/urandom",
-                 "/proc/self")
-
-
-def confine_reads(readable: list[str]) -> bool:
-    """Refuse this process (and what it executes) every read, directory listing and execution outside
-    ``readable`` and ``_SYSTEM_READS`` (Landlock, ABI 1+; capabilities do not lift it). Returns False,
-    confining nothing, where Landlock is missing. Meant for a process about to ``exec`` a program
-    (``subprocess``'s ``preexec_fn``): the reward that judges the program keeps its own reads."""
-    abi = landlock_abi()
-    if abi < 1:
-        return False
-    handled = _LL_EXECUTE | _LL_READ_FILE | _LL_READ_DIR
-    attr = _RulesetAttr(handled_access_fs=handled, handled_access_net=0, scoped=0)
-    rfd = _libc.syscall(_SYS_LANDLOCK_CREATE, ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
-    if rfd < 0:
-        return False
-    try:
-        for path in {*readable, *_SYSTEM_READS}:
-            try:
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            except OSError:
-                continue  # not on this machine
-            try:
-                access = handled if os.path.isdir(path) else _LL_EXECUTE | _LL_READ_FILE
-                rule = _PathBeneath(allowed_access=access, parent_fd=fd)
-                if _libc.syscall(_SYS_LANDLOCK_ADD_RULE, ctypes.c_int(rfd), ctypes.c_int(1), ctypes.byref(rule),
-                                 ctypes.c_uint32(0)) < 0:
-                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
-            finally:
-                os.close(fd)
-        _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        if _libc.syscall(_SYS_LANDLOCK_RESTRICT, ctypes.c_int(rfd), ctypes.c_uint32(0)) < 0:
-            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
-    finally:
-        os.close(rfd)
-    return True
-
-
 def _unshare_network() -> str:
     """A new network namespace for this process and its children. -> what it enforced ('' if refused)."""
     if _libc.unshare(_CLONE_NEWNET) == 0:
@@ -315,7 +219,7 @@ def enforcement() -> dict[str, str]:
         try:
             tmp = tempfile.mkdtemp(prefix="k3rl-probe-")
             net = _unshare_network()
-            ll = _landlock_confine(tmp, tcp=not net)
+            ll = landlock_confine(tmp, tcp=not net)
             got["network"] = net or ("TCP only (Landlock); UDP not refused" if any("TCP" in x for x in ll)
                                      else "NOT enforced: no network namespace and no Landlock network rules here")
             got["filesystem"] = ll[0] if ll else ("NOT enforced beyond file permissions: no Landlock in this kernel"
@@ -432,7 +336,7 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
             os.setsid()
             _own_descriptors(w, output)
             os.chdir(call_dir)
-            _call_environment(call_dir)
+            _call_environment(call_dir, tuple(getattr(env, "passes_environment", ())))
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write raises EFBIG instead
             cpu = int(math.ceil(limits.timeout_s)) + 1
             mem = limits.memory_mb << 20
@@ -516,11 +420,12 @@ def _own_descriptors(result: int, output: str) -> None:
     os.closerange(result + 1, max(result + 2, os.sysconf("SC_OPEN_MAX")))
 
 
-def _call_environment(call_dir: str) -> None:
+def _call_environment(call_dir: str, passes: tuple[str, ...] = ()) -> None:
     """The call's environment variables: its directory as HOME and TMPDIR, and of the pipeline's only
-    the locale, the time zone and PATH (no credentials, tokens or settings reach a call, or a program
-    it runs)."""
-    keep = {k: os.environ[k] for k in _CALL_ENV if k in os.environ}
+    the locale, the time zone, PATH and the variables the environment names in its
+    ``passes_environment`` (no credentials, tokens or settings reach a call, or a program it runs,
+    unless the environment asks for them by name)."""
+    keep = {k: os.environ[k] for k in (*_CALL_ENV, *passes) if k in os.environ}
     os.environ.clear()
     os.environ.update(keep, HOME=call_dir, TMPDIR=call_dir)
 
@@ -616,7 +521,7 @@ def _worker_main(rfd: int, wfd: int) -> None:
     closed = unreadable_by_others(interpreter_paths()) if uid is not None else ""
     _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     net = _unshare_network()
-    enforced = [x for x in [net, *_landlock_confine(root, tcp=not net)] if x]
+    enforced = [x for x in [net, *landlock_confine(root, tcp=not net)] if x]
     if uid is not None:
         enforced.append(f"no capabilities but CAP_DAC_READ_SEARCH ({closed} is closed to other users)" if closed
                         else "no capabilities (bounding set emptied)")

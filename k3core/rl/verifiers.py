@@ -152,9 +152,9 @@ def _program_env() -> dict:
 def _confine_program() -> None:
     """In the program's process before its interpreter starts: it may read only the interpreter's own
     tree (binary and standard library), the system's shared libraries and its working directory
-    (``k3core.rl.sandbox.confine_reads``): the dataset, the project and the rest of the machine are
+    (``k3core.rl.landlock.confine_reads``): the dataset, the project and the rest of the machine are
     closed to it, whatever its uid may read."""
-    from k3core.rl.sandbox import confine_reads
+    from k3core.rl.landlock import confine_reads
 
     base = getattr(sys, "_base_executable", None) or sys.executable
     confine_reads([sys.base_prefix, sys.base_exec_prefix, os.path.realpath(base), os.getcwd()])

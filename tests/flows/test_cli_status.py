@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import os
 from pathlib import Path
 
@@ -213,8 +214,13 @@ def test_http_uris_become_links():
 def test_report_keys_are_per_run():
     """Prefect artifact keys are global: each run's reports carry its id (keys allow [a-z0-9-] only)."""
     assert reports.artifact_key("metrics", "demo") == "rl-metrics-demo"
-    assert reports.artifact_key("lineage", "Run_1.b") == "rl-lineage-run-1-b"
+    assert reports.artifact_key("lineage", "Run_1.b").startswith("rl-lineage-run-1-b-")
     assert reports.artifact_key("metrics", "a") != reports.artifact_key("metrics", "b")
+    # one-to-one: ids that read the same once lowercased and dashed keep keys of their own
+    ids = ["exp-1", "Exp.1", "exp.1", "EXP-1", "exp_1"]
+    keys = [reports.artifact_key("metrics", i) for i in ids]
+    assert len(set(keys)) == len(ids) and all(re.fullmatch(r"[a-z0-9-]+", k) for k in keys), keys
+    assert reports.artifact_key("metrics", "Exp.1") == reports.artifact_key("metrics", "Exp.1")
 
 
 def test_table_numbers_keep_four_significant_digits_and_small_ones_readable():
