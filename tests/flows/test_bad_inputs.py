@@ -316,7 +316,9 @@ HTTP_CASES = [
     Case("http-update-path-not-string", "HTTP request", 'POST /update_weights_from_disk {"model_path": 5}',
          "HTTP 400", "'model_path' must be a string"),
     Case("http-update-bad-version", "HTTP request", 'POST /update_weights_from_disk {"model_path": "{ck}", '
-         '"weight_version": [1]}', "HTTP 400", "'weight_version' must be an integer or a string"),
+         '"weight_version": [1]}', "HTTP 400", "'weight_version' must be a non-negative integer"),
+    Case("http-update-string-version", "HTTP request", 'POST /update_weights_from_disk {"model_path": "{ck}", '
+         '"weight_version": "v-rollback"}', "HTTP 400", "versions are ordered, a string is not"),
     Case("http-update-load-format", "HTTP request", 'POST /update_weights_from_disk {"model_path": "{ck}", '
          '"load_format": "pt"}', "HTTP 400", "'load_format' must be 'auto' or 'safetensors', got 'pt'"),
     Case("http-generate-get", "HTTP request", 'GET /generate ', "HTTP 405", "Method Not Allowed"),
