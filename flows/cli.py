@@ -152,6 +152,7 @@ def _run_locked(a, s, lock_file) -> int:
     if removed:
         print(f"k3rl: run '{run_id}': removed {len(removed)} staging path(s) of a killed process "
               f"({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})", file=sys.stderr)
+    resume.check_prefect_environment()
     resume.start_embedded_server()
     tag = resume.run_tag(lock_file)
     crashed = resume.crash_stale_flow_runs(tag)

@@ -64,6 +64,42 @@ def _pdeathsig_preexec():
     return bind
 
 
+def check_prefect_environment() -> None:
+    """Refuse, naming the variable and the fix, a Prefect setting that would fail only once the run
+    talks to Prefect (after minutes of retries and tracebacks): a ``PREFECT_API_URL`` whose server does
+    not answer its health check, a ``PREFECT_HOME`` that is not a directory this user can write.
+    ``ValueError``: one ``k3rl: error:`` line, exit 2."""
+    import urllib.error
+    import urllib.request
+
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME
+
+    home = Path(str(PREFECT_HOME.value())).expanduser()
+    named = "PREFECT_HOME" + (f"={os.environ['PREFECT_HOME']}" if "PREFECT_HOME" in os.environ else f" ({home})")
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        probe = home / f".k3rl-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"{named} is not a directory k3rl can write ({e.strerror or e}): point PREFECT_HOME at "
+                         "one, or unset it (Prefect's default is ~/.prefect)") from None
+    url = PREFECT_API_URL.value()
+    if not url:
+        return
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=10) as r:
+            if r.status == 200:
+                return
+            why = f"its health check answered HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        why = f"its health check answered HTTP {e.code}"
+    except (OSError, ValueError) as e:  # refused, unreachable, timed out; a malformed URL
+        why = f"{getattr(e, 'reason', None) or e}"
+    raise ValueError(f"PREFECT_API_URL={url} does not answer ({why}): start that Prefect server (prefect server "
+                     "start), or unset PREFECT_API_URL to run on an embedded one")
+
+
 def start_embedded_server() -> Any | None:
     """Start Prefect's embedded server as a child that dies with this process, and make it the one
     Prefect's clients use (the server registered for ``port=None``). None when ``PREFECT_API_URL``

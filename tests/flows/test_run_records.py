@@ -52,3 +52,31 @@ def test_records_k3rl_writes_parse_and_strings_do_not_count_as_nesting():
     assert parse_record(json.dumps([{"a": "[[[[" * 50}]), "x/metrics.json") == [{"a": "[[[[" * 50}]
     with pytest.raises(RunRecordError, match="nests deeper"):
         parse_record("[" * 65 + "]" * 65, "x/metrics.json")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("variable", ["PREFECT_API_URL", "PREFECT_HOME"])
+def test_a_prefect_setting_that_cannot_work_is_named_before_any_work(tmp_path, capsys, monkeypatch, variable):
+    """A PREFECT_API_URL with nothing listening, a PREFECT_HOME that is a file: one line naming the
+    variable and the fix, exit 2, no traceback, nothing of the run made."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    bad = f"http://127.0.0.1:{_free_port()}/api" if variable == "PREFECT_API_URL" else str(tmp_path / "a-file")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(variable, bad)
+    setting = PREFECT_API_URL if variable == "PREFECT_API_URL" else PREFECT_HOME
+    with temporary_settings({setting: bad}):
+        rc = main(["run", "--preset", "tiny", "--source", "init:tiny:0", "--run-id", "r", "--artifacts",
+                   str(tmp_path / "root")])
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert rc == 2 and len(errors) == 1 and f"{variable}={bad}" in errors[0] and "Traceback" not in err, err
+    assert "unset" in errors[0]
+    assert not list((tmp_path / "root").glob("runs/r/*.json")) and not (tmp_path / "root" / "runs" / "r" / "source").exists()
