@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import re
+import signal
 import sys
 import traceback
 
@@ -159,14 +160,19 @@ def _run_locked(a, s, lock_file) -> int:
     if crashed:
         print(f"k3rl: run '{run_id}': marked {len(crashed)} flow run(s) of a killed process Crashed "
               f"({', '.join(crashed)})", file=sys.stderr)
+    from prefect.exceptions import TerminationSignal
+
+    from flows.signals import STOPS, resume_line, stop_guard
+
     try:
         bar = not a.no_progress and progress_wanted()
-        with (run_progress(bar), stage_heartbeat(not a.no_progress and not bar), tags(tag),
-              _no_disk_full_tracebacks(not a.debug)):
+        with (stop_guard(run_id) as stopped, run_progress(bar), stage_heartbeat(not a.no_progress and not bar),
+              tags(tag), _no_disk_full_tracebacks(not a.debug)):
             summary = rl_run(s)
-    except KeyboardInterrupt:
-        print(f"k3rl: interrupted; run the same command again to resume run '{run_id}'", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, TerminationSignal) as e:  # the flow runs are marked Crashed by now
+        sig = getattr(e, "signal", None) or stopped.get("signal") or signal.SIGINT
+        print(resume_line(run_id, sig), file=sys.stderr)
+        return STOPS.get(sig, 130)
     except Exception as e:  # the failing stage has logged its traceback through Prefect
         from k3core.storage import StorageError
 

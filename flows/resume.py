@@ -120,6 +120,9 @@ def start_embedded_server() -> Any | None:
             real = subprocess.Popen
 
             def popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
+                # a session of its own: a Ctrl-C in the terminal reaches this process, which stops the run
+                # and then the server, not the server first (the run would then fail on its connection)
+                kwargs.setdefault("start_new_session", True)
                 return real(*args, preexec_fn=preexec, **kwargs)
 
             # Prefect's method makes one Popen call and takes no preexec_fn, so the module attribute

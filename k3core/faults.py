@@ -22,7 +22,11 @@ kill and the injected ``OSError``. Does not own: where the points sit (``k3core.
   only point;
 - ``enospc``: at ``mid-write`` the staging path is left half written as there, and the stage's write
   raises ``OSError(ENOSPC)`` naming that file instead of the process being killed: the stage fails as
-  on a full disk, and its publish removes the staging path.
+  on a full disk, and its publish removes the staging path;
+- ``sigterm``, ``sigint``: at the first of ``before-publish`` and ``after-publish`` the stage reaches,
+  the process sends itself that signal once, as a scheduler or Ctrl-C would, and goes on: the signal
+  is handled where Python handles it (the main thread), while a stage in another thread may still
+  finish and publish (``flows.signals``).
 
 Unset (always, outside these tests) ``SPEC`` is None: ``reached`` returns after one comparison and
 stages run unwrapped.
@@ -38,7 +42,9 @@ import signal
 from pathlib import Path
 from collections.abc import Iterator
 
-POINTS = ("before-publish", "mid-write", "after-publish", "enospc")
+POINTS = ("before-publish", "mid-write", "after-publish", "enospc", "sigterm", "sigint")
+_SIGNALS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT}
+_signalled: list[str] = []  # a stop signal is sent once per process
 
 
 def parse(text: str | None) -> tuple[str, str] | None:
@@ -74,6 +80,11 @@ def reached(point: str, staging: Path | None = None) -> None:
     if SPEC is None:
         return
     stage, want = SPEC
+    if want in _SIGNALS:
+        if point in ("before-publish", "after-publish") and stage in _stage.get() and not _signalled:
+            _signalled.append(point)
+            os.kill(os.getpid(), _SIGNALS[want])
+        return
     disk_full = want == "enospc" and point == "mid-write"
     if (want != point and not disk_full) or stage not in _stage.get():
         return
