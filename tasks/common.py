@@ -432,6 +432,27 @@ class StageFuture:
         return out
 
 
+class ChangedArtifact(ValueError):
+    """A published file whose bytes are not the ones its handle recorded when it was published."""
+
+
+def read_table(table: Artifact, columns: list[str] | None = None):
+    """The parquet table of ``table``, after its file's sha256 is checked against the one recorded
+    when it was published (a resumed run takes that handle from Prefect's record): a table edited,
+    rewritten or bit-flipped since is refused (``ChangedArtifact``, naming the file), never trained
+    or scored on."""
+    import pyarrow.parquet as pq
+
+    from k3core.artifacts import sha256_file
+
+    got = sha256_file(table.path)
+    if table.sha256 and got != table.sha256:
+        raise ChangedArtifact(f"{table.uri} changed since it was published (sha256 {got[:12]}..., recorded "
+                              f"{table.sha256[:12]}...): k3rl never rewrites a published table, so it was edited "
+                              "or corrupted; restore it from a copy, or start the run again under a new --run-id")
+    return pq.read_table(table.path, columns=columns)
+
+
 def _localized(run: Run, out: Artifact) -> Artifact:
     """``out`` readable on this machine (``ArtifactStore.localize``); a trainer state that is live in
     this process and not written yet has nothing to download, and stays as it is."""

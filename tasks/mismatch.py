@@ -10,7 +10,7 @@ import time
 
 from k3core.artifacts import Artifact
 from k3core.rl import trainers
-from tasks.common import Run, stage
+from tasks.common import Run, read_table, stage
 
 
 @stage(run_name="rollout_mismatch-iter{iteration}", key="mismatch",
@@ -21,14 +21,13 @@ def rollout_mismatch(run: Run, iteration: int, state: Artifact, rollouts: Artifa
     state), on the run's device (the trainer's copies and both engines live there). Returns
     ``mismatch_*`` metrics. The engines score the rollouts through the decode path the run's engine
     runs (``Run.decode``)."""
-    import pyarrow.parquet as pq
     import torch
 
     from k3core.rl.mismatch import measure_mismatch
     from k3core.rl.trainer_state import rng_state, set_rng_state
 
     t0 = time.perf_counter()
-    table = pq.read_table(rollouts.path, columns=["prompt_ids", "output_ids", "loss_mask"])
+    table = read_table(rollouts, columns=["prompt_ids", "output_ids", "loss_mask"])
     g = torch.Generator().manual_seed(run.seed * 7919 + table.num_rows)
     pick = torch.randperm(table.num_rows, generator=g)[:n_sequences].sort().values.tolist()
     rows = table.take(pick).to_pylist()

@@ -13,7 +13,7 @@ from prefect import get_run_logger
 
 from k3core.artifacts import Artifact
 from k3core.settings import GRPOSettings
-from tasks.common import Batch, Run, stage
+from tasks.common import Batch, Run, read_table, stage
 
 _lock = threading.Lock()
 _models: dict[str, object] = {}  # reference sha256 -> model (frozen; read only)
@@ -61,7 +61,7 @@ def reference_logprobs(run: Run, iteration: int, reference: Artifact, batch: Bat
 
     def build(tmp):
         model = reference_model(run, reference)
-        table = pa.concat_tables([pq.read_table(a.path) for a in batch.scored])
+        table = pa.concat_tables([read_table(a) for a in batch.scored])
         out = reference_logprobs_table(model, table, settings, model.config.pad_token_id,
                                        temperature=batch.sampling.temperature)
         pq.write_table(out, tmp)

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from k3core.artifacts import Artifact
 from k3core.rl.sandbox import SandboxLimits
 from k3core.settings import GRPOSettings, RewardSettings
-from tasks.common import Run, round_run_name, stage
+from tasks.common import Run, read_table, round_run_name, stage
 
 
 def _rel(run: Run, iteration: int, refill: int = 0) -> str:
@@ -42,7 +42,7 @@ def score_rewards(run: Run, iteration: int, rollouts: Artifact, settings: GRPOSe
     from k3core.rl.rewards import merge_outcomes
     from k3core.rl.tables import score_table
 
-    rows = pq.read_table(rollouts.path)
+    rows = read_table(rollouts)
     outcomes = merge_outcomes([pq.read_table(a.path) for a in reward_shards], rows.num_rows) if reward_shards else None
     table, stats = score_table(rows, load_env(run.env), run.env, rollouts.info["group_size"],
                                scale_advantages=settings.scale_advantages, limits=SandboxLimits.of(reward),
@@ -91,7 +91,7 @@ def score_shard(run: Run, iteration: int, rollouts: Artifact, reward: RewardSett
     rel = _shard_rel(run, iteration, refill, shard)
 
     def build(tmp):
-        table = pq.read_table(rollouts.path, columns=["prompt", "completion"])
+        table = read_table(rollouts, columns=["prompt", "completion"])
         start, stop = shard_bounds(table.num_rows, shard[1])[shard[0]]
         part = table.slice(start, stop - start)
         outcomes = score_completions(load_env(run.env), run.env, part.column("prompt").to_pylist(),

@@ -21,7 +21,7 @@ from prefect import get_run_logger
 from k3core.artifacts import Artifact
 from k3core.rl import trainers
 from k3core.settings import GRPOSettings
-from tasks.common import Batch, Run, stage
+from tasks.common import Batch, Run, read_table, stage
 
 
 def _rel(run: Run, iteration: int) -> str:
@@ -87,7 +87,6 @@ def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings
     ``procs``: processes of the step (> 1: a torchrun job, the model sharded with FSDP2, on the CPU;
     the same update up to floating-point summation order); one process trains on the run's device."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from k3core.rl.train import train_on_table
     from k3core.rl.trainer_state import QAT_KEY, WEIGHTS_FROM_MASTERS, WEIGHTS_KEY, rng_state
@@ -107,14 +106,14 @@ def train_step(run: Run, iteration: int, state: Artifact, batch: Batch, settings
         run.store.publish_once(rel, build, is_dir=True)
         return durable_handle(run, iteration)
     model, opt, live = _trainer(run, state, settings)
-    table = pa.concat_tables([pq.read_table(a.path) for a in batch.scored])
+    table = pa.concat_tables([read_table(a) for a in batch.scored])
     # the previous state may still be being written (``flows.pipeline.write_behind``): the first
     # optimizer step releases that write (the writer copies what it has not read yet) before it starts
     with trainers.update_after_write(live) if live is not None else contextlib.nullcontext({}) as waited:
         metrics = train_on_table(model, opt, table, settings, model.config.pad_token_id,
                                  temperature=sampling.temperature, seq_sum_norm=sampling.max_new_tokens,
                                  max_groups=sampling.prompts_per_iteration,
-                                 reference=pq.read_table(reference.path) if reference is not None else None)
+                                 reference=read_table(reference) if reference is not None else None)
     metrics.update(waited)
     trainers.written(run.run_id, state.version)  # released: the write reads the state no more
     extra = {**_lineage(iteration, state, batch), "reference": reference.uri if reference is not None else None,

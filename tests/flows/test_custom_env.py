@@ -25,9 +25,9 @@ SPEC = "uppercase_env:make_env"
 
 def _rollouts(path, group_size: int):
     """A rollout table's handle, as the rollout stage gives it (the samples per prompt: its groups)."""
-    from k3core.artifacts import Artifact
+    from k3core.artifacts import Artifact, sha256_file
 
-    return Artifact("rollouts", path.as_uri(), str(path), "x", version=0, info={"group_size": group_size})
+    return Artifact("rollouts", path.as_uri(), str(path), sha256_file(path), version=0, info={"group_size": group_size})
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from k3core.artifacts import Artifact
+from k3core.artifacts import Artifact, sha256_file
 from k3core.rl.data import ROLLOUT_SCHEMA, SCORED_SCHEMA
 from k3core.rl.rewards import RewardOutcome, merge_outcomes, outcome_table
 from k3core.settings import GRPOSettings, RewardSettings
@@ -33,7 +33,7 @@ def _rollouts(path: Path, prompt: str, completions: list[str]) -> Artifact:
                          weight_version=0, worker="local", loss_mask=None, turns=None).items():
             rows[k].append(v)
     pq.write_table(pa.table(rows, schema=ROLLOUT_SCHEMA), path)
-    return Artifact("rollouts", path.as_uri(), str(path), "x", version=0, info={"group_size": 2})
+    return Artifact("rollouts", path.as_uri(), str(path), sha256_file(path), version=0, info={"group_size": 2})
 
 
 @flow(name="score-sandbox-test")
