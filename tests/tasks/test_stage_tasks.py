@@ -91,6 +91,27 @@ def test_save_publishes_manifest_and_latest(pipeline):
     assert latest["checkpoint"] == sv.uri
 
 
+def test_latest_only_moves_forward(pipeline):
+    """The last iteration commits its own state while the save of the one before, written behind it,
+    may still be finishing: whichever commits last, ``latest`` ends at the newer version."""
+    from k3core.artifacts import ArtifactStore
+    from tasks.save import _pointed_at
+
+    root, run, sv = pipeline["root"], pipeline["run"], pipeline["sv"]
+    latest = Path(root, "runs/t/latest.json")
+    before = latest.read_text()
+    newer = json.loads(before) | {"version": 7, "iteration": 7}
+    latest.write_text(json.dumps(newer))
+    try:
+        with disable_run_logger():
+            save_checkpoint.fn(run, 0, pipeline["tr"])  # version 1 again, after 7: committed, latest untouched
+        assert json.loads(latest.read_text())["version"] == 7
+        assert _pointed_at(ArtifactStore(root), "runs/t/latest.json") == 7
+    finally:
+        latest.write_text(before)
+    assert json.loads(latest.read_text())["checkpoint"] == sv.uri
+
+
 def test_after_transfer_engine_logprobs_equal_trainer(pipeline):
     """Without quantization the engine (cached AttnRes scores, cached decode) reproduces the trainer."""
     from k3core.rl.trainer_state import load_trainer_state
