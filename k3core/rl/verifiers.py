@@ -32,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 MATH_NAMES = frozenset({"sqrt", "pi", "e", "E", "I", "log", "exp", "sin", "cos", "tan",
                         "a", "b", "c", "k", "m", "n", "t", "x", "y", "z"})
@@ -165,7 +166,7 @@ def code_reward(program: str, tests: list[tuple[str, object]]) -> tuple[float, s
     if not tests:
         raise ValueError("a code prompt has no tests: every row needs at least one [expression, expected] pair")
     request = json.dumps({"program": program, "tests": [t[0] for t in tests]})
-    with open("program-output.txt", "w+b") as out:  # bounded by the sandbox's file-size limit
+    with tempfile.TemporaryFile(dir=os.getcwd()) as out:  # bounded by the sandbox's file-size limit; no name left
         proc = subprocess.run(program_command(), input=request.encode(), stdout=out, stderr=subprocess.DEVNULL,
                               cwd=os.getcwd(), preexec_fn=_confine_program, env=_program_env())
         out.seek(0)
