@@ -21,7 +21,6 @@ import functools
 import json
 import os
 import shutil
-import threading
 from pathlib import Path
 
 from k3core.artifacts import Artifact, published_sha256, sha256_file
@@ -79,16 +78,11 @@ def save_checkpoint(run: Run, iteration: int, trained: Artifact) -> Artifact:
     local = store.publish_once(rel, build, is_dir=True)
     pointer = {"run_id": run.run_id, "iteration": trained.version, "checkpoint": store.uri(rel),
                "version": trained.version}
-    with _LATEST:  # last: a crash before keeps the old; and it only moves forward (see _pointed_at)
+    with trainers.latest_lock:  # last: a crash before keeps the old; and it only moves forward
         if _pointed_at(store, run.layout.latest) < trained.version:
             store.replace_text(run.layout.latest, json.dumps(pointer, indent=2))
     return Artifact(kind="dcp", uri=store.uri(rel), path=str(local / "state"), sha256=sha256_file(local / "manifest.json"),
                     version=trained.version, info={"manifest": store.uri(f"{rel}/manifest.json")})
-
-
-# Two saves of one run can commit at once: the last iteration saves its own state while the save of
-# the one before, written behind it, may still be finishing. ``latest`` must end at the newer.
-_LATEST = threading.Lock()
 
 
 def _pointed_at(store, rel: str) -> int:

@@ -24,6 +24,11 @@ import torch
 from k3core.artifacts import Artifact
 
 _lock = threading.Lock()
+# held while a save commits ``latest.json``: two saves of one run can commit at once (the last
+# iteration saves its own state while the save of the one before, written behind it, may still be
+# finishing), and ``latest`` must end at the newer. Here, not in ``tasks.save``: Dask pickles that
+# module's functions by value, and a lock does not pickle.
+latest_lock = threading.Lock()
 _live: dict[str, LiveTrainer] = {}
 _being_written: dict[tuple[str, int], LiveTrainer] = {}  # (run id, version): a write behind reads it
 
