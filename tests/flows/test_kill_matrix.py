@@ -297,32 +297,3 @@ def test_a_kill_around_the_background_save_or_between_saves_resumes_equal(case, 
     assert final["iteration"] == baseline["iteration"] == 2
     _assert_same(_drop_timings(final), _drop_timings(baseline))
 
-
-# A scheduler's SIGTERM or a Ctrl-C while a stage runs (``K3RL_FAULT=<stage>:sigterm|sigint``: the
-# process signals itself once at the stage's publish, and goes on as a real signal lets it): the run
-# ends promptly with exit 143 / 130 and the one line that names the resume, its embedded server gone
-# and its flow runs marked Crashed; the same command resumes and ends equal to the uninterrupted run.
-STOPPED = [("rollout-iter1", "sigterm", 143), ("score_rewards-iter1", "sigint", 130), ("warmup", "sigterm", 143)]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("stage, point, status", STOPPED, ids=[f"{s}:{p}" for s, p, _ in STOPPED])
-def test_a_stop_signal_at_a_stage_ends_the_run_resumably(stage, point, status, baseline, tmp_path):
-    artifacts, run, home = tmp_path / "artifacts", tmp_path / "artifacts" / "runs" / RUN_ID, tmp_path / "prefect-home"
-    t0 = time.monotonic()
-    stopped, _ = _k3rl(artifacts, home, f"{stage}:{point}")
-    log = stopped.stdout[-4000:]
-    assert stopped.returncode == status, f"expected exit {status}, got {stopped.returncode}\n{log}"
-    assert time.monotonic() - t0 < 120, log
-    name = point.upper()
-    assert f"k3rl: stopped by {name}; run '{RUN_ID}' is resumable: run the same command again" in stopped.stdout, log
-    assert "Traceback" not in stopped.stdout, log
-    _no_server_left(home)
-    states = _flow_runs(home)
-    assert "RUNNING" not in {s for _, s in states.values()} and "CRASHED" in {s for _, s in states.values()}, states
-
-    resumed, _ = _k3rl(artifacts, home, None)
-    assert resumed.returncode == 0, resumed.stdout[-4000:]
-    assert _staging(run) == []
-    _assert_same(_drop_timings(_final_state(artifacts)), _drop_timings(baseline))
