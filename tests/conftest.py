@@ -72,20 +72,28 @@ def prefect_harness():
         yield
 
 
-def helper_module(name: str):
-    """A helper module of ``tests/`` (``s3_local``, ``prefect_local``): the suite imports in
-    ``importlib`` mode, which puts no test directory on ``sys.path``."""
+def helper_module(name: str, folder: str = ""):
+    """A helper module of ``tests/`` (``s3_local``, ``prefect_local``; ``folder``: a subfolder of it,
+    ``flows`` for ``test_kill_matrix``): the suite imports in ``importlib`` mode, which puts no test
+    directory on ``sys.path``."""
     import importlib.util
     import sys
     from pathlib import Path
 
     key = f"k3rl_test_{name}"
     if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).parent / folder / f"{name}.py")
         mod = importlib.util.module_from_spec(spec)
         sys.modules[key] = mod
         spec.loader.exec_module(mod)
     return sys.modules[key]
+
+
+@pytest.fixture(scope="session")
+def kill_matrix():
+    """``tests/flows/test_kill_matrix.py`` as a module: the command, its baseline and the comparison,
+    for the chains of other files (a full disk, stop signals)."""
+    return helper_module("test_kill_matrix", "flows")
 
 
 @pytest.fixture(scope="session")

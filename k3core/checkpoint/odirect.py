@@ -566,10 +566,14 @@ def _cpu_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     return tensor
 
 
-def _own_copy(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
-    """A CPU copy of the item's tensor that nothing else holds (its own minimal storage)."""
-    tensor = planner.resolve_data(item).detach()
+def _private(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor`` that nothing else holds (its own minimal storage)."""
     return tensor.clone() if tensor.device.type == "cpu" else tensor.cpu()
+
+
+def _own_copy(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+    """A private CPU copy of the item's tensor."""
+    return _private(planner.resolve_data(item).detach())
 
 
 class SnapshotArena:
@@ -617,7 +621,7 @@ def _copies_into(arena: SnapshotArena | None, tensors: dict[Any, torch.Tensor]) 
         total += -(-t.numel() * t.element_size() // align) * align
     room = arena.take(total) if arena is not None and total else None
     if room is None:
-        return {k: t.clone() if t.device.type == "cpu" else t.cpu() for k, t in tensors.items()}, False
+        return {k: _private(t) for k, t in tensors.items()}, False
     out = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # frombuffer: the arena is writable, the warning is moot

@@ -6,7 +6,6 @@ path, and the same command, once space is back, resumes and ends as an uninterru
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -20,17 +19,6 @@ from k3core.rl import disk
 from k3core.settings import RLSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _kill_matrix():
-    """tests/flows/test_kill_matrix.py's helpers (the same command, baseline and comparison)."""
-    name = "k3rl_test_kill_matrix"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_kill_matrix.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 def _settings(root: Path, **flat) -> RLSettings:
@@ -131,13 +119,13 @@ def test_a_run_on_a_small_tmpfs_is_refused_before_any_stage(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_full_disk_mid_run_fails_clean_and_the_same_command_resumes_equal(tmp_path, prefect_server):
+def test_a_full_disk_mid_run_fails_clean_and_the_same_command_resumes_equal(tmp_path, prefect_server, kill_matrix):
     """Iteration 0's trainer state, written beside iteration 1's rollout, hits ENOSPC halfway through
     its write (a fault point, as a full disk would), and the run, which joins that write after
     iteration 1, fails with it: one ``k3rl: error:`` line naming the disk, exit 1, no traceback,
     no retry, no ``.tmp-*`` left, no trainer state published. The same command, unarmed, resumes and
     ends with the final trainer state, tables and metrics of an uninterrupted run."""
-    km = _kill_matrix()
+    km = kill_matrix
     base = tmp_path / "baseline"
     done, _ = km._k3rl(base / "artifacts", base / "prefect-home", None, prefect_server.api)
     assert done.returncode == 0, done.stdout[-3000:]

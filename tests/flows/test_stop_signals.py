@@ -7,31 +7,16 @@ test session's workers share the chains out). docs/reliability.md, "SIGTERM and 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-
-def _kill_matrix():
-    name = "k3rl_test_kill_matrix"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_kill_matrix.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-km = _kill_matrix()
 STOPPED = [("rollout-iter1", "sigterm", 143), ("score_rewards-iter1", "sigint", 130), ("warmup", "sigterm", 143)]
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, prefect_server):
-    base = tmp_path_factory.mktemp("baseline")
+def baseline(tmp_path_factory, prefect_server, kill_matrix):
+    km, base = kill_matrix, tmp_path_factory.mktemp("baseline")
     done, _ = km._k3rl(base / "artifacts", base / "prefect-home", None, prefect_server.api)
     assert done.returncode == 0, done.stdout[-3000:]
     return km._final_state(base / "artifacts")
@@ -40,8 +25,8 @@ def baseline(tmp_path_factory, prefect_server):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("stage, point, status", STOPPED, ids=[f"{s}:{p}" for s, p, _ in STOPPED])
-def test_a_stop_signal_at_a_stage_ends_the_run_resumably(stage, point, status, baseline, tmp_path):
-    run_id = km.RUN_ID
+def test_a_stop_signal_at_a_stage_ends_the_run_resumably(stage, point, status, baseline, tmp_path, kill_matrix):
+    km, run_id = kill_matrix, kill_matrix.RUN_ID
     artifacts, run, home = tmp_path / "artifacts", tmp_path / "artifacts" / "runs" / run_id, tmp_path / "prefect-home"
     t0 = time.monotonic()
     stopped, _ = km._k3rl(artifacts, home, f"{stage}:{point}")
