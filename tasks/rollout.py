@@ -189,7 +189,8 @@ def rollout_shard(run: Run, iteration: int, weights: Artifact, settings: Rollout
     """Shard ``shard`` = (k, n), the k-th of n, of the rollout of ``prompts`` (all of the rollout's
     prompts; the shard generates its contiguous run of them) on a resident engine at
     ``weights.version``: this Dask worker's, or on Ray the run's engine actor k (another when that one
-    dies, ``k3core.rl.resident.actor_rows``)."""
+    dies, ``k3core.rl.resident.actor_rows``). An agentic environment's shard runs whole episodes
+    there, its tools in that worker's sandbox."""
     from k3core.rl.shards import ShardRequest, shard_bounds
 
     rel = _shards_rel(run, iteration, refill, shard)
@@ -197,13 +198,16 @@ def rollout_shard(run: Run, iteration: int, weights: Artifact, settings: Rollout
     made_by = {}
 
     def build(tmp):
+        from k3core.rl.episodes import EpisodeLimits, is_agentic
 
         fmt = run.prompts(run.model_config(weights), weights.path)
+        agentic = is_agentic(fmt.env)
         req = ShardRequest(run.run_id, str(weights.path), weights.kind, weights.version,
                            weights.info.get("quantized", True), tuple(prompts), bounds,
                            _sampling(run, iteration, refill, settings, fmt.stop_ids), iteration, refill * len(prompts),
-                           run.dtype, tuple(tuple(fmt.prompt_ids(p)) for p in prompts),
-                           run.tokenizer_dir(weights.path), fmt.chat)
+                           run.dtype, None if agentic else tuple(tuple(fmt.prompt_ids(p)) for p in prompts),
+                           run.tokenizer_dir(weights.path), fmt.chat, run.env if agentic else None,
+                           EpisodeLimits.of(settings) if agentic else None)
         table, made_by["worker"] = resident.shard_rows(req, *shard, warn=get_run_logger().warning)
         pq.write_table(table, tmp)
 
@@ -249,12 +253,6 @@ def rollout_fanout(run: Run, iteration: int, weights: Artifact, settings: Rollou
 
     from tasks.common import record_seconds
 
-    from k3core.rl.envs import load_env
-    from k3core.rl.episodes import is_agentic
-
-    if is_agentic(load_env(run.env)):
-        raise NotImplementedError(f"environment {run.env!r} runs multi-turn episodes, which rollout shards on Dask or "
-                                  "Ray workers do not run yet: use --task-runner local")
     t0 = time.perf_counter()
     prompts = tuple(_prompts(run, iteration, settings, refill, cursor))
     futures = [rollout_shard.submit(run, iteration, weights, settings, prompts, (k, shards), refill)

@@ -34,6 +34,9 @@ ROLLOUT_SCHEMA = pa.schema([
     # (null: every output token was sampled); the turns as JSON (role, token span, tool, arguments, result, ...)
     ("loss_mask", pa.list_(pa.int8())),
     ("turns", pa.string()),
+    # per output token, the weight version that sampled it (null where the environment wrote): what a
+    # correction needs once versions can change within a trajectory
+    ("token_versions", pa.list_(pa.int64())),
 ])
 
 SCORED_SCHEMA = pa.schema(list(ROLLOUT_SCHEMA) + [

@@ -15,8 +15,8 @@ trajectory's text after the prompt (``final_answer`` gives the last assistant tu
 at the end.
 
 Where tools run (``tools_of``): a user environment's in the reward sandbox, each call a confined
-process with its own wall timeout (``EpisodeLimits.tool_timeout``), the calls of a round in parallel
-on the sandbox's workers; the built-in environments' in this process.
+process with its own wall timeout (``EpisodeLimits.tool_timeout``), as many at once as the sandbox has
+workers; the built-in environments' in this process.
 
 Failures are part of the trajectory, never an exception of the rollout: a tool that raises, returns
 non-text, hangs past its timeout, or is stopped by another sandbox limit, and an unknown tool name,
@@ -28,7 +28,8 @@ sampled (loss mask 1, their sampling log-probabilities) and the rendering of wha
 answered (mask 0, log-probability 0), appended, never re-rendered: the text of the conversation
 is re-rendered only to find the new suffix (the template must render turns append-only, which the
 K3 template does; another is refused). Each turn is sampled with the whole trajectory so far as its
-prompt, all live episodes of a round in one batch. Where the client keeps decode state between turns
+prompt; every episode runs on its own thread, its turns joining the engine's running batch
+(continuous batching), so while one waits for its tools the others decode. Where the client keeps decode state between turns
 (``RolloutEngine`` sessions, locally or on k3rl's rollout server), each episode is a session: a
 turn prefills only the ids appended since the last one, and the episode's state is freed when it
 ends; otherwise every turn re-prefills the whole trajectory (same tokens, more compute).
@@ -38,7 +39,9 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -95,6 +98,15 @@ class Trajectory:
     def ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_versions(self) -> list[int | None]:
+        """Per output id, the weight version of the turn that sampled it; None where the environment wrote."""
+        out: list[int | None] = [None] * len(self.output_ids)
+        for t in self.turns:
+            if t["role"] == "assistant":
+                lo, hi = t["span"]
+                out[lo:hi] = [t.get("weight_version", self.weight_version)] * (min(hi, len(out)) - lo)
+        return out
+
 
 def _suffix_ids(fmt: PromptFormat, before: list[dict], after: list[dict], tools) -> list[int]:
     """The ids of what ``after`` renders beyond ``before`` (then the generation prompt)."""
@@ -142,20 +154,6 @@ def _run_tool(env, prompt: str, call, tool_runner) -> tuple[str, str]:
     return out, ("" if not out.startswith("error:") else out)
 
 
-def _run_tools(env, calls: list, tool_runner, workers: int) -> list[tuple[str, str, float]]:
-    """(result, error, seconds) of each (prompt, parsed call), ``workers`` at a time."""
-    def one(pc):
-        t0 = time.perf_counter()
-        return (*_run_tool(env, pc[0], pc[1], tool_runner), time.perf_counter() - t0)
-
-    if workers <= 1 or len(calls) <= 1:
-        return [one(pc) for pc in calls]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(min(workers, len(calls))) as pool:
-        return list(pool.map(one, calls))
-
-
 def _in_process_tools(env):
     return lambda prompt, name, arguments: env.call_tool(prompt, name, arguments)
 
@@ -178,35 +176,55 @@ def tools_of(env, spec: str | None, limits: EpisodeLimits):
 
 def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, max_turns: int = 8,
                  max_tokens: int = 512, tool_runner=None, tool_workers: int = 1,
-                 first_index: int = 0) -> list[Trajectory]:
+                 first_index: int = 0, schedule: str = "continuous") -> list[Trajectory]:
     """``params.n`` episodes per prompt (ordered prompt, then sample) on ``client`` (a
-    ``RolloutClient`` or ``RolloutEngine``: ``generate(ids, params)``, and ``release_sessions`` where
-    it keeps decode state between turns), each turn at most
-    ``params.max_new_tokens`` tokens. Each round samples the next turn of every live episode in one
-    batch (one per remaining-token budget), seeded from ``params.seed``, ``first_index``, the turn and
-    the budget: the same prompts and seed give the same trajectories. ``tool_runner(prompt, name,
-    arguments) -> str``: where tools run (default: ``env.call_tool`` in this process), ``tool_workers``
-    calls of a round at a time (``tools_of`` gives both)."""
+    ``RolloutClient`` or ``RolloutEngine``: ``generate(ids, params)`` callable from many threads, and
+    ``release_sessions`` where it keeps decode state between turns), each turn at most
+    ``params.max_new_tokens`` tokens. ``tool_runner(prompt, name, arguments) -> str``: where tools run
+    (default: ``env.call_tool`` in this process), ``tool_workers`` calls at a time (``tools_of`` gives
+    both).
+
+    ``schedule``: ``continuous`` (the default) runs every episode on its own thread, so an episode's
+    next turn joins the engine's running batch as soon as its tools return, and an episode waiting for
+    a slow tool holds no other; ``rounds`` makes every live episode wait for the slowest of the round
+    before any samples its next turn (the baseline of ``benchmarks/episode_schedule.py``). A turn's
+    sampling seed derives from ``params.seed``, the episode's prompt position (``first_index`` +
+    its index), its sample and the turn, so no episode's samples depend on the schedule or on which
+    episodes share a batch (only on rounding where batch shapes differ)."""
     if not fmt.chat:
         raise ValueError("multi-turn episodes need a tokenizer with a chat template (a checkpoint with its own "
                          "tokenizer, e.g. --source init:small:0:bpe) and --prompt-format auto or chat")
-    run_tool = tool_runner or _in_process_tools(env)
+    if schedule not in ("continuous", "rounds"):
+        raise ValueError(f"schedule {schedule!r}: use 'continuous' or 'rounds'")
+    from k3core.rollout.sampling import derive_seed  # here: the module is imported by sandbox workers, before torch
+
     max_turns = min(max_turns, int(getattr(env, "max_turns", max_turns)))
-    tools = env.tools
     eps = []
     for p in prompts:
         messages = env_messages(env, p)
-        ids = fmt.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        ids = fmt.tok.apply_chat_template(messages, tools=env.tools, add_generation_prompt=True)
         eps += [Trajectory(p, ids, list(messages), sample_index=j) for j in range(params.n)]
+    if not eps:
+        return eps
     base = params.seed if params.seed is not None else 0
     keeps_state = callable(getattr(client, "release_sessions", None))
-    sessions = [f"ep-{secrets.token_hex(8)}-{e}" for e in range(len(eps))] if keeps_state else None
-    try:
-        _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, first_index, run_tool, tool_workers,
-                    sessions)
-    finally:
-        if sessions is not None:
-            client.release_sessions(sessions)
+    driver = _EpisodeDriver(client, fmt, env, params, max_turns, max_tokens, tool_runner or _in_process_tools(env),
+                            threading.Semaphore(max(1, tool_workers)),
+                            _Rounds(len(eps)) if schedule == "rounds" else None)
+
+    def one(e: int) -> None:
+        ep = eps[e]
+        seed = derive_seed(derive_seed(base, first_index + e // params.n), ep.sample_index)
+        session = f"ep-{secrets.token_hex(8)}-{e}" if keeps_state else None
+        driver.run(ep, seed, session)
+
+    threads = len(eps) if schedule == "rounds" else min(len(eps), MAX_LIVE_EPISODES)
+    with ThreadPoolExecutor(threads, thread_name_prefix="k3-episode") as pool:
+        futures = [pool.submit(one, e) for e in range(len(eps))]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        driver.abort.set()  # after a failure, every other episode stops at its next turn (a no-op when all ended)
+        for f in futures:
+            f.result()
     for ep in eps:  # trailing environment tokens train nothing and the last call's routing does not cover them
         while ep.loss_mask and ep.loss_mask[-1] == 0:
             ep.output_ids.pop()
@@ -217,74 +235,111 @@ def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, 
     return eps
 
 
-def _run_rounds(client, fmt, env, eps, params, base, max_turns, max_tokens, first_index, run_tool, tool_workers,
-                sessions):
-    """The rounds of ``run_episodes``: every live episode's next turn, then its tools."""
-    from k3core.rollout.sampling import derive_seed  # here: the module is imported by sandbox workers, before torch
-    from k3core.tokenizer.tool_calls import parse_assistant_text
+MAX_LIVE_EPISODES = 512  # episode threads at once under the continuous schedule (more wait for a free one)
 
-    tools = env.tools
-    live = list(range(len(eps)))
-    for turn in range(max_turns):
-        if not live:
-            break
-        budget = {e: max_tokens - len(eps[e].output_ids) for e in live}
-        live = [e for e in live if budget[e] > 0]
-        for e in set(budget) - set(live):
-            eps[e].finish_reason = eps[e].finish_reason or "max_tokens"
-        groups: dict[int, list[int]] = {}  # turn budget -> episodes: one batch per budget
-        for e in live:
-            groups.setdefault(min(params.max_new_tokens, budget[e]), []).append(e)
-        sampled = {}
-        for cap, members in sorted(groups.items()):  # one batch per turn budget
-            seed = derive_seed(derive_seed(base, first_index), turn * 4096 + cap)
-            extra = {"sessions": [sessions[e] for e in members]} if sessions is not None else {}
-            comps = client.generate([eps[e].ids for e in members], replace(params, n=1, seed=seed, max_new_tokens=cap),
-                                    **extra)
-            sampled.update(zip(members, comps))
-        pending = {}  # episode -> (its assistant message, its parsed turn): tools to run
-        for e in live:
-            ep, c = eps[e], sampled[e]
-            start = len(ep.output_ids)
-            ep.output_ids += c.output_ids
-            ep.loss_mask += [1] * len(c.output_ids)
-            ep.logprobs += list(c.logprobs)
-            ep.routing, ep.weight_version = c.routing, c.weight_version
-            text = fmt.completion_text(c.output_ids)
-            parsed = parse_assistant_text(text)
-            ep.turns.append({"role": "assistant", "span": [start, len(ep.output_ids)], "text": text})
-            if c.finish_reason != "stop":
-                ep.finish_reason = "length" if c.finish_reason == "length" else c.finish_reason
-                continue
-            assistant = {"role": "assistant", "content": parsed.content,
-                         "tool_calls": [call.to_openai() for call in parsed.tool_calls]}
-            if not parsed.tool_calls and not parsed.errors:
-                ep.messages.append(assistant)
-                ep.finish_reason = "answer"
-                continue
-            pending[e] = (assistant, parsed)
-        calls = [(eps[e].prompt, call) for e, (_, parsed) in pending.items() for call in parsed.tool_calls]
-        results = iter(_run_tools(env, calls, run_tool, tool_workers))  # in the order of ``calls``
-        for e, (assistant, parsed) in pending.items():
-            ep, answers = eps[e], []
-            for call in parsed.tool_calls:
-                result, error, seconds = next(results)
-                answers.append({"role": "tool", "tool_call_id": call.id, "content": result})
-                ep.turns.append({"role": "tool", "name": call.name, "arguments": json.dumps(call.arguments),
-                                 "result": result, "error": error, "seconds": seconds})
-            if parsed.errors:
-                answers.append({"role": "user", "content": "Your tool call could not be read: "
-                                + "; ".join(parsed.errors)})
-                ep.turns.append({"role": "user", "error": "; ".join(parsed.errors)})
-            span = _append_answers(fmt, ep, assistant, answers, tools)
-            for rec in ep.turns[-len(answers):]:
-                rec["span"] = span
-        still = list(pending)
-        if sessions is not None and len(still) < len(live):  # ended episodes free their kept state now
-            client.release_sessions([sessions[e] for e in sorted(set(live) - set(still))])
-        live = still
-    for e in live:
-        eps[e].finish_reason = eps[e].finish_reason or "max_turns"
+
+class _Rounds:
+    """A barrier whose party shrinks as episodes end: ``turn_done(ended=False)`` waits until every
+    live episode has finished the same turn; ``turn_done(ended=True)`` leaves for good."""
+
+    def __init__(self, parties: int):
+        self._cv = threading.Condition()
+        self._live, self._arrived, self._round = parties, 0, 0
+
+    def turn_done(self, ended: bool) -> None:
+        with self._cv:
+            if ended:
+                self._live -= 1
+            else:
+                self._arrived += 1
+            mine = self._round
+            if self._arrived >= self._live:
+                self._round, self._arrived = self._round + 1, 0
+                self._cv.notify_all()
+            elif not ended:
+                while self._round == mine:
+                    self._cv.wait()
+
+
+@dataclass
+class _EpisodeDriver:
+    """One episode's turns, shared by the threads of ``run_episodes``."""
+
+    client: object
+    fmt: PromptFormat
+    env: object
+    params: object
+    max_turns: int
+    max_tokens: int
+    run_tool: object
+    tool_slots: threading.Semaphore
+    rounds: _Rounds | None
+    abort: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, ep: Trajectory, seed: int, session: str | None) -> None:
+        ended = False
+        try:
+            for turn in range(self.max_turns):
+                ended = not self._turn(ep, turn, seed, session)
+                if ended:
+                    return
+                if self.rounds is not None:
+                    self.rounds.turn_done(False)
+            ep.finish_reason = ep.finish_reason or "max_turns"
+        finally:
+            if self.rounds is not None:
+                self.rounds.turn_done(True)
+            if session is not None:  # the ended episode frees its kept state now
+                self.client.release_sessions([session])
+
+    def _turn(self, ep: Trajectory, turn: int, seed: int, session: str | None) -> bool:
+        """Sample ``ep``'s next turn and run its tools; False when the episode ended."""
+        from k3core.rollout.sampling import derive_seed
+        from k3core.tokenizer.tool_calls import parse_assistant_text
+
+        if self.abort.is_set():
+            ep.finish_reason = ep.finish_reason or "aborted"
+            return False
+        budget = self.max_tokens - len(ep.output_ids)
+        if budget <= 0:
+            ep.finish_reason = ep.finish_reason or "max_tokens"
+            return False
+        extra = {"sessions": [session]} if session is not None else {}
+        (c,) = self.client.generate([ep.ids], replace(self.params, n=1, seed=derive_seed(seed, turn),
+                                                      max_new_tokens=min(self.params.max_new_tokens, budget)), **extra)
+        start = len(ep.output_ids)
+        ep.output_ids += c.output_ids
+        ep.loss_mask += [1] * len(c.output_ids)
+        ep.logprobs += list(c.logprobs)
+        ep.routing, ep.weight_version = c.routing, c.weight_version
+        text = self.fmt.completion_text(c.output_ids)
+        parsed = parse_assistant_text(text)
+        ep.turns.append({"role": "assistant", "span": [start, len(ep.output_ids)], "text": text,
+                         "weight_version": c.weight_version})
+        if c.finish_reason != "stop":
+            ep.finish_reason = "length" if c.finish_reason == "length" else c.finish_reason
+            return False
+        assistant = {"role": "assistant", "content": parsed.content,
+                     "tool_calls": [call.to_openai() for call in parsed.tool_calls]}
+        if not parsed.tool_calls and not parsed.errors:
+            ep.messages.append(assistant)
+            ep.finish_reason = "answer"
+            return False
+        answers = []
+        for call in parsed.tool_calls:
+            t0 = time.perf_counter()
+            with self.tool_slots:
+                result, error = _run_tool(self.env, ep.prompt, call, self.run_tool)
+            answers.append({"role": "tool", "tool_call_id": call.id, "content": result})
+            ep.turns.append({"role": "tool", "name": call.name, "arguments": json.dumps(call.arguments),
+                             "result": result, "error": error, "seconds": time.perf_counter() - t0})
+        if parsed.errors:
+            answers.append({"role": "user", "content": "Your tool call could not be read: " + "; ".join(parsed.errors)})
+            ep.turns.append({"role": "user", "error": "; ".join(parsed.errors)})
+        span = _append_answers(self.fmt, ep, assistant, answers, self.env.tools)
+        for rec in ep.turns[-len(answers):]:
+            rec["span"] = span
+        return True
 
 
 def reference_trajectory(fmt: PromptFormat, env, prompt: str) -> Trajectory:

@@ -44,10 +44,13 @@ def shard_bounds(prompts: int, shards: int) -> list[tuple[int, int]]:
 
 
 def shard_table(engine, fmt, prompts: list[str], bounds: tuple[int, int], params, iteration: int,
-                first_prompt_index: int, worker: str, prompt_ids=None) -> pa.Table:
+                first_prompt_index: int, worker: str, prompt_ids=None, episode_limits=None,
+                env_spec: str | None = None) -> pa.Table:
     """Rows of ``prompts[start:stop]`` as the whole rollout would give them (seeds and prompt
     indices of their positions), each marked with ``worker``; an empty shard has no rows. ``fmt``: a
-    ``k3core.rl.prompting.PromptFormat``; ``prompt_ids``: every prompt's ids, rendered by the caller."""
+    ``k3core.rl.prompting.PromptFormat``; ``prompt_ids``: every prompt's ids, rendered by the caller.
+    An agentic environment (``fmt.env`` with tools) runs the shard's episodes within
+    ``episode_limits``, its tools where ``tools_of(env, env_spec)`` says, as ``rollout_table`` does."""
     from k3core.rl.tables import rollout_table
 
     start, stop = bounds
@@ -56,7 +59,8 @@ def shard_table(engine, fmt, prompts: list[str], bounds: tuple[int, int], params
 
         return ROLLOUT_SCHEMA.empty_table()
     return rollout_table(engine, fmt, prompts[start:stop], params, iteration, first_prompt_index, shard_start=start,
-                         worker=worker, prompt_ids=None if prompt_ids is None else prompt_ids[start:stop])
+                         worker=worker, prompt_ids=None if prompt_ids is None else prompt_ids[start:stop],
+                         episode_limits=episode_limits, env_spec=env_spec)
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,10 @@ class ShardRequest:
     (a ``SamplingParams``), ``iteration`` and ``first_prompt_index``; ``dtype``: the engine's weights
     (the run's ``--dtype``, as the trainer's); ``prompt_ids``: every prompt's token ids, rendered by
     the stage (``k3core.rl.prompting``), ``tokenizer``: the run's tokenizer directory (data files and
-    config.json, ``RunLayout.tokenizer``) and ``chat``: whether completions end at end-of-turn ids."""
+    config.json, ``RunLayout.tokenizer``) and ``chat``: whether completions end at end-of-turn ids.
+    ``env``: the spec of an agentic environment (None for a single-turn one, whose prompts arrive
+    rendered): the worker loads it and runs whole episodes within ``episode_limits`` (an
+    ``EpisodeLimits``), its tools in the worker's reward sandbox as the one-engine rollout runs them."""
 
     run_id: str
     path: str
@@ -84,6 +91,8 @@ class ShardRequest:
     prompt_ids: tuple[tuple[int, ...], ...] | None = None
     tokenizer: str | None = None
     chat: bool = False
+    env: str | None = None
+    episode_limits: object = None
 
 
 def merge_shards(tables: list[pa.Table], prompts: int, samples: int, first_prompt_index: int = 0) -> pa.Table:
@@ -161,8 +170,14 @@ class ResidentEngines:
         eng = self.engine(req.run_id, req.path, req.kind, req.version, req.quantized, req.dtype)
         config = eng.model.config
         tok = ByteTokenizer(config) if req.tokenizer is None else load_tokenizer(req.tokenizer, config)
-        table = shard_table(eng, PromptFormat(tok, req.chat), list(req.prompts), req.bounds, req.params, req.iteration,
-                            req.first_prompt_index, worker, req.prompt_ids)
+        if req.env is None:
+            fmt = PromptFormat(tok, req.chat)
+        else:
+            from k3core.rl.envs import load_env
+
+            fmt = PromptFormat(tok, req.chat, load_env(req.env))
+        table = shard_table(eng, fmt, list(req.prompts), req.bounds, req.params, req.iteration,
+                            req.first_prompt_index, worker, req.prompt_ids, req.episode_limits, req.env)
         versions = set(table.column("weight_version").to_pylist())
         if versions - {req.version}:
             raise WeightVersionMismatch(f"rollout {req.iteration} shard {req.bounds} came back with weight versions "

@@ -56,6 +56,7 @@ def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], 
         rows["worker"].append(worker)
         rows["loss_mask"].append(None)
         rows["turns"].append(None)
+        rows["token_versions"].append([c.weight_version] * len(c.output_ids))
     return pa.table(rows, schema=ROLLOUT_SCHEMA)
 
 
@@ -76,7 +77,7 @@ def _episode_table(client, fmt: PromptFormat, prompts: list[str], params: Sampli
                       completion=fmt.tok.decode(ep.output_ids), logprobs=ep.logprobs,
                       routing=None if ep.routing is None else ep.routing.reshape(-1).tolist(),
                       finish_reason=ep.finish_reason, weight_version=ep.weight_version, worker=worker,
-                      loss_mask=ep.loss_mask, turns=json.dumps(ep.turns))
+                      loss_mask=ep.loss_mask, turns=json.dumps(ep.turns), token_versions=ep.token_versions())
         for name, v in values.items():
             rows[name].append(v)
     return pa.table(rows, schema=ROLLOUT_SCHEMA)

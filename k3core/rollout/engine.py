@@ -287,7 +287,9 @@ class RolloutEngine:
         ``i`` gets request seed ``derive_seed(params.seed, first_index + i)``, so the prompts of a
         larger call generated as consecutive shards (``first_index``: the shard's first position)
         get that call's samples. ``pad_id`` is accepted for compatibility: pads are neutral, so
-        their id never changes a result. ``sessions``: as for ``submit_many``."""
+        their id never changes a result. ``sessions``: as for ``submit_many``. Callable from many threads
+        at once (one per agent episode): without a driver, each caller steps the shared batch in turn
+        until its own requests are done."""
         params.validate()
         if not prompts:
             raise ValueError("every prompt needs at least one token (prompts: non-empty lists of token ids)")
@@ -298,7 +300,7 @@ class RolloutEngine:
             if self.is_serving:
                 for f in futures:  # the driver resolves them; errors re-raise below
                     f.exception()
-            elif not self.step():
+            elif not self.step() and not all(f.done() for f in futures):  # another caller's step may finish ours
                 with self._cv:
                     paused = self._paused
                 if not paused:

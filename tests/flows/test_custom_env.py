@@ -122,7 +122,7 @@ def test_a_reward_outside_0_1_fails_scoring_with_the_prompt(env_module, tmp_path
     for i in range(2):
         for k, v in dict(iteration=0, prompt_index=0, sample_index=i, prompt="up:cab=", prompt_ids=[1], output_ids=[2],
                          completion="CAB", logprobs=[0.0], routing=[], finish_reason="length", weight_version=0,
-                         worker="local", loss_mask=None, turns=None).items():
+                         worker="local", loss_mask=None, turns=None, token_versions=[0]).items():
             rows[k].append(v)
     path = tmp_path / "rollouts.parquet"
     pq.write_table(pa.table(rows, schema=ROLLOUT_SCHEMA), path)

@@ -30,7 +30,7 @@ def _rollouts(path: Path, prompt: str, completions: list[str]) -> Artifact:
     for i, c in enumerate(completions):
         for k, v in dict(iteration=0, prompt_index=i // 2, sample_index=i % 2, prompt=prompt, prompt_ids=[1],
                          output_ids=[2], completion=c, logprobs=[0.0], routing=[], finish_reason="length",
-                         weight_version=0, worker="local", loss_mask=None, turns=None).items():
+                         weight_version=0, worker="local", loss_mask=None, turns=None, token_versions=[0]).items():
             rows[k].append(v)
     pq.write_table(pa.table(rows, schema=ROLLOUT_SCHEMA), path)
     return Artifact("rollouts", path.as_uri(), str(path), sha256_file(path), version=0, info={"group_size": 2})

@@ -6,6 +6,8 @@ the limits end episodes. Then the real tiny engine: rows of ``rollout_table`` fo
 carry the mask into the train step's sequences, and routing covers every position."""
 
 import json
+import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,20 +30,22 @@ def tok():
 
 
 class Scripted:
-    """A client whose k-th call answers every prompt with ``turns[k]`` (then the end-of-turn id)."""
+    """A client that answers an episode's k-th assistant turn with ``turns[k]`` (then the end-of-turn id)."""
 
     def __init__(self, tok, turns, stop=True):
         self.tok, self.turns, self.calls, self.stop = tok, turns, [], stop
 
     def generate(self, prompts, params, **_):
-        text = self.turns[min(len(self.calls), len(self.turns) - 1)]
         self.calls.append([list(p) for p in prompts])
         end = self.tok.special_ids["<|im_end|>"]
-        ids = self.tok.encode(text) + ([end] if self.stop else [])[:params.max_new_tokens]
-        ids = ids[:params.max_new_tokens]
-        reason = "stop" if ids and ids[-1] == end else "length"
-        return [Completion(i, 0, list(p), ids, [-0.25] * len(ids), None, reason, 4, {"matched": end})
-                for i, p in enumerate(prompts)]
+        out = []
+        for i, p in enumerate(prompts):
+            k = p.count(self.tok.special_ids["<|im_assistant|>"]) - 1  # assistant turns before this one
+            ids = (self.tok.encode(self.turns[min(k, len(self.turns) - 1)]) + ([end] if self.stop else []))
+            ids = ids[:params.max_new_tokens]
+            reason = "stop" if ids and ids[-1] == end else "length"
+            out.append(Completion(i, 0, list(p), ids, [-0.25] * len(ids), None, reason, 4, {"matched": end}))
+        return out
 
 
 def _params(n=1, max_new=64):
@@ -170,3 +174,97 @@ def test_tool_use_metrics_and_the_trajectory_viewer(tok):
     assert md.startswith("### iteration 0") and md.count("#### prompt 0") == 2
     assert "**tool** `calculator({\"expression\": \"123*456\"})`" in md and "    56088" in md
     assert "**error**" in md and "not an integer expression" in md and "reward 1.000" in md
+
+
+class _Answered(Scripted):
+    """``Scripted`` that counts the episodes that reached their answer turn (their second)."""
+
+    def __init__(self, tok, turns, when_all, expected):
+        super().__init__(tok, turns)
+        self.answered, self.when_all, self.expected, self.lock = 0, when_all, expected, threading.Lock()
+
+    def generate(self, prompts, params, **kw):
+        out = super().generate(prompts, params, **kw)
+        with self.lock:
+            self.answered += sum(p.count(self.tok.special_ids["<|im_assistant|>"]) == 2 for p in prompts)
+            if self.answered >= self.expected:
+                self.when_all.set()
+        return out
+
+
+@pytest.mark.parametrize("schedule", ["continuous", "rounds"])
+def test_an_episode_waiting_for_its_tool_holds_no_other(tok, schedule):
+    """Episode 0's tool returns only once the three other episodes have answered. Under the
+    continuous schedule they do, while it waits; under rounds they wait for it, so its wait runs out
+    (after 1 s) and it reports that."""
+    env = load_env("tools-calc")
+    fmt = PromptFormat.of(tok, env)
+    prompts = [f"Compute {100 + i}*2." for i in range(4)]
+    others_answered = threading.Event()
+    client = _Answered(tok, [format_tool_calls([CALL]), "1"], others_answered, expected=3)
+
+    def tool(prompt, name, arguments):
+        if prompt != prompts[0]:
+            return env.call_tool(prompt, name, arguments)
+        return "the others answered" if others_answered.wait(30 if schedule == "continuous" else 1) else "waited alone"
+
+    eps = run_episodes(client, fmt, env, prompts, _params(), tool_runner=tool, tool_workers=4, schedule=schedule)
+    result = next(t["result"] for t in eps[0].turns if t["role"] == "tool")
+    assert result == ("the others answered" if schedule == "continuous" else "waited alone")
+    assert all(ep.finish_reason == "answer" for ep in eps)
+
+
+class _FirstTokenThenCall:
+    """A policy on the real engine: each turn the engine samples one id (every id stops it, so the
+    engine keeps the episode's decode state), then the turn goes on with a scripted calculator call
+    (the answer ``1`` on the third turn) and the end-of-turn id, which the next turn prefills."""
+
+    def __init__(self, engine, tok):
+        self.engine, self.tok = engine, tok
+
+    def generate(self, prompts, params, sessions=None):
+        every = list(range(self.tok.vocab_size))
+        real = self.engine.generate(prompts, replace(params, max_new_tokens=1, stop_token_ids=every), sessions=sessions)
+        out = []
+        for p, c in zip(prompts, real):
+            k = p.count(self.tok.special_ids["<|im_assistant|>"]) - 1
+            tail = self.tok.encode(format_tool_calls([CALL]) if k < 2 else "1") + [self.tok.special_ids["<|im_end|>"]]
+            out.append(replace(c, output_ids=c.output_ids + tail, logprobs=c.logprobs + [0.0] * len(tail),
+                               finish_reason="stop"))
+        return out
+
+    def release_sessions(self, sessions):
+        return self.engine.release_sessions(sessions)
+
+
+def test_the_schedule_changes_no_trajectory(tok):
+    """The real tiny engine, one sequence at a time (so no batch shape differs), keeping each
+    episode's decode state between its three turns: the continuous and rounds schedules sample the
+    same ids with the same log-probabilities in every episode, as each episode's seeds derive from its
+    position, sample and turn only; the per-token weight versions cover exactly the sampled ids."""
+    from k3core.config import K3Config
+    from k3core.model import K3ForCausalLM
+    from k3core.rl.weights import engine_from_model
+
+    cfg = K3Config.preset("tiny").replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id,
+                                          eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    env = load_env("tools-calc")
+    fmt = PromptFormat.of(tok, env)
+    params = SamplingParams(max_new_tokens=64, temperature=1.0, n=2, seed=5, stop_token_ids=fmt.stop_ids)
+    runs = {}
+    for schedule in ("rounds", "continuous"):
+        torch.manual_seed(0)
+        model = K3ForCausalLM(cfg)
+        model.reset_parameters(0)
+        engine = engine_from_model(model.eval(), 3, quantized=False)
+        engine.max_batch = 1
+        runs[schedule] = run_episodes(_FirstTokenThenCall(engine, tok), fmt, env, [PROMPT, "Compute 999*888."],
+                                      params, max_turns=3, max_tokens=400, schedule=schedule)
+        assert engine.stats["prefill_tokens"] < sum(len(e.ids) for e in runs[schedule])  # the kept state was used
+        assert not engine.kept_sessions()["sessions"]  # and freed as each episode ended
+    for a, b in zip(runs["rounds"], runs["continuous"]):
+        assert sum(t["role"] == "tool" for t in b.turns) == 2 and b.finish_reason == "answer"
+        assert a.ids == b.ids and a.logprobs == b.logprobs and a.loss_mask == b.loss_mask
+        assert [v is not None for v in b.token_versions()] == [m == 1 for m in b.loss_mask]
+        assert {v for v in b.token_versions() if v is not None} == {3}
+    assert len({tuple(e.ids) for e in runs["continuous"]}) == 4  # four episodes, four different samples

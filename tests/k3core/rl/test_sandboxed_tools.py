@@ -55,18 +55,17 @@ def test_every_failing_tool_becomes_an_error_result_and_the_rollout_goes_on(env,
     tok = load_tokenizer(BUNDLED_K3_BPE)
     fmt = PromptFormat.of(tok, env)
     prompts = [f"Compute {i}*2." for i in range(len(cases))]
-    # every episode calls its case's tool, then answers; the calls of the round run in parallel
-    turns = [[_call(what, arg) for what, arg, _ in cases], ["7"] * len(cases)]
+    # every episode calls its case's tool, then answers; the episodes' calls run two at a time
 
     class PerPrompt:
-        """Episode i's k-th turn is ``turns[k][i]`` (every episode stays live until it answers)."""
-
-        def __init__(self):
-            self.k = 0
+        """Episode i calls case i's tool, then answers."""
 
         def generate(self, prompts_ids, params, **_):
-            texts, self.k = turns[min(self.k, len(turns) - 1)], self.k + 1
-            return [Scripted(tok, [t]).generate([p], params)[0] for t, p in zip(texts, prompts_ids)]
+            out = []
+            for p in prompts_ids:
+                what, arg, _ = cases[next(i for i, q in enumerate(prompts) if q in tok.decode(p))]
+                out += Scripted(tok, [_call(what, arg), "7"]).generate([p], params)
+            return out
 
     with tools_of(env, SPEC, LIMITS) as (runner, workers):
         assert workers == 2

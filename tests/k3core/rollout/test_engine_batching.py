@@ -143,3 +143,35 @@ def test_continuous_batching_on_cuda_tracks_full_forward():
             out = ref(torch.tensor([c.prompt_ids + c.output_ids[:-1]], device="cuda"))
         want = out.logits[0, len(c.prompt_ids) - 1:].float().cpu()
         torch.testing.assert_close(c.meta["logits"], want, rtol=2e-2, atol=2e-2)
+
+
+def test_generate_from_many_threads_without_a_driver_gives_each_caller_its_own_samples():
+    """Agent episodes call ``generate`` from a thread each, with no background driver: the callers
+    step the shared batch in turn (one's step may finish another's requests, which must not read as
+    'no progress'), and every caller gets what it would get alone (fp64: batch composition changes
+    no sample)."""
+    import threading
+
+    prompts = _prompts([2, 7, 4, 9, 3, 5], seed=4)
+    params = [SamplingParams(max_new_tokens=6 + i % 3, seed=10 + i) for i in range(len(prompts))]
+    alone = RolloutEngine(_model(), max_batch=8)
+    expected = [alone.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    eng = RolloutEngine(_model(), max_batch=4)
+    got, errors, start = [None] * len(prompts), [], threading.Barrier(len(prompts))
+
+    def caller(i):
+        try:
+            start.wait()
+            got[i] = eng.generate([prompts[i]], params[i])[0]
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and eng.steps > 0
+    for g, e in zip(got, expected):
+        assert g.output_ids == e.output_ids
+        assert g.logprobs == pytest.approx(e.logprobs, abs=1e-9)
