@@ -253,6 +253,13 @@ def rollout_fanout(run: Run, iteration: int, weights: Artifact, settings: Rollou
 
     from tasks.common import record_seconds
 
+    from k3core.rl.envs import load_env
+    from k3core.rl.harness import is_harness
+
+    if is_harness(load_env(run.env)):
+        raise ValueError(f"environment {run.env!r} runs an agent harness against one rollout server, which rollout "
+                         "shards on Dask or Ray workers do not: use --task-runner local (with --rollout-url for a "
+                         "server of your own)")
     t0 = time.perf_counter()
     prompts = tuple(_prompts(run, iteration, settings, refill, cursor))
     futures = [rollout_shard.submit(run, iteration, weights, settings, prompts, (k, shards), refill)

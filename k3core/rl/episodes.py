@@ -419,6 +419,8 @@ def trajectories_markdown(rows: list[dict], title: str, limit: int = 3, cut: int
             elif t["role"] == "tool":
                 head = f"**tool** `{t.get('name')}({clip(t.get('arguments', ''))})`, {t.get('seconds', 0):.3f} s"
                 md += [head + (" **error**" if t.get("error") else "") + ":", "", quoted(t.get("result", "")), ""]
+            elif t["role"] == "harness":  # what an external agent harness added between calls
+                md += ["**harness** (tool results, user turns):", "", quoted(t.get("text", "")), ""]
             else:
                 md += [f"**user** (malformed call): {clip(t.get('error', ''))}", ""]
         if r.get("reward_reason"):

@@ -8,6 +8,7 @@ from k3core.rl.rewards import score_completions
 from k3core.rl.sandbox import SandboxLimits
 from k3core.rollout.engine import RolloutEngine, SamplingParams
 from k3core.rl.episodes import EpisodeLimits, is_agentic
+from k3core.rl.harness import is_harness
 from k3core.rl.prompting import PromptFormat
 
 
@@ -25,8 +26,9 @@ def evaluate(client, fmt: PromptFormat, env, env_spec: str, prompts: list[str], 
     with ``limits``, user and dataset environments in the sandbox; None: in this process). ``fmt``:
     how prompts become ids and completions text (``k3core.rl.prompting``). An agentic environment
     runs whole episodes (``k3core.rl.episodes``, within ``episode_limits``; with ``limits`` its tools
-    run where ``tools_of`` says, else in this process)."""
-    from k3core.rollout.client import RolloutClient
+    run where ``tools_of`` says, else in this process); a harness environment's agent loop runs
+    against the engine (``k3core.rl.harness``), at the rollout temperature and then at 0."""
+    from k3core.rollout.client import RolloutClient, WeightVersionMismatch
 
     if isinstance(client, RolloutEngine):
         client = RolloutClient("local", engine=client)
@@ -43,6 +45,23 @@ def evaluate(client, fmt: PromptFormat, env, env_spec: str, prompts: list[str], 
     sampling = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop, n=samples,
                               seed=seed)
     greedy_params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=stop)
+    if is_harness(env):  # the user's agent loop against the engine, sampled then greedy
+        from k3core.rl.harness import harness_episodes
+
+        if expected_version is not None:
+            client.check_version(expected_version)
+        eps = [e for n, t in ((samples, temperature), (1, 0.0))
+               for e in harness_episodes(client, fmt.tok, env, prompts, n, temperature=t, max_tokens=max_new_tokens,
+                                         spec=env_spec or "?")]
+        bad = {e.weight_version for e in eps} - {expected_version} if expected_version is not None else set()
+        if bad:
+            raise WeightVersionMismatch(f"held-out episodes came back with weight versions {sorted(bad, key=str)}, "
+                                        f"expected {expected_version}")
+        outcomes = score_completions(env, env_spec, [e.prompt for e in eps],
+                                     [fmt.tok.decode(e.output_ids) for e in eps], limits)
+        rewards = [o.reward for o in outcomes]
+        n = len(prompts) * samples
+        return _summary(rewards[:n], rewards[n:])
     if is_agentic(env):  # whole episodes, scored on their trajectories' text
         from k3core.rl.episodes import run_episodes, tools_of
 

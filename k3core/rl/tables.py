@@ -30,7 +30,11 @@ def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], 
     ``episode_limits`` (an ``EpisodeLimits``), with its loss mask and turns; its tools run where
     ``tools_of(env, env_spec)`` says (``env_spec`` None: in this process)."""
     from k3core.rl.episodes import EpisodeLimits, is_agentic
+    from k3core.rl.harness import is_harness
 
+    if is_harness(fmt.env):
+        return _harness_table(engine, fmt, prompts, params, iteration, first_prompt_index + shard_start, worker,
+                              env_spec)
     if is_agentic(fmt.env):
         return _episode_table(engine, fmt, prompts, params, iteration, first_prompt_index + shard_start, worker,
                               episode_limits or EpisodeLimits(), env_spec)
@@ -62,14 +66,29 @@ def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], 
 
 def _episode_table(client, fmt: PromptFormat, prompts: list[str], params: SamplingParams, iteration: int,
                    first_prompt_index: int, worker: str, limits, env_spec: str | None) -> pa.Table:
-    import json
-
     from k3core.rl.episodes import run_episodes, tools_of
 
     with tools_of(fmt.env, env_spec, limits) as (runner, workers):
         eps = run_episodes(client, fmt, fmt.env, prompts, params, max_turns=limits.max_turns,
                            max_tokens=limits.max_tokens, tool_runner=runner, tool_workers=workers,
                            first_index=first_prompt_index)
+    return _trajectory_rows(eps, fmt, params, iteration, first_prompt_index, worker)
+
+
+def _harness_table(client, fmt: PromptFormat, prompts: list[str], params: SamplingParams, iteration: int,
+                   first_prompt_index: int, worker: str, env_spec: str | None) -> pa.Table:
+    """The episodes of a harness environment (``k3core.rl.harness``) on ``client``'s engine."""
+    from k3core.rl.harness import harness_episodes
+
+    eps = harness_episodes(client, fmt.tok, fmt.env, prompts, params.n, temperature=params.temperature,
+                           max_tokens=params.max_new_tokens, first_index=first_prompt_index, spec=env_spec or "?")
+    return _trajectory_rows(eps, fmt, params, iteration, first_prompt_index, worker)
+
+
+def _trajectory_rows(eps, fmt: PromptFormat, params: SamplingParams, iteration: int, first_prompt_index: int,
+                     worker: str) -> pa.Table:
+    import json
+
     rows = {f.name: [] for f in ROLLOUT_SCHEMA}
     for k, ep in enumerate(eps):
         values = dict(iteration=iteration, prompt_index=first_prompt_index + k // params.n, sample_index=ep.sample_index,

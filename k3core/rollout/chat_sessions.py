@@ -14,13 +14,16 @@ ids. A call that edits the conversation (it does not extend the session's text) 
 ``GET /v1/sessions/{id}`` returns the trajectory: ``prompt_ids`` (the first call's prompt), then
 ``output_ids`` with ``loss_mask`` (1 on sampled ids, 0 on what the harness added) and ``logprobs``
 (0 where the harness wrote), ``weight_versions`` (one per output id, None where the harness wrote),
-and per call its token span. That is a rollout row of an agentic environment (``k3core.rl.tables``).
+and per call its token span, weight version and temperature, and the last call's ``routed_experts``
+(every position but the last). That is a rollout row of an agentic environment; a harness
+environment's rollout reads it so (``k3core.rl.harness``).
 ``DELETE /v1/sessions/{id}`` frees it and its engine state. The server holds at most ``max_sessions``
 (the least recently used is dropped first).
 """
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from collections import OrderedDict
@@ -44,15 +47,21 @@ class ChatSession:
     calls: list[dict] = field(default_factory=list)
     ended: str = ""  # why no call may extend it any more
     busy: bool = False
+    routing: object = None  # the last call's routed experts: [every position but the last, n_moe, k]
 
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
     def as_dict(self) -> dict:
+        """The trajectory as JSON; ``routed_experts``: as ``/generate`` encodes them (base64 of
+        little-endian int32, [positions, n_moe_layers, k]), for routing replay."""
+        routed = None
+        if self.routing is not None:
+            routed = base64.b64encode(self.routing.numpy().astype("<i4").tobytes()).decode("ascii")
         return {"session_id": self.id, "prompt_ids": self.prompt_ids, "output_ids": self.output_ids,
                 "loss_mask": self.loss_mask, "logprobs": self.logprobs, "weight_versions": self.weight_versions,
-                "calls": self.calls, "ended": self.ended or None}
+                "calls": self.calls, "ended": self.ended or None, "routed_experts": routed}
 
 
 class ChatSessions:
@@ -99,8 +108,9 @@ class ChatSessions:
             raise
 
     def finish(self, s: ChatSession, prompt: list[int], n_new: int, completion, messages, assistant: dict,
-               tokenizer, tools, ended_by_id: bool) -> None:
-        """Record one call: the ids the harness added (untrained), then the sampled ones."""
+               tokenizer, tools, ended_by_id: bool, temperature: float | None = None) -> None:
+        """Record one call: the ids the harness added (untrained), then the sampled ones (and the
+        sampling ``temperature`` their log-probabilities are at)."""
         with self._lock:
             try:
                 if not s.prompt_ids:
@@ -117,7 +127,9 @@ class ChatSessions:
                 s.logprobs += list(completion.logprobs)
                 s.weight_versions += [completion.weight_version] * len(out)
                 s.calls.append({"span": [start, len(s.output_ids)], "added_ids": n_new, "time": time.time(),
-                                "finish_reason": completion.finish_reason, "weight_version": completion.weight_version})
+                                "finish_reason": completion.finish_reason, "weight_version": completion.weight_version,
+                                "temperature": temperature})
+                s.routing = completion.routing
                 s.head = tokenizer.render_chat(messages + [assistant], tools=tools, add_generation_prompt=False)
                 if not ended_by_id:
                     s.ended = (f"its last turn ended by {completion.finish_reason} before an end-of-turn id, so what "

@@ -554,6 +554,14 @@ class RolloutEngine:
             if not s.req.future.done():
                 s.req.future.set_exception(EngineStopped("the rollout engine stopped before this request ran"))
 
+    def reopen(self) -> None:
+        """Take requests again after ``stop()``, with no driver (``generate`` steps itself): an engine
+        served over HTTP for a while (``k3core.rollout.local_server``) goes back to the stages."""
+        with self._cv:
+            if self.is_serving:
+                raise RuntimeError("reopen() while the driver runs: stop() it first")
+            self._stopping = False
+
     # ------------------------------------------------------------------ introspection
     def load(self) -> dict:
         """Running and waiting sequence counts (racy snapshot, for health and overload reporting)."""

@@ -604,7 +604,7 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
             c = results[0][0]
             messages, tools = req.template_inputs()
             chat_sessions.finish(session, prompt, n_new, c, messages, out["choices"][0]["message"], tokenizer, tools,
-                                 ended_by_id(c))
+                                 ended_by_id(c), params.temperature)
             out["session_id"] = session.id
             engine.release_sessions([chat_sessions.engine_key(x) for x in chat_sessions.take_dropped()])
         return JSONResponse(out)

@@ -75,3 +75,37 @@ def test_tools_calc_episodes_through_every_stage(tmp_path, prefect_harness):
     trainers.clear()
     assert rl_run(s)["iterations"] == summary["iterations"] == 2
     assert {p: p.stat().st_mtime_ns for p in run.glob("iter-*/rollouts.parquet")} == stamps
+
+
+@pytest.mark.slow
+def test_an_external_harness_trains_through_every_stage(tmp_path, prefect_harness, monkeypatch):
+    """The documented harness (``docs/environments.md``: an ``openai`` agent loop) as
+    ``--env calc_harness:make_env``: its episodes reach the rollout table through the embedded engine
+    served on 127.0.0.1, are scored in the sandbox, trained (the policy moves) and evaluated."""
+    import re
+    from pathlib import Path
+
+    pytest.importorskip("openai", reason="harness environments need the test extra (openai)")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "environments.md").read_text()
+    src = re.search(r"<!-- k3rl-test: calc_harness.py -->\s*```python\n(.*?)```", doc, re.S).group(1)
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "envs" / "calc_harness.py").write_text(src)
+    monkeypatch.syspath_prepend(str(tmp_path / "envs"))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "envs"))
+    engines.clear()
+    trainers.clear()
+    s = RLSettings.from_dict(dict(preset="tiny", source="init:tiny:0:bpe", env="calc_harness:make_env", iterations=2,
+                                  artifacts=str(tmp_path / "a"), run_id="harness", prompts_per_iteration=3,
+                                  samples_per_prompt=2, max_new_tokens=16, warmup_steps=0, eval_prompts=2,
+                                  eval_every=1, mismatch_sequences=0))
+    summary = rl_run(s)
+    assert summary["iterations"] == 2
+    run = tmp_path / "a" / "runs" / "harness"
+    for it in ("iter-0000", "iter-0001"):
+        rows = pq.read_table(run / it / "scored.parquet").to_pylist()
+        assert len(rows) == 6 and {r["weight_version"] for r in rows} == {int(it[-1])}
+        for r in rows:
+            assert json.loads(r["turns"])[0]["role"] == "assistant" and r["loss_mask"][0] == 1
+            assert 0.0 <= r["reward"] <= 1.0
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert len(metrics) == 2 and all(0.0 <= m["heldout_greedy_reward"] <= 1.0 for m in metrics)
