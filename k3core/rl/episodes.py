@@ -42,7 +42,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 
 from k3core.rl.prompting import PromptFormat, env_messages
@@ -219,7 +219,9 @@ def run_episodes(client, fmt: PromptFormat, env, prompts: list[str], params, *, 
         driver.run(ep, seed, session)
 
     threads = len(eps) if schedule == "rounds" else min(len(eps), MAX_LIVE_EPISODES)
-    with ThreadPoolExecutor(threads, thread_name_prefix="k3-episode") as pool:
+    driving = getattr(client, "driving", None)  # a local engine steps on one thread while the episodes run
+    with driving() if callable(driving) else nullcontext(), \
+            ThreadPoolExecutor(threads, thread_name_prefix="k3-episode") as pool:
         futures = [pool.submit(one, e) for e in range(len(eps))]
         wait(futures, return_when=FIRST_EXCEPTION)
         driver.abort.set()  # after a failure, every other episode stops at its next turn (a no-op when all ended)

@@ -94,6 +94,9 @@ class _Versioned:
     def release_sessions(self, sessions):
         return self.client.release_sessions(sessions)
 
+    def driving(self):
+        return self.client.driving()
+
 
 def _summary(sampled: list[float], greedy: list[float]) -> dict:
     return {"heldout_reward": sum(sampled) / len(sampled),

@@ -289,6 +289,13 @@ class RolloutClient:
 
         return None if sessions is None or is_sglang(self.server_info()) else sessions
 
+    def driving(self):
+        """The local engine's ``driving()`` (a background driver while many threads generate); a
+        server drives itself."""
+        from contextlib import nullcontext
+
+        return self.engine.driving() if self.is_local else nullcontext(self)
+
     def release_sessions(self, sessions: list[str]) -> int:
         """Free the decode state kept for ``sessions`` (their episodes ended); bytes freed."""
         sessions = [s for s in sessions if s is not None]

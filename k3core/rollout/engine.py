@@ -29,6 +29,7 @@ import logging
 import secrets
 import threading
 from collections import OrderedDict, deque
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from collections.abc import Callable
@@ -553,6 +554,21 @@ class RolloutEngine:
         for s in waiting:
             if not s.req.future.done():
                 s.req.future.set_exception(EngineStopped("the rollout engine stopped before this request ran"))
+
+    @contextmanager
+    def driving(self):
+        """A background driver for the length of the block (unless one runs already), then back to
+        ``generate`` stepping itself: for many callers at once (agent episodes, a thread each), one
+        thread stepping the batch beats every caller stepping it in turn."""
+        if self.is_serving:
+            yield self
+            return
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+            self.reopen()
 
     def reopen(self) -> None:
         """Take requests again after ``stop()``, with no driver (``generate`` steps itself): an engine

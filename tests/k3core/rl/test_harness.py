@@ -67,7 +67,8 @@ def tiny(tmp_path_factory):
 
 
 def _params(n=2):
-    return SamplingParams(max_new_tokens=8, temperature=1.0, n=n, seed=0)
+    """40 ids per call: a turn with no stop id among them (so cut by the length) has odds (2/3)^40."""
+    return SamplingParams(max_new_tokens=40, temperature=1.0, n=n, seed=0)
 
 
 def test_harness_episodes_are_what_the_model_saw_and_sampled(tiny):
