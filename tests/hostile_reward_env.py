@@ -76,6 +76,15 @@ class Hostile(ReverseEnv):
                 except OSError:
                     pass
             return 0.25
+        if what == "pipe-flood":  # an endless answer on its result pipe, no newline
+            chunk = b"7" * (1 << 20)
+            for fd in range(3, 64):
+                try:
+                    while True:
+                        os.write(fd, chunk)
+                except OSError:
+                    pass
+            return 0.25
         if what == "environment":  # what of the pipeline's environment it sees
             return 1.0 if set(os.environ) <= {"HOME", "TMPDIR", "PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ"} else 0.0
         if what == "capabilities":  # reported through the broken message

@@ -302,6 +302,9 @@ def _verdict(env, prompt: str, completion: str) -> dict:
 
 
 _TOOL_RESULT_CAP = 1 << 16  # characters of a tool result that cross the pipe (the episode keeps 4096)
+# bytes of one call's answer line the worker reads: a capped tool result as JSON (escapes at most 6x) and room
+# for the rest; a call that writes more (its own code writing to the pipe) is stopped there, never buffered
+_ANSWER_CAP = 6 * _TOOL_RESULT_CAP + (64 << 10)
 
 
 def _tool_verdict(env, prompt: str, name: str, arguments: dict) -> dict:
@@ -360,7 +363,7 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
     os.close(w)
     deadline = time.monotonic() + limits.timeout_s
     data, timed_out = b"", False
-    while not data.endswith(b"\n"):
+    while b"\n" not in data and len(data) <= _ANSWER_CAP:
         left = deadline - time.monotonic()
         if left <= 0:
             timed_out = True
@@ -386,6 +389,8 @@ def _call_in_child(env, request: dict, limits: SandboxLimits, root: str, uid: in
         what = "tool" if request.get("kind") == "tool" else "reward"
         return {"reward": 0.0, "reason": f"timeout: the {what} call ran past {limits.timeout_s:g} s (wall)",
                 "stopped": True}
+    if b"\n" not in data and len(data) > _ANSWER_CAP:
+        return {"broken": f"wrote more than {_ANSWER_CAP} bytes to its result pipe without ending its answer"}
     if data:
         try:
             answer = json.loads(data.splitlines()[0])

@@ -247,6 +247,15 @@ def test_a_forged_verdict_fails_the_call_and_never_reaches_another_prompt(sandbo
     assert [o.reward for o in sandbox.score(["rev:abc=|"] * 4, ["ok"] * 4)] == [0.5] * 4
 
 
+def test_an_endless_answer_is_cut_at_the_cap_and_breaks_only_its_call(sandbox):
+    """A reward that writes without end to its result pipe (no newline): the worker stops reading at
+    its cap (not at the wall timeout, never holding what came), the call is broken, the next is not."""
+    from k3core.rl.sandbox import _ANSWER_CAP
+
+    outs = sandbox.score(["rev:abc=|"] * 2, ["pipe-flood", "ok"])
+    assert f"more than {_ANSWER_CAP} bytes" in outs[0].broken and outs[1].reward == 0.5
+
+
 def test_an_answer_that_is_not_a_verdict_is_refused_wherever_it_comes_from():
     from k3core.rl.sandbox import checked_answer
 
