@@ -41,7 +41,7 @@ from prefect.artifacts import (
 )
 from prefect.context import FlowRunContext
 
-from k3core.artifacts import Artifact, ArtifactStore
+from k3core.artifacts import Artifact, ArtifactStore, inner_path
 from k3core.rl.layout import RunLayout, RunRecordError, parse_record
 from k3core.settings import RLSettings
 
@@ -270,7 +270,28 @@ def finished_iterations(s: RLSettings) -> tuple[list[dict], list[list[Artifact]]
     n = min(len(history), len(lineage), s.pipeline.iterations)
     if n == 0 or not store.exists(layout.checkpoint_rel(n)):
         return [], []
-    return history[:n], lineage[:n]
+    return history[:n], [[_own_checkpoint(store, layout, a) if a.kind == "dcp" else a for a in it]
+                         for it in lineage[:n]]
+
+
+def _own_checkpoint(store, layout, a: Artifact) -> Artifact:
+    """A recorded trainer-state handle read from this run's own files: its place in the run
+    (``runs/<id>/...``, from its URI under this root, or under the root that recorded it when the
+    artifact root was copied or moved) on this root, never the recorded path itself, which may name
+    the original root's copy. A handle of another run is a ``RunRecordError``: resuming from it
+    would continue someone else's policy."""
+    own = layout.rel("")
+    rel = store.rel_of(a.uri)
+    if rel is None and f"/{own}" in a.uri:  # recorded under another root: the same place in this one
+        rel = a.uri[a.uri.rindex(f"/{own}") + 1:]
+    if rel is None or not rel.startswith(own):
+        raise RunRecordError(f"{store.uri(layout.lineage)} names a trainer state outside this run ({a.uri}); "
+                             f"restore the run's own lineage.json, or delete it and metrics.json to have the run "
+                             "re-recorded from its own files (its published tables and checkpoints are found, "
+                             "not made again)")
+    inner = inner_path(a.path, rel)
+    local = store.local_path(rel)
+    return dataclasses.replace(a, uri=store.uri(rel), path=str(local / inner if inner else local))
 
 
 def finished_summary(s: RLSettings) -> dict | None:

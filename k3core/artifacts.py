@@ -320,9 +320,7 @@ class ArtifactStore:
         rel = self.rel_of(artifact.uri)
         if rel is None:
             return artifact
-        parts, want = PurePosixPath(artifact.path).parts, tuple(rel.split("/"))
-        ends = [i + len(want) for i in range(len(parts) - len(want) + 1) if parts[i:i + len(want)] == want]
-        inner = "/".join(parts[ends[-1]:]) if ends else ""
+        inner = inner_path(artifact.path, rel)
         local = self.open_local(rel)
         return replace(artifact, path=str(local / inner if inner else local))
 
@@ -439,6 +437,14 @@ class ArtifactStore:
             return Path(self.base, rel).read_text()
         with storage_call("read", self.uri(rel)):  # a missing object: StorageNotFound, a FileNotFoundError
             return self.fs.cat_file(self._remote(rel)).decode()
+
+
+def inner_path(path: str, rel: str) -> str:
+    """The sub-path a handle's ``path`` reads inside its published ``rel`` (e.g. ``state`` of a
+    checkpoint directory), wherever the root it was recorded under lies; "" for ``rel`` itself."""
+    parts, want = PurePosixPath(path).parts, tuple(rel.split("/"))
+    ends = [i + len(want) for i in range(len(parts) - len(want) + 1) if parts[i:i + len(want)] == want]
+    return "/".join(parts[ends[-1]:]) if ends else ""
 
 
 class ArtifactRootError(ValueError):

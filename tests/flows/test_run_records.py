@@ -10,6 +10,7 @@ import json
 import pytest
 
 from flows.cli import main
+from k3core.artifacts import COMPLETE
 from k3core.rl.layout import RunRecordError, parse_record
 
 DEEP = "[" * 100_000 + "]" * 100_000  # json.loads alone: RecursionError
@@ -80,3 +81,42 @@ def test_a_prefect_setting_that_cannot_work_is_named_before_any_work(tmp_path, c
     assert rc == 2 and len(errors) == 1 and f"{variable}={bad}" in errors[0] and "Traceback" not in err, err
     assert "unset" in errors[0]
     assert not list((tmp_path / "root").glob("runs/r/*.json")) and not (tmp_path / "root" / "runs" / "r" / "source").exists()
+
+
+def _recorded(root, run_id, checkpoint_uri, checkpoint_path):
+    """A run ``run_id`` under ``root`` that recorded one iteration whose trainer state is at the given
+    URI and path, with its own checkpoint directory in place."""
+    run = root / "runs" / run_id
+    (run / "checkpoints" / "iter-0001").mkdir(parents=True)
+    (run / "checkpoints" / "iter-0001" / COMPLETE).write_text("")
+    (run / "metrics.json").write_text(json.dumps([{"iteration": 0}]))
+    state = {"kind": "dcp", "uri": checkpoint_uri, "path": checkpoint_path, "sha256": "0" * 64, "version": 1,
+             "info": {"manifest": "x"}}
+    (run / "lineage.json").write_text(json.dumps({"iterations": [[state]]}))
+    return run
+
+
+def test_a_lineage_naming_another_runs_state_stops_the_run(tmp_path, capsys):
+    other = (tmp_path / "runs" / "other" / "checkpoints" / "iter-0001")
+    other.mkdir(parents=True)
+    _recorded(tmp_path, "r", other.as_uri(), str(other / "state"))
+    rc = main(["run", "--preset", "tiny", "--source", "init:tiny:0", "--run-id", "r", "--artifacts", str(tmp_path),
+               "--iterations", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "names a trainer state outside this run" in err and "Traceback" not in err, err
+
+
+def test_a_copied_artifact_root_resumes_from_its_own_checkpoints(tmp_path):
+    """The records name the original root (still on this machine); the copy reads its own files."""
+    from flows.reports import finished_iterations
+    from k3core.settings import RLSettings
+
+    original = tmp_path / "original" / "runs" / "r" / "checkpoints" / "iter-0001"
+    original.mkdir(parents=True)
+    copy = tmp_path / "copy"
+    _recorded(copy, "r", original.as_uri(), str(original / "state"))
+    s = RLSettings.from_dict(dict(preset="tiny", artifacts=str(copy), run_id="r", iterations=2))
+    _, done = finished_iterations(s)
+    (state,) = done[0]
+    mine = copy / "runs" / "r" / "checkpoints" / "iter-0001"
+    assert state.uri == mine.as_uri() and state.path == str(mine / "state")
