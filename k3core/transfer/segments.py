@@ -14,8 +14,10 @@ unlinks every segment its process registered when the process is gone.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from multiprocessing import shared_memory
 
 import torch
@@ -71,18 +73,31 @@ def unlink_segments(handles: list) -> None:
 def map_segment(name, nbytes: int) -> torch.Tensor:
     """The receiver's read-only view of the sender's segment ``name`` (at least ``nbytes`` long), as a
     uint8 tensor. Refuses (``TransferError``) a name not of the ``k3xfer-*`` form, a missing or short
-    segment."""
+    segment, and anything at that name that is not a regular file of ``SHM_DIR``'s own filesystem (a
+    symlink or a bind-mounted file would let a payload make the receiver read any file it can open,
+    and learn its bytes from the refusal). The file checked is the file mapped: it is opened once,
+    without following links, and mapped through that descriptor."""
     if not (isinstance(name, str) and SEGMENT_NAME.match(name)):
         raise TransferError(f"malformed payload: shared-memory name {name!r} is not a k3xfer-* segment name")
     path = os.path.join(SHM_DIR, name)
     try:
-        size = os.stat(path).st_size
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TransferError(f"shared-memory segment {name} is a symbolic link: refused") from None
+        raise TransferError(f"shared-memory segment {name} is missing (did the sender close the transfer before "
+                            f"the receiver loaded it?): {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_dev != os.stat(SHM_DIR).st_dev:
+            raise TransferError(f"shared-memory segment {name} is not a shared-memory file of {SHM_DIR}: refused")
         # MAP_PRIVATE, opened read-only: the receiver can never write into the sender's bucket
         # (a write would only diverge its own copy, which the next digest check then refuses)
-        buf = torch.from_file(path, shared=False, size=max(size, 1), dtype=torch.uint8)
+        buf = torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=max(st.st_size, 1), dtype=torch.uint8)
     except (OSError, RuntimeError) as e:
-        raise TransferError(f"shared-memory segment {name} is missing (did the sender close the transfer before "
-                            f"the receiver loaded it?): {e}") from None
+        raise TransferError(f"shared-memory segment {name} could not be mapped: {e}") from None
+    finally:
+        os.close(fd)
     if buf.numel() < nbytes:
         raise TransferError(f"shared-memory segment {name} has {buf.numel()} bytes, the payload declares {nbytes}")
     return buf

@@ -105,7 +105,8 @@ def check_digest(part: torch.Tensor, want, algo: str, what: str) -> str:
     """``part``'s digest when it is ``want``; else a refusal naming ``what`` (a corrupt bucket)."""
     need(isinstance(want, str), f"malformed payload: {what} has no digest")
     got = tensor_digest(part, algo)
-    need(got == want, f"{what}: {algo} digest {got} does not match the sender's {want} (corrupt bucket): refused")
+    # the computed digest stays out of the message: it would tell a payload's sender about bytes it named
+    need(got == want, f"{what}: its {algo} digest does not match the sender's {want} (corrupt bucket): refused")
     return got
 
 

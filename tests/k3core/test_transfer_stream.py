@@ -157,6 +157,39 @@ def test_stream_refuses_malformed_payloads_and_tells_the_sender():
     assert not _my_segments()
 
 
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_segment_name_planted_in_dev_shm_reads_no_other_file(tmp_path, planted):
+    """A payload naming a k3xfer-* entry that is a link to another file (or not a file) is refused
+    before a byte is read: the refusal must not become an oracle of that file's contents."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root-only bytes" * 4096)
+    sd = _model(12).state_dict()
+    sent = T.send_shm_stream(sd, 3, ring=RING, bucket_bytes=BUCKET)
+    bad = json.loads(json.dumps(sent.payload))
+    name = f"{T.SHM_PREFIX}{os.getpid()}-planted-{planted}"
+    path = Path(segments_module.SHM_DIR, name)
+    os.symlink(secret, path) if planted == "symlink" else os.mkfifo(path)
+    try:
+        bad["ring"][0] = name
+        with pytest.raises(T.TransferError, match="symbolic link" if planted == "symlink" else "not a shared-memory file"):
+            T.receive(bad)
+        with pytest.raises(T.TransferError, match="receiver refused"):
+            sent.wait(60)
+    finally:
+        path.unlink()
+    assert not _my_segments()
+
+
+def test_a_digest_refusal_names_only_the_senders_digest():
+    from k3core.transfer.verify import check_digest
+
+    part = torch.arange(64, dtype=torch.uint8)
+    got = T.tensor_digest(part, "sha256")
+    with pytest.raises(T.TransferError, match="does not match") as e:
+        check_digest(part, "0" * 64, "sha256", "bucket 0")
+    assert got not in str(e.value) and "0" * 64 in str(e.value)
+
+
 def test_stream_refuses_a_stale_version_and_tells_the_sender():
     sd = _model(2).state_dict()
     sent = T.send_shm_stream(sd, 3, ring=RING, bucket_bytes=BUCKET)
