@@ -3,7 +3,8 @@
 Owns: ``validate_checkpoint`` (and its JSON report). The checks, in the order the first failure is
 reported:
 
-1. ``config.json`` parses as a K3 config (and equals ``config`` when one is given, its vocabulary
+1. ``config.json`` parses as a K3 config, its layer and routed-expert counts no larger than the
+   index holds tensors for (checked before the config is built: those counts size lists) (and equals ``config`` when one is given, its vocabulary
    size and bos/eos/pad ids excepted where the checkpoint carries its own tokenizer); a
    ``quantization_config`` present must be exactly the release's MXFP4 declaration.
 2. With a pin: config and index sha256 match it.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -80,17 +82,56 @@ def _vocabulary_of(config: K3Config, ckpt: K3Config) -> K3Config:
                           pad_token_id=ckpt.pad_token_id)
 
 
+def _read_json(check: str, p: Path):
+    """``p``'s JSON; invalid JSON, or nesting past the parser's recursion limit, fails ``check``
+    naming the file (a recursion error would otherwise surface as a traceback)."""
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        _fail(check, f"{p}: not valid JSON ({e})")
+    except RecursionError:
+        _fail(check, f"{p}: nests too deeply to be a checkpoint's JSON")
+
+
+_LAYER_KEY = re.compile(r"\.layers\.(\d+)\.")
+_EXPERT_KEY = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _bound_by_index(p: Path, raw, root: Path) -> None:
+    """Refuse a config whose layer or routed-expert count exceeds what the checkpoint's own index
+    holds tensors for, before the config is built: a config's per-layer lists and the layout's
+    per-expert entries are allocated from these counts, so ``num_hidden_layers = 10**9`` would
+    exhaust memory before any check could compare it with the shards. A missing or broken index
+    is left to the index check (nothing is allocated from it here)."""
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else None
+    index = root / INDEX_NAME
+    if not isinstance(text, dict) or not index.is_file():
+        return
+    wm = _read_json("index", index)
+    keys = wm.get("weight_map") if isinstance(wm, dict) else None
+    if not isinstance(keys, dict):
+        return
+    held = {"num_hidden_layers": (_LAYER_KEY, "layers"), "num_experts": (_EXPERT_KEY, "routed experts")}
+    for field, (pattern, what) in held.items():
+        n = text.get(field)
+        if not isinstance(n, int) or isinstance(n, bool):
+            continue  # the config's own check names a value of the wrong type
+        seen = {int(m.group(1)) for k in keys for m in [pattern.search(k)] if m and not is_out_of_scope(k)}
+        have = max(seen) + 1 if seen else 0
+        if n > have:
+            _fail("config", f"{p}: {field} is {n}, but {index.name} holds tensors of {have} {what}: a config "
+                            f"describing more than its checkpoint holds is refused before anything is sized from it")
+
+
 def _audit_config(root: Path, config: K3Config | None) -> tuple[K3Config, str, K3Config]:
     """(the checkpoint's config, its layout target, the config it must match: ``config``, sized to
     the checkpoint's own tokenizer where it carries one, else the checkpoint's own)."""
     p = root / CONFIG_NAME
     if not p.is_file():
         _fail("config", f"{p} is missing")
-    try:
-        with open(p) as f:
-            raw = json.load(f)
-    except json.JSONDecodeError as e:
-        _fail("config", f"{p}: not valid JSON ({e})")
+    raw = _read_json("config", p)
+    _bound_by_index(p, raw, root)
     try:
         ckpt = K3Config.from_hf_dict(raw)
     except (ValueError, TypeError, KeyError, AttributeError) as e:
@@ -137,11 +178,7 @@ def _read_weight_map(root: Path) -> tuple[dict[str, str], dict]:
     p = root / INDEX_NAME
     if not p.is_file():
         _fail("index", f"{p} is missing")
-    try:
-        with open(p) as f:
-            index = json.load(f)
-    except json.JSONDecodeError as e:
-        _fail("index", f"{p}: not valid JSON ({e})")
+    index = _read_json("index", p)
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         _fail("index", f"{p}: no 'weight_map' object of key -> shard file name")

@@ -231,3 +231,41 @@ def test_cli_validate_exit_codes(bf16, tmp_path, capsys):
     args = parser.parse_args(["checkpoint", "validate", str(bf16), "--pin", str(pin), "--report", str(tmp_path / "r.json")])
     assert args.fn(args) != 0 and not (tmp_path / "r.json").exists()
     assert "[pin]" in capsys.readouterr().err
+
+
+def _set_text_config(ck: Path, **fields) -> None:
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["text_config"].update(fields)
+    (ck / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("field,value,held", [("num_hidden_layers", 5, "4 layers"),
+                                              ("num_experts", 9, "8 routed experts")])
+def test_a_config_describing_more_than_its_index_holds_fails_the_config_check(bf16, field, value, held):
+    """One more layer or expert than the tensors hold is found from the index, before the config is
+    built (where it would otherwise surface as missing tensors of the layout)."""
+    _set_text_config(bf16, **{field: value})
+    fails(bf16, "config", f"{field} is {value}, but {INDEX_NAME} holds tensors of {held}")
+
+
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 10**9), ("num_experts", 10**7)])
+def test_a_hostile_config_is_refused_within_a_small_address_space(bf16, field, value):
+    """``checkpoint validate`` is the tool for untrusted checkpoints: a size field of a billion must
+    be refused without sizing anything from it (it drove validation to ~20 GB and the OOM killer).
+    The subprocess runs under a 3 GiB address-space limit, so an allocation from the field fails it."""
+    import subprocess
+    import sys
+
+    _set_text_config(bf16, **{field: value})
+    code = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+            "from flows.cli import main; sys.exit(main(['checkpoint', 'validate', sys.argv[1]]))")
+    r = subprocess.run([sys.executable, "-c", code, str(bf16)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "[config]" in r.stderr and f"{field} is {value}" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "MemoryError" not in r.stderr
+
+
+@pytest.mark.parametrize("which", ["config.json", INDEX_NAME])
+def test_json_nested_past_the_recursion_limit_names_the_file(bf16, which):
+    text = (bf16 / which).read_text().rstrip()
+    (bf16 / which).write_text(text[:-1] + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    fails(bf16, "config" if which == "config.json" else "index", f"{which}: nests too deeply")
