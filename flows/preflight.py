@@ -87,8 +87,9 @@ def check_source(source: str, preset: str) -> None:
 def check_artifact_root(artifacts: str, run_id: str) -> None:
     """``--artifacts``: another filesystem's protocol must be known (its package installed); a local
     root must be a directory, or creatable, and writable where the run will write (its run directory,
-    or the nearest directory above it that exists). Nothing is created in a local root; a remote one
-    gets a small object written, read back and removed."""
+    or the nearest directory above it that exists), and hold no symbolic link under the run's directory
+    that leads outside the root. Nothing is created in a local root; a remote one gets a small object
+    written, read back and removed."""
     path = _local_path(artifacts)
     if path is None:
         import fsspec
@@ -117,6 +118,15 @@ def check_artifact_root(artifacts: str, run_id: str) -> None:
         if not os.access(where, os.W_OK | os.X_OK):
             raise ValueError(f"--artifacts {artifacts}: {where} is not writable (a read-only filesystem or its "
                              "permissions); choose a writable --artifacts, or make it writable")
+    from k3core.artifacts import links_leaving
+
+    if (path / RunLayout(run_id).rel()).is_dir():
+        out = links_leaving(path, RunLayout(run_id).rel())
+        if out:
+            link, target = out[0]
+            raise ValueError(f"--artifacts {artifacts}: {link} is a symbolic link to {target}, outside the artifact "
+                             f"root{f' (and {len(out) - 1} more)' if len(out) > 1 else ''}: k3rl writes and deletes "
+                             "only inside its root; replace the link by the directory it names (move it in)")
 
 
 def check_disk(s, env=None, prepare_only: bool = False) -> None:

@@ -180,6 +180,20 @@ class ArtifactStore:
     def local_path(self, rel: str) -> Path:
         return self.cache / rel
 
+    def _local(self, rel: str) -> Path:
+        """This machine's path of ``rel`` (the root itself, or the cache of a remote root), refused
+        (``ArtifactPathError``) where a symbolic link on the way leads outside it: k3rl writes and
+        deletes only inside its root, and a link planted under it must not carry a publish, or a
+        retention pass's delete, to a directory elsewhere."""
+        top = self.base if self.is_local else str(self.cache)
+        p = Path(top, rel)
+        real, inside = os.path.realpath(p), os.path.realpath(top)
+        if real != inside and not real.startswith(inside.rstrip("/") + "/"):
+            raise ArtifactPathError(f"{p} leads outside the artifact root {top} through a symbolic link (to {real}): "
+                                    "k3rl writes and deletes only inside its root; replace the link by the directory "
+                                    "it names (move it in), or use that directory's root as --artifacts")
+        return p
+
     def _remote(self, rel: str) -> str:
         return f"{self.base}/{rel}"
 
@@ -198,7 +212,7 @@ class ArtifactStore:
     def publish(self, rel: str, is_dir: bool = False):
         """Yield a temporary local path to build the artifact in; publish it atomically on success,
         delete it on failure. If the artifact already exists, the new build is discarded."""
-        final = Path(self.base if self.is_local else self.cache, rel)
+        final = self._local(rel)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / staging_name(".tmp-", final.name)
         if is_dir:
@@ -374,7 +388,7 @@ class ArtifactStore:
     def replace_text(self, rel: str, text: str) -> str:
         """Overwrite (not idempotent): used for pointers such as ``latest``, updated last. A reader
         sees the old text or the new, never a mix (temporary name, then one move)."""
-        final = Path(self.base if self.is_local else self.cache, rel)
+        final = self._local(rel)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / staging_name(".tmp-", final.name)
         try:
@@ -393,7 +407,7 @@ class ArtifactStore:
         first, so a crash midway leaves an unpublished leftover that no reader trusts and a later
         publish of the same name replaces, never a directory that looks whole and is not. The local
         cache copy of a remote artifact goes with it. False when there was nothing to delete."""
-        local = Path(self.base if self.is_local else self.cache, rel)
+        local = self._local(rel)
         found = self.exists(rel) or local.exists()
         if not self.is_local:
             r = self._remote(rel)
@@ -417,7 +431,7 @@ class ArtifactStore:
         """Delete the staging paths under ``rel`` (this machine's side: the root itself, or the local
         cache of a remote root) whose writer was a process of this host that no longer runs. Staging
         of live processes and of other hosts is left alone, so this is safe beside running writers."""
-        top = Path(self.base if self.is_local else self.cache, rel)
+        top = self._local(rel)
         if not top.is_dir():
             return []
         removed = []
@@ -445,6 +459,25 @@ def inner_path(path: str, rel: str) -> str:
     parts, want = PurePosixPath(path).parts, tuple(rel.split("/"))
     ends = [i + len(want) for i in range(len(parts) - len(want) + 1) if parts[i:i + len(want)] == want]
     return "/".join(parts[ends[-1]:]) if ends else ""
+
+
+class ArtifactPathError(ValueError):
+    """A path under the artifact root that a symbolic link leads outside it: bad input, named with
+    the fix, before anything is written or deleted there."""
+
+
+def links_leaving(root: str | os.PathLike, rel: str) -> list[tuple[Path, str]]:
+    """(link, where it leads) for each symbolic link under local ``root``/``rel`` (not followed)
+    whose target resolves outside ``root``: what ``ArtifactStore`` refuses to write or delete
+    through, listed before a run starts."""
+    inside = os.path.realpath(root).rstrip("/") + "/"
+    out = []
+    for dirpath, dirnames, filenames in os.walk(Path(root, rel)):
+        for name in [*dirnames, *filenames]:
+            p = Path(dirpath, name)
+            if p.is_symlink() and not (os.path.realpath(p) + "/").startswith(inside):
+                out.append((p, os.path.realpath(p)))
+    return out
 
 
 class ArtifactRootError(ValueError):

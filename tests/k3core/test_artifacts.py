@@ -126,3 +126,42 @@ def test_sha256_tree_names_each_file_with_its_digest(tmp_path):
     for rel, data in (("a", b"ay"), ("d/b", b"bee")):
         want.update(rel.encode() + b"\0" + hashlib.sha256(data).hexdigest().encode() + b"\n")
     assert sha256_tree(tmp_path) == want.hexdigest()
+
+
+def test_a_link_out_of_the_root_carries_no_write_and_no_delete(tmp_path):
+    """A symlink planted under the root (runs/r/checkpoints -> a directory elsewhere): retention's
+    delete and a publish through it are refused and leave the other directory as it was; a link that
+    stays inside the root is followed as before."""
+    from k3core.artifacts import ArtifactPathError
+
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "iter-0001").mkdir(parents=True)
+    (elsewhere / "iter-0001" / COMPLETE).write_text("")
+    root = tmp_path / "root"
+    (root / "runs" / "r").mkdir(parents=True)
+    (root / "runs" / "r" / "checkpoints").symlink_to(elsewhere)
+    store = ArtifactStore(root)
+    with pytest.raises(ArtifactPathError, match="outside the artifact root .* symbolic link"):
+        store.remove("runs/r/checkpoints/iter-0001")
+    with pytest.raises(ArtifactPathError):
+        with store.publish("runs/r/checkpoints/iter-0002", is_dir=True) as tmp:
+            (tmp / "x").write_text("x")
+    with pytest.raises(ArtifactPathError):
+        store.replace_text("runs/r/checkpoints/latest.json", "{}")
+    assert sorted(p.name for p in elsewhere.rglob("*")) == [COMPLETE, "iter-0001"]
+    (root / "kept").mkdir()
+    (root / "runs" / "r" / "tables").symlink_to(root / "kept")
+    store.write_text("runs/r/tables/a.txt", "a")
+    assert (root / "kept" / "a.txt").read_text() == "a" and store.remove("runs/r/tables/a.txt")
+
+
+def test_a_run_whose_directory_holds_a_link_out_of_the_root_is_refused_before_any_work(tmp_path, capsys):
+    from flows.cli import main
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "root" / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "root" / "runs" / "r" / "checkpoints").symlink_to(tmp_path / "elsewhere")
+    rc = main(["run", "--preset", "tiny", "--run-id", "r", "--artifacts", str(tmp_path / "root"), "--iterations", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "checkpoints is a symbolic link to" in err and "outside the artifact root" in err, err
+    assert "Traceback" not in err and not list((tmp_path / "elsewhere").iterdir())
