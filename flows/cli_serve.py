@@ -93,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-chat-sessions", dest="max_chat_sessions", type=int, default=4096,
                    help="chat sessions (episode trajectories of /v1/chat/completions) held; past it the least "
                         "recently used is dropped")
+    p.add_argument("--body-timeout", dest="body_timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request whose body has not arrived within this answers 408 and frees its slot (default 30)")
 
 
 def add_rollout_server_subcommand(sub) -> argparse.ArgumentParser:
@@ -141,7 +143,7 @@ def cmd_rollout_server(args: argparse.Namespace) -> int:
                               max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens_cap,
                               max_concurrent_requests=args.max_concurrent_requests,
                               max_chat_sessions=args.max_chat_sessions, weight_roots=roots,
-                              allow_version_rollback=args.allow_version_rollback)
+                              allow_version_rollback=args.allow_version_rollback, body_timeout_s=args.body_timeout)
     except ValueError as e:
         print(f"k3rl {COMMAND}: error: {e}", file=sys.stderr)
         return 2

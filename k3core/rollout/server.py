@@ -109,7 +109,9 @@ class ServerLimits:
     command line always sets them).
     ``allow_version_rollback``: accept a disk update older than the served version (a server reused
     by a new run that starts again at 0; ``--allow-version-rollback``). Off: versions only move
-    forward, so a late or replayed push cannot roll the weights back."""
+    forward, so a late or replayed push cannot roll the weights back.
+    ``body_timeout_s``: a request whose whole body has not arrived within it answers 408 and frees
+    its slot (``--body-timeout``): slow-body clients cannot hold every request slot."""
     max_body_bytes: int = 16 << 20
     max_update_body_bytes: int = 256 << 20
     max_prompt_tokens: int = 16384
@@ -118,12 +120,15 @@ class ServerLimits:
     max_chat_sessions: int = 4096
     weight_roots: tuple[str, ...] | None = None
     allow_version_rollback: bool = False
+    body_timeout_s: float = 30.0
 
     def __post_init__(self):
         bad = [f"{k} must be >= 1, got {getattr(self, k)}" for k in
                ("max_body_bytes", "max_update_body_bytes", "max_prompt_tokens", "max_new_tokens", "max_concurrent_requests",
                 "max_chat_sessions")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1]
+        if not (isinstance(self.body_timeout_s, (int, float)) and 0 < self.body_timeout_s < float("inf")):
+            bad.append(f"body_timeout_s must be a positive number of seconds, got {self.body_timeout_s}")
         if bad:
             raise ValueError("invalid server limits: " + "; ".join(bad))
 
@@ -458,6 +463,7 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
 
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response
+    from starlette.requests import ClientDisconnect
 
     from k3core.rollout.engine import EngineOverloaded, EngineStopped
 
@@ -491,11 +497,19 @@ def create_app(engine: "RolloutEngine", tokenizer=None, model_path: str | None =
         if declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(limits.body_timeout_s):  # a client sending nothing holds no slot for ever
+                async for chunk in request.stream():
+                    n += len(chunk)
+                    if n > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise BadRequest(f"the request body did not arrive within {limits.body_timeout_s:g} s (--body-timeout)",
+                             status=408) from None
+        except ClientDisconnect:
+            log.warning("a client disconnected before its request body was read (%s %s)", request.method, request.url.path)
+            raise BadRequest("the client disconnected before its body was read") from None
         try:
             body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:

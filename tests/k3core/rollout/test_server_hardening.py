@@ -34,10 +34,10 @@ def srv(tmp_path_factory):
     init_checkpoint("tiny", outside / "c", seed=2)
     proc, client = launch(allowed / "a", "--weight-root", str(allowed), "--max-body-bytes", "4096", "--max-update-body-bytes", "65536",
                           "--max-prompt-tokens", "32", "--max-new-tokens-cap", "100000", "--max-concurrent-requests", "4",
-                          log_path=root / "server.log", env={"OMP_NUM_THREADS": "1", "K3RL_ROLLOUT_API_KEY": KEY},
+                          "--body-timeout", "2", log_path=root / "server.log", env={"OMP_NUM_THREADS": "1", "K3RL_ROLLOUT_API_KEY": KEY},
                           timeout=60, retries=1, backoff=0.05, api_key=KEY)
     port = int(client.url.rsplit(":", 1)[1])
-    yield {"client": client, "port": port, "root": root, "allowed": allowed, "outside": outside}
+    yield {"client": client, "port": port, "root": root, "allowed": allowed, "outside": outside, "log": root / "server.log"}
     proc.terminate()
     proc.wait(20)
 
@@ -189,6 +189,41 @@ def test_concurrency_limit_503_and_disconnect_cancels_generation(srv):
             s.close()
     _wait_for(lambda: _load(srv)["running"] == 0 and _load(srv)["waiting"] == 0, "generation to be cancelled")
     assert post(srv["port"], "/generate", gen([256, 1]))[0] == 200
+
+
+def _partial_body(port: int, declared: int, sent: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {KEY}\r\nContent-Length: {declared}\r\n\r\n".encode() + sent)
+    return s
+
+
+def test_a_slow_body_times_out_and_a_client_gone_mid_body_is_one_log_line(srv):
+    """Four clients that send half a body and then nothing would hold every slot of
+    --max-concurrent-requests 4 for as long as they like: each gets 408 after --body-timeout (2 s)
+    and the server answers again. A client that disconnects mid-body leaves one line in the log,
+    not a traceback."""
+    slow = [_partial_body(srv["port"], 100, b'{"input_ids": ') for _ in range(4)]
+    try:
+        for s in slow:
+            s.settimeout(30)
+            answer = b""
+            while b"--body-timeout" not in answer and (chunk := s.recv(4096)):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer
+    finally:
+        for s in slow:
+            s.close()
+    assert post(srv["port"], "/generate", gen([256, 1]))[0] == 200
+    before = srv["log"].read_text()
+    gone = _partial_body(srv["port"], 100, b'{"input_ids": ')
+    time.sleep(0.3)
+    gone.close()
+    _wait_for(lambda: "disconnected before its request body was read" in srv["log"].read_text()[len(before):],
+              "the disconnect's log line", 20)
+    assert post(srv["port"], "/generate", gen([256, 1]))[0] == 200
+    new = srv["log"].read_text()[len(before):]
+    assert "Traceback" not in new and new.count("disconnected before its request body was read") == 1, new
 
 
 def test_weight_updates_only_from_the_root_finite_and_not_older(srv, tmp_path):
