@@ -44,6 +44,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows import reports
 from flows.retention import prune_checkpoints
 from flows.scale import iteration_runner
+from flows.trackers import open_trackers
 from k3core.artifacts import Artifact
 from k3core.rl import trainers
 from k3core.settings import RLSettings
@@ -232,7 +233,8 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     reference = prep.policy if s.grpo.kl_coef else None
     t_loop = time.perf_counter()
     unsaved, unrecorded = None, []  # a state written beside the next iteration; iterations not durable yet
-    with iteration_runner(s.scale_out, run.run_id) as runner:  # a Dask or Ray cluster outlives each iteration
+    trackers = open_trackers(s)  # TensorBoard / MLflow, when asked
+    with trackers, iteration_runner(s.scale_out, run.run_id) as runner:  # a Dask or Ray cluster outlives each iteration
         for n in range(len(done), s.pipeline.iterations):
             saving = write_behind(run, n - 1, unsaved) if unsaved is not None else None
             iterate = rl_iteration if runner is None else rl_iteration.with_options(task_runner=runner())
@@ -243,6 +245,7 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
             for saved in (joined(saving, it.metrics), it.saved):  # durable up to its version: record up to it
                 if saved is not None:
                     unrecorded = _record(s, prep, history, done, unrecorded, saved)
+            trackers.log(history)  # the iterations just recorded
             pace = (time.perf_counter() - t_loop) / (n + 1 - done_before)  # seconds per iteration so far
             log.info(reports.progress_line(n, s.pipeline.iterations, it.metrics, pace * (s.pipeline.iterations - n - 1)))
             progress_event("iterations", done=n + 1, total=s.pipeline.iterations)
@@ -252,6 +255,9 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     summary = reports.summary(s, prep_seconds, history, final, time.perf_counter() - t_start, prep.memory, run.device,
                               run.dtype)
     reports.publish_iteration(s, history, _flat(prep, done), final=summary)
+    trackers.log(history)
+    trackers.log_summary(summary, step=len(history))
+    trackers.close()
     return summary
 
 

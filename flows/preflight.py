@@ -24,6 +24,7 @@ def check_settings(s, prepare_only: bool = False) -> None:
     """Everything a run's settings name that can be checked on this machine, cheaply, up front.
     ``prepare_only``: ``k3rl prepare`` (the disk must hold the prepared weights, not the iterations)."""
     from flows.scale import check_runner
+    from flows.trackers import check_trackers
     from k3core.device import decode_mode, run_device
     from k3core.rl.envs import load_env
 
@@ -33,6 +34,7 @@ def check_settings(s, prepare_only: bool = False) -> None:
         check_source(s.model.source, s.model.preset)
     check_disk(s, env, prepare_only=prepare_only)  # after the source: it sizes the run from the source's config
     check_runner(s.scale_out)
+    check_trackers(s)
     decode_mode(run_device(s), s.rollout.decode)  # --device cuda where torch sees no GPU; --decode graph on the CPU
 
 

@@ -299,6 +299,13 @@ class PipelineSettings(_Section):
     save_every: int = _int(1, "save-every", "write the trainer state (a checkpoint) every K iterations and after "
                            "the last; in between the live trainer carries on, and a resume re-runs the train steps "
                            "since the last checkpoint from the published rollout and score tables", min=1)
+    tensorboard: str = _str("", "tensorboard", "write TensorBoard event files of each iteration's metrics under "
+                            "DIR/<run id> (empty: off; needs pip install 'k3rl[trackers]')")
+    mlflow_uri: str = _str("", "mlflow-uri", "log each iteration's metrics to an MLflow run at this tracking URI "
+                           "(sqlite:///path/mlflow.db, http://127.0.0.1:5000; empty: off; needs "
+                           "pip install 'k3rl[trackers]')")
+    mlflow_experiment: str = _str("k3rl", "mlflow-experiment", "the MLflow experiment of --mlflow-uri's runs "
+                                  "(one MLflow run per run id, found again on resume)")
 
     def problems(self) -> list[str]:
         out = super().problems()
