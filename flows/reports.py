@@ -184,12 +184,14 @@ def lineage_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
 
 
 def checkpoints_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
-    """The ``rl-checkpoints`` note: latest checkpoint, every iteration's checkpoint, validation report."""
+    """The ``rl-checkpoints`` note: latest checkpoint, every iteration's checkpoint (*produced by*
+    links to the task run that saved it), validation report."""
     store, layout = _files(s)
     run_id = s.pipeline.run_id
     root_uri, run_uri = store.uri("").rstrip("/"), store.uri(layout.rel())
     cks = [a for a in lineage if a.kind == "dcp" and "manifest" in a.info]
     report = next((a for a in lineage if a.kind == "report"), None)
+    ui = _ui_base()
     md = [f"### run `{run_id}`: checkpoints and reports", ""]
     if cks:
         md.append(f"- **latest checkpoint** (after {len(cks)} iterations): {_link_or_code(cks[-1].uri)}")
@@ -204,7 +206,7 @@ def checkpoints_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
             cell = _link_or_code(a.uri, rel) if a.uri.startswith('http') else f'`{rel}`'
             if not store.exists(layout.rel(rel)):
                 cell += " (deleted: --keep-checkpoints)"
-            md.append(f"| {a.version} | {cell} | `{a.sha256[:12]}` | {a.produced_by} |")
+            md.append(f"| {a.version} | {cell} | `{a.sha256[:12]}` | {task_run_link(a, ui=ui)} |")
     return "\n".join(md)
 
 
@@ -341,7 +343,7 @@ def publish_iteration(s: RLSettings, history: list[dict], lineage: list[Artifact
     b64 = base64.b64encode(png).decode()
     text = f"### run `{run_id}`: reward and KL\n\n![reward and KL curves](data:image/png;base64,{b64})\n"
     if final:
-        text += "\n" + "\n".join(f"- **{k}**: {v}" for k, v in final.items() if not isinstance(v, dict))
+        text += "\n" + "\n".join(f"- **{k}**: {table_number(v)}" for k, v in final.items() if not isinstance(v, dict))
     _report(create_markdown_artifact, text, text, "curves", run_id, f"run {run_id}: reward / KL curves")
     md = checkpoints_markdown(s, lineage)
     _report(create_markdown_artifact, md, md, "checkpoints", run_id, f"run {run_id}: checkpoints and validation report")

@@ -204,6 +204,12 @@ def test_lineage_and_checkpoint_markdown(tmp_path):
     cmd = reports.checkpoints_markdown(s, lineage)
     assert "| 1 | `checkpoints/iter-0001` (deleted: --keep-checkpoints) |" in cmd
     assert f"| 2 | `checkpoints/iter-0002` | `{ck2.sha256[:12]}` |" in cmd
+    # run by Prefect: *produced by* links to the task run's page, as the lineage table does
+    import dataclasses
+
+    ran = [*lineage[:-1], dataclasses.replace(ck2, produced_by_id="0b7e-task-run")]
+    cmd = reports.checkpoints_markdown(s, ran)
+    assert f"| `{ck2.sha256[:12]}` | [save_checkpoint-iter1](/runs/task-run/0b7e-task-run) |" in cmd
 
 
 def test_http_uris_become_links():

@@ -329,6 +329,12 @@ def test_prefect_ui_shows_run_stages_artifacts_and_lineage(tmp_path):
         browser.open(f"{ui}/artifacts/artifact/{latest['rl-checkpoints']['id']}")
         browser.wait_text(["latest checkpoint", f"runs/{RUN_ID}/checkpoints/iter-{ITERATIONS:04d}",
                            "validation report"], "the checkpoints note")
+        # each checkpoint's *produced by* links to the task run that saved it
+        links = browser.wait_for("(() => { const l = Object.fromEntries([...document.querySelectorAll('table a')]"
+                                 ".map(a => [a.textContent.trim(), a.href])); return Object.keys(l).length ? l : null })()",
+                                 "the checkpoints table's links")
+        saved = f"save_checkpoint-iter{ITERATIONS - 1}"
+        assert saved in links and "/runs/task-run/" in links[saved], links
         browser.screenshot(shots / "08-rl-checkpoints.png")
 
         # the versions of rl-metrics across iterations (one per publication)
