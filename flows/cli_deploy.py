@@ -43,7 +43,7 @@ def cmd_serve(a) -> int:
     _need_server()
     path = Path(a.file).resolve()
     os.chdir(path.parent)  # entrypoints and relative artifact roots are relative to the project
-    deps = runner_deployments(path, a.name or None)
+    deps = runner_deployments(path, a.name or None, preset=a.preset, interval=a.interval)
     print(f"k3rl: serving {', '.join(d.name for d in deps)} from {path} (Ctrl-C stops)", flush=True)
     serve(*deps, limit=a.limit)
     return 0
@@ -83,11 +83,16 @@ def cmd_worker(a) -> int:
 
 
 def add_deploy_subcommands(sub) -> None:
+    from k3core.config import PRESETS  # no torch: the config module is plain dataclasses
     s = sub.add_parser("serve", help="serve the deployments of prefect.yaml (schedules included) in this process",
                        epilog="example: PREFECT_API_URL=http://127.0.0.1:4200/api k3rl serve")
     s.add_argument("--file", default=str(DEFAULT_FILE), help="a prefect.yaml (default: the repository's)")
     s.add_argument("--name", action="append", help="only this deployment (repeatable)")
     s.add_argument("--limit", type=int, default=None, help="at most this many flow runs at once")
+    s.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="the model preset of every deployment's settings (an init: source follows it), instead of the file's")
+    s.add_argument("--interval", type=float, default=None, metavar="SECONDS",
+                   help="every schedule's interval in seconds, instead of the file's")
     s.set_defaults(fn=cmd_serve)
     d = sub.add_parser("deploy", help="register the deployments of prefect.yaml (their process work pool is created if missing)",
                        epilog="example: PREFECT_API_URL=http://127.0.0.1:4200/api k3rl deploy && k3rl worker")

@@ -17,6 +17,8 @@ wait for its expiry).
 
 from __future__ import annotations
 
+import copy
+
 import json
 import os
 from pathlib import Path
@@ -131,9 +133,32 @@ def _concurrency(spec):
     return ConcurrencyLimitConfig(**spec)
 
 
-def runner_deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] | None = None) -> list:
+def with_overrides(d: dict, preset: str | None = None, interval: float | None = None) -> dict:
+    """A deployment of prefect.yaml with ``k3rl serve``'s overrides: ``preset`` (its settings' model
+    preset, and a seeded ``init:`` source re-seeded for that preset) and ``interval`` (seconds, every
+    schedule). Trying the tiny preset, or a faster schedule, needs no edit of the file."""
+    d = copy.deepcopy(d)
+    settings = (d.get("parameters") or {}).get("settings")
+    if preset is not None and isinstance(settings, dict):
+        model = settings.setdefault("model", {})
+        model["preset"] = preset
+        source = model.get("source")
+        if isinstance(source, str) and source.startswith("init:"):
+            seed = source.split(":")[2] if source.count(":") >= 2 else "0"
+            model["source"] = f"init:{preset}:{seed}"
+    if interval is not None:
+        if not interval > 0:
+            raise ValueError(f"--interval {interval}: a schedule's interval is a positive number of seconds")
+        for s in d.get("schedules") or []:
+            s.pop("cron", None)
+            s["interval"] = interval
+    return d
+
+
+def runner_deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] | None = None,
+                       preset: str | None = None, interval: float | None = None) -> list:
     """The deployments of a prefect.yaml as RunnerDeployments for ``prefect.serve`` (entrypoints are
-    relative to the file's directory)."""
+    relative to the file's directory), with ``with_overrides``' ``preset`` and ``interval``."""
     from prefect.flows import load_flow_from_entrypoint
 
     path = Path(path).resolve()
@@ -141,6 +166,7 @@ def runner_deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] 
     for d in load_config(path)["deployments"]:
         if names and d["name"] not in names:
             continue
+        d = with_overrides(d, preset, interval)
         file, fn = d["entrypoint"].rsplit(":", 1)
         fl = load_flow_from_entrypoint(f"{path.parent / file}:{fn}")
         out.append(fl.to_deployment(

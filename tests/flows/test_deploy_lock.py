@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 
 from flows.deploy import (DEFAULT_FILE, iterations_done, load_config, lock_path, resolve_settings, run_lock,
                           runner_deployments)
@@ -149,3 +150,16 @@ def test_deploy_without_server_says_how_to_start_one(monkeypatch, capsys):
     with temporary_settings(restore_defaults={PREFECT_API_URL}):  # even inside a session's test harness
         assert main(["deploy"]) == 2
     assert "prefect server start" in capsys.readouterr().err
+
+
+def test_serve_overrides_the_preset_and_the_interval_without_editing_the_file():
+    deps = {d.name: d for d in runner_deployments(DEFAULT_FILE, preset="tiny", interval=60)}
+    for name in ("prepare", "rl-run", "rl-continue"):
+        model = deps[name].parameters["settings"]["model"]
+        assert model == {"preset": "tiny", "source": "init:tiny:0"}, model
+    (sched,) = deps["rl-continue"].schedules
+    assert sched.schedule.interval.total_seconds() == 60 and sched.parameters == {"run_id": "demo"}
+    # the file itself is what it was
+    assert {d.name: d for d in runner_deployments(DEFAULT_FILE)}["rl-run"].parameters["settings"]["model"]["preset"] == "small"
+    with pytest.raises(ValueError, match="--interval 0"):
+        runner_deployments(DEFAULT_FILE, interval=0)
