@@ -169,6 +169,9 @@ class RolloutSettings(_Section):
 
 # How the per-token GRPO losses of a minibatch add up (k3core.rl.grpo.loss_weights).
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-sum")
+# Rollout correction (k3core/rl/correction.py): the importance weight's level and the rejection's.
+IS_LEVELS = ("token", "sequence", "none")
+RS_LEVELS = ("none", "token", "sequence", "geometric")
 
 
 @dataclass
@@ -181,6 +184,14 @@ class GRPOSettings(_Section):
     clip_eps_high: float = _float(0.28, "clip-eps-high", "PPO clip above: ratio <= 1 + eps_high", min=0.0)
     tis_cap: float = _float(2.0, "tis-cap", "cap of the truncated importance weight min(p_trainer/p_rollout, cap), "
                             "which corrects the rollout engine's mismatch (> 0)")
+    rollout_is: str = _str("token", "rollout-is", "importance weight against the rollout engine, truncated at "
+                           "--tis-cap: token (min(rho_t, cap), TIS), sequence (min(prod rho, cap) for every token "
+                           "of the sequence) or none (k3core/rl/correction.py)")
+    rollout_rs: str = _str("none", "rollout-rs", "rejection of tokens whose rollout ratio leaves [--rs-low, "
+                           "--rs-high]: none, token (IcePop-style), sequence (the product of the sequence's "
+                           "ratios, MIS) or geometric (their geometric mean); rejected tokens leave the loss mask")
+    rs_low: float = _float(0.5, "rs-low", "lower end of --rollout-rs's band (0: upper bound only)", min=0.0)
+    rs_high: float = _float(2.0, "rs-high", "upper end of --rollout-rs's band", min=0.0)
     max_grad_norm: float = _float(1.0, "max-grad-norm", "gradient clipping norm", min=0.0)
     routing_replay: bool = _bool(True, "routing-replay", "train through the experts the rollout engine chose")
     qat: bool = _bool(False, "qat", "MXFP4 fake-quantised routed experts in the trainer (straight-through); saved "
@@ -223,6 +234,13 @@ class GRPOSettings(_Section):
                        f"{', '.join(LOSS_AGGREGATIONS)}")
         if isinstance(self.tis_cap, (int, float)) and math.isfinite(self.tis_cap) and not self.tis_cap > 0:
             out.append(f"--tis-cap must be > 0, got {self.tis_cap!r}")
+        if isinstance(self.rollout_is, str) and self.rollout_is not in IS_LEVELS:
+            out.append(f"--rollout-is {self.rollout_is!r}: choose one of {', '.join(IS_LEVELS)}")
+        if isinstance(self.rollout_rs, str) and self.rollout_rs not in RS_LEVELS:
+            out.append(f"--rollout-rs {self.rollout_rs!r}: choose one of {', '.join(RS_LEVELS)}")
+        if (isinstance(self.rs_low, (int, float)) and isinstance(self.rs_high, (int, float))
+                and not self.rs_low < self.rs_high):
+            out.append(f"--rs-low {self.rs_low!r} must be below --rs-high {self.rs_high!r}")
         if isinstance(self.clip_eps_low, (int, float)) and self.clip_eps_low >= 1:
             out.append(f"--clip-eps-low must be < 1 (the ratio's lower bound is 1 - eps), got {self.clip_eps_low!r}")
         if isinstance(self.max_staleness, int) and self.max_staleness > 1:

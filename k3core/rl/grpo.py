@@ -139,12 +139,14 @@ def merge_stats(parts: list[GRPOStats]) -> GRPOStats:
 def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, clip_eps_low: float = 0.2, clip_eps_high: float = 0.28,
               tis_cap: float | None = 2.0, weights: torch.Tensor | None = None, logp_ref: torch.Tensor | None = None,
-              kl_coef: float = 0.0) -> tuple[torch.Tensor, GRPOStats]:
+              kl_coef: float = 0.0, is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, GRPOStats]:
     """Token tensors ``[B, T]``; advantages ``[B]`` (per sequence) or ``[B, T]``; mask ``[B, T]`` of
     generated (trained) tokens; ``weights`` ``[B, T]``: the aggregation weights (``loss_weights``;
     default token-mean over ``mask``); ``logp_ref`` ``[B, T]``: the frozen reference's log-probabilities
     (``kl_ref`` is reported whenever it is given; the penalty ``kl_coef * k3_ref`` joins the loss when
-    ``kl_coef`` > 0, which needs it). Returns the scalar loss ``sum(loss_tok * weights)`` and detached
+    ``kl_coef`` > 0, which needs it); ``is_weights`` ``[B, T]``: the importance weights of another
+    rollout correction (``k3core.rl.correction``; detached) in place of token TIS ``min(rho, tis_cap)``,
+    with its rejected tokens already out of ``mask``. Returns the scalar loss ``sum(loss_tok * weights)`` and detached
     statistics (means over the masked tokens)."""
     if not (logp.shape == logp_old.shape == logp_rollout.shape == mask.shape):
         raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, logp_old {tuple(logp_old.shape)}, "
@@ -166,7 +168,12 @@ def grpo_loss(logp: torch.Tensor, logp_old: torch.Tensor, logp_rollout: torch.Te
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * A
     log_rho = (logp_old - logp_rollout).masked_fill(m == 0, 0.0)
     rho = torch.exp(log_rho)
-    w = rho if tis_cap is None else rho.clamp(max=tis_cap)
+    if is_weights is not None:
+        if is_weights.shape != mask.shape:
+            raise ValueError(f"is_weights have shape {tuple(is_weights.shape)}, the mask {tuple(mask.shape)}")
+        w = is_weights.detach().float()
+    else:
+        w = rho if tis_cap is None else rho.clamp(max=tis_cap)
     per_tok = -w * torch.minimum(unclipped, clipped)
     kl_tok = None
     if logp_ref is not None:

@@ -301,6 +301,19 @@ def old_logprobs(model: K3ForCausalLM, seqs: list[RLSequence], cfg: GRPOSettings
     return out
 
 
+def _correction(seqs: list[RLSequence], old: list[torch.Tensor], cfg: GRPOSettings):
+    """The batch's rollout correction (``k3core.rl.correction``) from the trainer's ``logp_old`` and
+    the engine's log-probabilities of each sequence's trained tokens."""
+    from k3core.rl.correction import rollout_correction
+
+    log_rho = []
+    for s, lp in zip(seqs, old):
+        roll = (torch.tensor(s.rollout_logprobs, dtype=torch.float32)[s.trained()] if s.rollout_logprobs is not None
+                else torch.zeros(s.n_trained))
+        log_rho.append(lp.float() - roll)
+    return rollout_correction(log_rho, cfg.rollout_is, cfg.tis_cap, cfg.rollout_rs, cfg.rs_low, cfg.rs_high)
+
+
 _PER_UPDATE = ("loss", "clip_fraction", "approx_kl", "kl_ref", "ratio_mean", "ratio_std", "ratio_min", "ratio_max",
                "grad_norm", "tokens", "sequences", "micro_batches")
 
@@ -339,7 +352,9 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
                          "(run the reference_logprobs stage on it, or set kl_coef 0)")
     if cfg.loss_aggregation == "seq-sum" and seq_sum_norm is None:
         seq_sum_norm = max(s.n_trained for s in seqs)
-    old = old_logprobs(model, seqs, cfg, pad_id, temperature, dp) if n_updates > 1 else None
+    corrected = (cfg.rollout_is, cfg.rollout_rs) != ("token", "none")  # another correction than token TIS
+    old = old_logprobs(model, seqs, cfg, pad_id, temperature, dp) if n_updates > 1 or corrected else None
+    corr = _correction(seqs, old, cfg) if corrected else None
     counts_old = old is not None and (dp is None or dp.rank == 0)  # the group's tokens, counted once
     forwarded = sum(_input_len(s) for s in seqs) if counts_old else 0
     model.train()
@@ -351,7 +366,8 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
         order = torch.randperm(len(seqs)).tolist() if n_mb > 1 else list(range(len(seqs)))
         for mb in (order[k * len(order) // n_mb:(k + 1) * len(order) // n_mb] for k in range(n_mb)):
             mseqs = [seqs[i] for i in mb]
-            tokens = sum(s.n_trained for s in mseqs)
+            tokens = sum(s.n_trained for s in mseqs) if corr is None else sum(int(corr.keep[i].sum()) for i in mb)
+            n_seqs = len(mseqs) if corr is None else sum(bool(corr.keep[i].any()) for i in mb)
             optimizer.zero_grad(set_to_none=True)
             parts = []
             micro = micro_batches([_input_len(s) for s in mseqs], cfg.micro_batch_tokens, cfg.packing)
@@ -366,13 +382,20 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
                     host = torch.zeros(logp.shape, dtype=logp.dtype)
                     host[batch["gen_mask"]] = torch.cat([old[mb[j]] for j in idx])
                     logp_old = to_device(host, dev)
-                w = loss_weights(mask, cfg.loss_aggregation, tokens=tokens, sequences=len(mseqs), norm=seq_sum_norm,
+                is_w = None
+                if corr is not None:  # rejected tokens leave the mask before the weights are fixed
+                    keep, is_w = (torch.zeros(logp.shape, dtype=torch.bool), torch.zeros(logp.shape))
+                    keep[batch["gen_mask"]] = torch.cat([corr.keep[mb[j]] for j in idx])
+                    is_w[batch["gen_mask"]] = torch.cat([corr.weights[mb[j]] for j in idx])
+                    mask = mask & to_device(keep, dev)
+                    is_w = to_device(is_w, dev)
+                w = loss_weights(mask, cfg.loss_aggregation, tokens=tokens, sequences=n_seqs, norm=seq_sum_norm,
                                  seq_ids=batch["seq_ids"])  # on the host: its largest id is read there
                 ref = batch["ref_logprobs"]
                 loss, st = grpo_loss(logp, logp_old, to_device(batch["rollout_logprobs"], dev),
                                      to_device(batch["advantages"], dev), mask, cfg.clip_eps_low, cfg.clip_eps_high,
                                      cfg.tis_cap, weights=w, logp_ref=None if ref is None else to_device(ref, dev),
-                                     kl_coef=cfg.kl_coef)
+                                     kl_coef=cfg.kl_coef, is_weights=is_w)
                 if dp is not None:  # FSDP2 averages the ranks' gradients: scale back to their sum
                     loss = loss * (0.0 if stand_in else dp.world)
                 if epoch == 0 and not stand_in:  # the statistic stays on the device until the step's end
@@ -410,6 +433,8 @@ def grpo_train_step(model: K3ForCausalLM, optimizer: torch.optim.Optimizer, seqs
     batch_stats = merge_stats(first_pass)
     m = {k: getattr(batch_stats, k) for k in ("kl_rollout_trainer_k3", "kl_rollout_trainer_k1", "tis_weight_mean",
                                               "tis_truncated_fraction", "tokens")}
+    if corr is not None:  # the mismatch over every token, rejected ones too; masked fractions, ratio quantiles
+        m.update(corr.stats)
     for k in ("loss", "clip_fraction", "approx_kl", "kl_ref", "ratio_std", "grad_norm"):
         vals = [u[k] for u in updates]
         m.update({k: sum(vals) / len(vals), f"{k}_first": vals[0], f"{k}_last": vals[-1]})

@@ -561,3 +561,68 @@ def test_lr_warmup_ramps_then_holds_and_continues_after_a_reload():
     again = torch.optim.Adam([torch.nn.Parameter(torch.zeros(5))], lr=0.1)
     again.load_state_dict(half.state_dict())
     assert warmup_factor(again, 4) == pytest.approx(3 / 4) and warmup_factor(again, 0) == 1.0
+
+
+# ------------------------------------------------------------------ rollout corrections (IcePop, MIS, ...)
+# Token ratios rho = exp(-delta): A e, 0.670, 1.221, 1 (product e^0.8 = 2.226, geometric mean e^0.2);
+# B 0.497, 3.669, 0.905 (product e^0.5 = 1.649, geometric mean e^(1/6) = 1.181).
+RHO_A, RHO_B = [math.exp(-d) for d in DELTA_A], [math.exp(-d) for d in DELTA_B]
+
+
+def _corrected(name):
+    """(settings, per-token weight of A and of B with rejected tokens at 0, aggregation weights of A and
+    B), each written from the correction's definition on the ratios above."""
+    a_prod, b_prod = math.exp(0.8), math.exp(0.5)
+    cases = {
+        # IcePop: 1[0.5 <= rho <= 2] rho (a cap at the band's top never engages); kept A 0.670, 1.221,
+        # 1 and B 0.905: 4 tokens
+        "icepop": ({"rollout_rs": "token", "rs_low": 0.5, "rs_high": 2.0, "tis_cap": 2.0},
+                   [[r if 0.5 <= r <= 2 else 0.0 for r in RHO_A], [r if 0.5 <= r <= 2 else 0.0 for r in RHO_B]],
+                   (1 / 4, 1 / 4)),
+        # sequence TIS: min(prod rho, 2) on every token of the sequence, nothing rejected
+        "sequence-tis": ({"rollout_is": "sequence", "tis_cap": 2.0},
+                         [[min(a_prod, 2.0)] * 4, [min(b_prod, 2.0)] * 3], (1 / 7, 1 / 7)),
+        # MIS: the sequence ratio where it is <= 2, the sequence dropped otherwise: A (2.226) goes, B stays
+        "mis": ({"rollout_is": "sequence", "rollout_rs": "sequence", "rs_low": 0.0, "rs_high": 2.0, "tis_cap": 2.0},
+                [[0.0] * 4, [b_prod] * 3], (1 / 3, 1 / 3)),
+        # geometric-mean masking with a band [1.2, 1.3] (A's 1.221 in, B's 1.181 out) beside token TIS;
+        # every sequence counts the same over the kept: one sequence of 4 tokens
+        "geometric": ({"rollout_rs": "geometric", "rs_low": 1.2, "rs_high": 1.3, "tis_cap": 2.0,
+                       "loss_aggregation": "seq-mean-token-mean"},
+                      [[min(r, 2.0) for r in RHO_A], [0.0] * 3], (1 / 4, 1 / 4)),
+    }
+    return cases[name]
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize("name", ["icepop", "sequence-tis", "mis", "geometric"])
+def test_rollout_corrections_match_their_definitions(name, packing):
+    """Each correction's on-policy update against its formula: the loss is
+    -sum_seq weight_seq * sum_tokens w_t A (a number independent of the model), rejected tokens count in
+    no denominator, and every parameter moves by the gradient of that loss."""
+    tr = _train()
+    settings, ws, (ka, kb) = _corrected(name)
+    m = _model()
+    ra, rb = _routing(len(PROMPT_A) + len(OUT_A) - 1, 1), _routing(len(PROMPT_B) + len(OUT_B) - 1, 2)
+    m.train()
+    lp_a = _generated(_forced_alone(m, PROMPT_A, OUT_A, ra), PROMPT_A, OUT_A, 1.0)[0]
+    lp_b = _generated(_forced_alone(m, PROMPT_B, OUT_B, rb), PROMPT_B, OUT_B, 1.0)[0]
+    pg = -(ka * (torch.tensor(ws[0]) * ADV_A * lp_a).sum() + kb * (torch.tensor(ws[1]) * ADV_B * lp_b).sum())
+    names = [n for n, p in m.named_parameters() if p.requires_grad]
+    grads = torch.autograd.grad(pg, [p for p in m.parameters() if p.requires_grad], allow_unused=True)
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    rollouts = [lp_a.detach() + torch.tensor(DELTA_A), lp_b.detach() + torch.tensor(DELTA_B)]
+    seqs = [tr.RLSequence(PROMPT_A, OUT_A, rollouts[0].tolist(), ADV_A, ra),
+            tr.RLSequence(PROMPT_B, OUT_B, rollouts[1].tolist(), ADV_B, rb)]
+    metrics = _step(m, torch.optim.SGD(m.parameters(), lr=1.0), seqs, temperature=1.0, max_grad_norm=1e9,
+                    packing=packing, **settings)
+    want = -(ka * ADV_A * sum(ws[0]) + kb * ADV_B * sum(ws[1]))
+    assert metrics["loss"] == pytest.approx(want, rel=1e-4, abs=1e-6)
+    kept = sum(w != 0.0 for w in ws[0] + ws[1])
+    assert metrics["tokens"] == kept and metrics["rs_masked_fraction"] == pytest.approx(1 - kept / 7)
+    # the mismatch is still measured over every token, the rejected ones too: k1 = mean(delta)
+    assert metrics["kl_rollout_trainer_k1"] == pytest.approx(sum(DELTA_A + DELTA_B) / 7, rel=1e-4, abs=1e-6)
+    assert metrics["ratio_rollout_p50"] == pytest.approx(sorted(RHO_A + RHO_B)[3], rel=1e-4)
+    r = dict(grads={**dict(zip(names, grads)), **{n: None for n, p in m.named_parameters() if not p.requires_grad}},
+             before=before, after={n: p.detach().clone() for n, p in m.named_parameters()}, lr=1.0)
+    _check_update(r, coef=1.0)
