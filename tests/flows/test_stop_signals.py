@@ -11,7 +11,11 @@ import time
 
 import pytest
 
-STOPPED = [("rollout-iter1", "sigterm", 143), ("score_rewards-iter1", "sigint", 130), ("warmup", "sigterm", 143)]
+# prepare, a stage of the loop, the train step (the live trainer in this process), and the trainer-state
+# save that runs behind the next rollout on a thread of its own (the signal reaches the main thread while
+# that thread writes)
+STOPPED = [("rollout-iter1", "sigterm", 143), ("score_rewards-iter1", "sigint", 130), ("warmup", "sigterm", 143),
+           ("train_step-iter1", "sigint", 130), ("save_checkpoint-iter0", "sigterm", 143)]
 
 
 @pytest.fixture(scope="module")
