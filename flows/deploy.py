@@ -8,7 +8,7 @@ it to ``prefect deploy --all``, and ``k3rl serve`` builds the same deployments f
 
 No-overlap contract of ``rl_continue``: a tick holds the run's lock (``flows/runlock.py``: an
 exclusive, non-blocking ``flock`` on ``<artifacts>/runs/<run_id>/.lock``) for the whole iteration. A
-tick that finds it held does nothing and ends ``Cancelled`` with a log line naming the lock. A file
+tick that finds it held does nothing and ends ``Skipped`` (a Completed state) with one warning naming the lock. A file
 lock rather than a Prefect global concurrency limit: it needs no server-side setup (a missing limit
 is not created by ``concurrency(..., strict=False)``: it is just not enforced), it also holds for
 ``rl_continue`` called without a server, and a crashed holder releases it at once (a lease would
@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.states import Cancelled
+from prefect.states import Completed
 
 from flows.pipeline import rl_run
 from flows.runlock import iterations_done, lock_path, run_lock  # noqa: F401 (public here too)
@@ -75,7 +75,7 @@ def rl_continue(run_id: str = "demo", artifacts: str = "./artifacts", iterations
                 settings: RLSettings | None = None):
     """Continue run ``run_id`` by ``iterations_per_tick`` RL iterations: read how many are done from
     ``latest.json``, then ``rl_run`` with ``iterations = done + iterations_per_tick`` and the same run id
-    (cached stages are skipped). A tick that finds the run busy ends Cancelled without doing anything.
+    (cached stages are skipped). A tick that finds the run busy ends Skipped (Completed) without doing anything.
     Returns ``rl_run``'s summary."""
     log = get_run_logger()
     if iterations_per_tick < 1:
@@ -86,7 +86,9 @@ def rl_continue(run_id: str = "demo", artifacts: str = "./artifacts", iterations
             msg = (f"run '{run_id}' is busy (pid {held.holder or '?'} holds {held.path}: another tick or a `k3rl run`); "
                    "skipping this tick")
             log.warning(msg)
-            return Cancelled(message=msg)
+            # a Completed state named Skipped: a returned Cancelled state makes Prefect's runner log a
+            # CancelledRun traceback for a tick that did nothing wrong
+            return Completed(name="Skipped", message=msg)
         if held.took_over_from:
             log.warning(f"run '{run_id}': took over {held.path} from pid {held.took_over_from}, which died holding it")
         s, warnings = resolve_settings(run_id, artifacts, settings)
