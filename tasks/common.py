@@ -333,6 +333,7 @@ class Stage:
         opts = stage_options(result_root_for(run.artifacts))
         opts.update(self.options)
         fn = self.fn if faults.SPEC is None else _fault_points(self.fn, name, self.key)
+        fn = _stamped(fn, name, tuple(inputs))
         task = MaterializingTask(fn=fn, name=self.fn.__name__, task_run_name=name, assets=outputs,
                                  asset_deps=inputs or None, **opts)
         return task, name, inputs
@@ -369,9 +370,7 @@ class Stage:
         if probe is not None:
             peaks[self.key] = peaks[self.key].merged(probe.peak) if self.key in peaks else probe.peak
         if isinstance(out, Artifact):
-            run_id = state.state_details.task_run_id
-            out = dataclasses.replace(_localized(run, out), produced_by=name, inputs=tuple(inputs),
-                                      produced_by_id=str(run_id) if run_id else "")
+            out = _producer(_localized(run, out), name, tuple(inputs), state.state_details.task_run_id)
         return out
 
     def submit(self, *args: Any, **kwargs: Any) -> StageFuture:
@@ -381,6 +380,35 @@ class Stage:
         task, name, inputs = self.task(*args, **kwargs)
         return StageFuture(task.submit(*args, **kwargs), name, tuple(inputs), self.key, time.perf_counter(),
                            self.run_of(*args, **kwargs))
+
+
+def _stamped(fn: Callable, name: str, inputs: tuple[str, ...]) -> Callable:
+    """``fn`` whose returned ``Artifact`` names the task run that made it (``produced_by_id``) inside
+    the result Prefect persists. A cache hit then returns the producer's id, not the id of the task run
+    that found the result: the lineage links to the run that made each artifact, and a later stage's
+    input (this handle) is the same on every tick, so its cache key is too and it is a cache hit (no
+    new materialization event) instead of a body that runs again to find its published work.
+    ``functools.wraps`` keeps the source the ``TASK_SOURCE`` cache key hashes."""
+
+    @functools.wraps(fn)
+    def body(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if isinstance(out, Artifact):
+            from prefect.context import TaskRunContext
+
+            ctx = TaskRunContext.get()
+            out = dataclasses.replace(out, produced_by=name, inputs=inputs,
+                                      produced_by_id=str(ctx.task_run.id) if ctx is not None else "")
+        return out
+
+    return body
+
+
+def _producer(out: Artifact, name: str, inputs: tuple[str, ...], task_run_id) -> Artifact:
+    """The stage's handle with its lineage: the producer's task run id as recorded in the result (a
+    cache hit keeps the run that made it), else this task run's."""
+    run_id = out.produced_by_id or (str(task_run_id) if task_run_id else "")
+    return dataclasses.replace(out, produced_by=name, inputs=inputs, produced_by_id=run_id)
 
 
 def _fault_points(fn: Callable, name: str, key: str) -> Callable:
@@ -426,9 +454,7 @@ class StageFuture:
             seconds[f"{self.key}_wait"] = seconds.get(f"{self.key}_wait", 0.0) + t1 - t0
             seconds[f"{self.key}_ahead"] = seconds.get(f"{self.key}_ahead", 0.0) + (self._done_at or t1) - self._submitted
         if isinstance(out, Artifact):
-            run_id = getattr(self.future, "task_run_id", None)
-            out = dataclasses.replace(_localized(self.run, out), produced_by=self.name, inputs=self.inputs,
-                                      produced_by_id=str(run_id) if run_id else "")
+            out = _producer(_localized(self.run, out), self.name, self.inputs, getattr(self.future, "task_run_id", None))
         return out
 
 

@@ -44,3 +44,20 @@ def test_ten_ticks_create_the_same_flow_runs_and_artifacts_each(tmp_path, prefec
     assert len(set(flow_runs[1:])) == 1, flow_runs
     assert len(set(artifacts[1:])) == 1, artifacts
     assert flow_runs[1] <= 4, flow_runs  # rl_continue, rl_run, prepare (all cached), rl_iteration
+    # prepare's stages ran once: every later tick's is a cache hit (which records no materialization
+    # event), and the lineage names the task runs of the first tick, the ones that made the artifacts
+    import json
+    from pathlib import Path
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
+
+    lineage = json.loads((Path(root) / "runs" / "ticks" / "lineage.json").read_text())
+    made = {a["produced_by"]: a["produced_by_id"] for a in lineage["prepare"]}
+    with get_client(sync_client=True) as client:
+        for name in ("fetch_checkpoint", "validate_checkpoint", "warmup", "quantize_mxfp4"):
+            runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])))
+            states = sorted(r.state.name for r in runs)
+            assert len(runs) == TICKS and states == ["Cached"] * (TICKS - 1) + ["Completed"], (name, states)
+            first = next(r for r in runs if r.state.name == "Completed")
+            assert made[name] == str(first.id), (name, made[name])
