@@ -97,7 +97,15 @@ def rl_continue(run_id: str = "demo", artifacts: str = "./artifacts", iterations
         done = iterations_done(artifacts, run_id)
         target = done + iterations_per_tick
         log.info(f"run '{run_id}': {done} iterations done, continuing to {target}")
-        return rl_run(s.replace(iterations=target))
+        summary = rl_run(s.replace(iterations=target))
+        from prefect.artifacts import create_markdown_artifact
+
+        from flows.reports import artifact_key, tick_markdown
+
+        # the reports sit on the rl_run subflow: the tick's own flow run links to them
+        create_markdown_artifact(tick_markdown(run_id, summary), key=artifact_key("tick", run_id),
+                                 description=f"run {run_id}: this tick, and links to the run's reports")
+        return summary
 
 
 # -------------------------------------------------------------------------------------- deployments

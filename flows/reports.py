@@ -161,6 +161,18 @@ def task_run_link(a: Artifact, text: str | None = None, ui: str = "") -> str:
     return f"[{name}]({ui}/runs/task-run/{a.produced_by_id})" if a.produced_by_id else name
 
 
+def tick_markdown(run_id: str, summary: dict) -> str:
+    """The note a scheduled tick (``rl_continue``) leaves on its own flow run: where the run stands and
+    links to the run's reports, which sit on the ``rl_run`` subflow it called."""
+    ui = _ui_base()
+    kinds = ("metrics", "lineage", "curves", "checkpoints", "progress")
+    links = " | ".join(f"[rl-{k}]({ui}/artifacts/key/{artifact_key(k, run_id)})" for k in kinds)
+    held = summary.get("heldout_reward_end")
+    return (f"### run `{run_id}`: {summary.get('iterations', '?')} iterations done\n\n"
+            + (f"- held-out reward at the end: {table_number(held)}\n" if isinstance(held, float) else "")
+            + f"- the run's reports: {links}\n")
+
+
 def lineage_markdown(s: RLSettings, lineage: list[Artifact]) -> str:
     """The ``rl-lineage`` table: one row per artifact, oldest first. *produced by* links to the task
     run that published the artifact, each input to the task run that published that input."""

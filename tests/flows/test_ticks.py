@@ -61,3 +61,13 @@ def test_ten_ticks_create_the_same_flow_runs_and_artifacts_each(tmp_path, prefec
             assert len(runs) == TICKS and states == ["Cached"] * (TICKS - 1) + ["Completed"], (name, states)
             first = next(r for r in runs if r.state.name == "Completed")
             assert made[name] == str(first.id), (name, made[name])
+        # each tick's own flow run (rl_continue) carries a note linking to the run's reports
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        notes = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rl-tick-ticks"])))
+        ticks = {str(f.id) for f in client.read_flow_runs() if f.name and f.flow_id and f.state and
+                 client.read_flow(f.flow_id).name == "rl_continue"}
+        assert len(notes) == TICKS and {str(n.flow_run_id) for n in notes} == ticks, (len(notes), len(ticks))
+        assert all("/artifacts/key/rl-metrics-ticks" in n.data for n in notes)
+        done = sorted(int(n.data.split("`: ")[1].split()[0]) for n in notes)  # "### run `ticks`: N iterations done"
+        assert done == list(range(1, TICKS + 1)), done
