@@ -3,6 +3,8 @@ adds one iteration per tick without replaying the past ones, so the Prefect flow
 versions each tick creates stay constant (a replayed run made a new subflow per past iteration and
 republished every report, so its counts grew with every tick). Embedded Prefect, tiny preset."""
 
+from datetime import datetime, timezone
+
 import pytest
 
 from flows.deploy import iterations_done, rl_continue
@@ -30,6 +32,10 @@ def test_ten_ticks_create_the_same_flow_runs_and_artifacts_each(tmp_path, prefec
                                      mismatch_sequences=0))
     root = str(tmp_path)
     per_tick = []
+    # the embedded server is shared by the tests of one xdist worker: what is read below is only
+    # what this test made (other tests' runs also have fetch_checkpoint task runs and rl_continue
+    # flow runs)
+    t0 = datetime.now(timezone.utc)
     before = _counts()
     for tick in range(TICKS):
         engines.clear()  # each tick is a fresh process on a worker
@@ -56,7 +62,8 @@ def test_ten_ticks_create_the_same_flow_runs_and_artifacts_each(tmp_path, prefec
     made = {a["produced_by"]: a["produced_by_id"] for a in lineage["prepare"]}
     with get_client(sync_client=True) as client:
         for name in ("fetch_checkpoint", "validate_checkpoint", "warmup", "quantize_mxfp4"):
-            runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])))
+            runs = [r for r in client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=[name])))
+                    if r.created >= t0]
             states = sorted(r.state.name for r in runs)
             assert len(runs) == TICKS and states == ["Cached"] * (TICKS - 1) + ["Completed"], (name, states)
             first = next(r for r in runs if r.state.name == "Completed")
@@ -64,9 +71,12 @@ def test_ten_ticks_create_the_same_flow_runs_and_artifacts_each(tmp_path, prefec
         # each tick's own flow run (rl_continue) carries a note linking to the run's reports
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-        notes = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rl-tick-ticks"])))
-        ticks = {str(f.id) for f in client.read_flow_runs() if f.name and f.flow_id and f.state and
-                 client.read_flow(f.flow_id).name == "rl_continue"}
+        notes = [n for n in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["rl-tick-ticks"])))
+                 if n.created >= t0]
+        from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+        ticks = {str(f.id) for f in client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["rl_continue"])))
+                 if f.created >= t0}
         assert len(notes) == TICKS and {str(n.flow_run_id) for n in notes} == ticks, (len(notes), len(ticks))
         assert all("/artifacts/key/rl-metrics-ticks" in n.data for n in notes)
         done = sorted(int(n.data.split("`: ")[1].split()[0]) for n in notes)  # "### run `ticks`: N iterations done"

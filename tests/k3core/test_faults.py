@@ -84,7 +84,8 @@ def test_unset_the_stage_body_is_the_tasks_function(tmp_path, monkeypatch):
     rollouts = Artifact(kind="rollouts", uri=run.uri(run.iter_rel(0, "rollouts.parquet")), path="", sha256="")
     monkeypatch.setattr(faults, "SPEC", None)
     args = (run, 0, rollouts, 2)
-    assert score_rewards.task(*args)[0].fn is score_rewards.fn
+    # the task's body is the stage function under one layer (the lineage stamp, tasks.common._stamped)
+    assert score_rewards.task(*args)[0].fn.__wrapped__ is score_rewards.fn
     monkeypatch.setattr(faults, "SPEC", ("score_rewards-iter0", "after-publish"))
     wrapped = score_rewards.task(*args)[0].fn
-    assert wrapped is not score_rewards.fn and wrapped.__wrapped__ is score_rewards.fn
+    assert wrapped.__wrapped__ is not score_rewards.fn and wrapped.__wrapped__.__wrapped__ is score_rewards.fn
