@@ -26,10 +26,13 @@ With ``--refill-rounds`` (dynamic sampling), rollout and score run again on new 
 With ``--kl-coef`` > 0, ``reference_logprobs`` computes the frozen reference's (the run's starting
 policy) log-probabilities of the batch (``ref-logprobs.parquet``) for the train step's KL penalty.
 
-With ``--max-staleness 1`` (one-step-off-policy), iteration N's batch was sampled by version N-1:
-iteration N submits the rollout of N+1 on the engine at version N to the flow's task runner, trains
-beside it, and joins it before the transfer moves the engine to N+1. A batch sampled ahead is a
-published artifact like any other: a resumed run finds it and trains on it, never samples it again.
+With ``--max-staleness K`` (K = 1: one-step-off-policy), iteration N's batch was sampled by version
+max(0, N-K): iteration N submits the rollout of N+K on the engine at version N to the flow's task
+runner, trains beside it, and joins it before the transfer moves the engine to N+1 (one engine serves
+one version); the batches of iterations 1..K-1 are sampled in line by version 0. The batches sampled
+ahead are published artifacts like any other, a buffer on disk: a resumed run finds them and trains
+on them in order, never samples them again. The schedule of versions is fixed by N and K alone, so a
+run is reproducible at every K.
 """
 
 from __future__ import annotations
@@ -140,18 +143,24 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                  behind: Artifact | None = None) -> Iteration:
     """One iteration (the module's diagram). ``policy``: the trainer's weights at the version the
     engine serves (``weights``); ``reference``: the frozen policy of the KL penalty (``kl_coef`` > 0);
-    ``rollouts``: this iteration's batch when the previous iteration sampled it ahead, else sampled
-    here by ``behind`` (the version before ``weights``) or, without it, by ``weights``."""
+    ``rollouts``: this iteration's batch when an earlier iteration sampled it ahead, else sampled
+    here by ``behind`` (``sampled_by``: the version ``max_staleness`` before this one) or, without
+    it, by ``weights``. Under ``max_staleness`` K the batch of iteration N+K is sampled here, at this
+    version, beside the stages up to the save (the one engine serves one version: the transfer waits
+    for it)."""
     s, run, t0 = settings, Run.of(settings), time.perf_counter()
-    ahead = s.grpo.max_staleness > 0 and iteration + 1 < s.pipeline.iterations
+    lag = s.grpo.max_staleness
+    ahead = lag > 0 and iteration + lag < s.pipeline.iterations
     with stage_timings() as seconds, stage_memory() as peaks:
         heldout = (evaluate(run, f"iter{iteration}", weights, s.evaluation.prompts, s.rollout, s.reward)
                    if s.evaluation.due(iteration) else {})
         batch = sample_round(s, run, iteration, behind or weights, Batch(s.rollout, data_position(policy)), rollouts)
         batch = refill(s, run, iteration, weights, batch)
-        if ahead:  # the next batch, at this version, beside the stages up to the save (the engine made ready here)
+        if ahead:  # batch N+K, at this version, beside the stages up to the save (the engine made ready here);
+            # with K > 1 no refill rounds (refused up front), so each batch after this one starts P prompts on
             rollout_client(run, weights, s.rollout.url)
-            pending = rollout.submit(run, iteration + 1, weights, s.rollout, cursor=batch.next_position)
+            cursor = batch.next_position + (lag - 1) * s.rollout.prompts_per_iteration
+            pending = rollout.submit(run, iteration + lag, weights, s.rollout, cursor=cursor)
         mismatch = (rollout_mismatch(run, iteration, policy, batch.rollouts[0], s.evaluation.mismatch_sequences,
                                      s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_due(iteration) else {})
@@ -219,7 +228,11 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     done_before = len(done)
     progress_event("iterations", done=len(done), total=s.pipeline.iterations)
     policy, weights = prep.policy, prep.weights
-    behind = pending = None  # one-step-off-policy: the previous version's weights; a batch sampled ahead
+    # --max-staleness K: the batches sampled ahead, by iteration; the weights of each version, which
+    # sample a batch that no earlier iteration sampled ahead (``sampled_by``): served by this process,
+    # or on record (a resumed run's checkpoints, localized when one is used)
+    pending: dict[int, Artifact] = {}
+    served, recorded = {0: prep.weights}, {}
     if done:
         # the recorded handles name the local paths of the machine that made them; on another machine,
         # or after its cache was emptied, the checkpoints read here are downloaded from the root again
@@ -227,8 +240,7 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
         checkpoints = [a for it in done for a in it if a.kind == "dcp" and "manifest" in a.info]
         policy = run.store.localize(checkpoints[-1])
         weights = _served(s, policy)
-        behind = (_served(s, run.store.localize(checkpoints[-2])) if len(checkpoints) > 1 and s.grpo.max_staleness
-                  else prep.weights)
+        recorded = {c.version: c for c in checkpoints}
         log.info(f"run '{run.run_id}': iterations 0-{len(done) - 1} are done, continuing at iteration {len(done)}")
     reference = prep.policy if s.grpo.kl_coef else None
     t_loop = time.perf_counter()
@@ -238,9 +250,13 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
         for n in range(len(done), s.pipeline.iterations):
             saving = write_behind(run, n - 1, unsaved) if unsaved is not None else None
             iterate = rl_iteration if runner is None else rl_iteration.with_options(task_runner=runner())
-            it = iterate(s, n, policy, weights, reference, pending, behind if s.grpo.max_staleness and n else None)
-            behind, pending, unsaved = weights, it.next_rollouts, it.unsaved
-            policy, weights = it.policy, it.weights
+            ahead = pending.pop(n, None)
+            behind = None if ahead is not None else sampled_by(s, run, n, served, recorded)
+            it = iterate(s, n, policy, weights, reference, ahead, behind)
+            if it.next_rollouts is not None:
+                pending[n + s.grpo.max_staleness] = it.next_rollouts
+            unsaved, policy, weights = it.unsaved, it.policy, it.weights
+            served[n + 1] = weights
             unrecorded.append((it.metrics, it.lineage))
             for saved in (joined(saving, it.metrics), it.saved):  # durable up to its version: record up to it
                 if saved is not None:
@@ -259,6 +275,24 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
     trackers.log_summary(summary, step=len(history))
     trackers.close()
     return summary
+
+
+def sampled_by(s: RLSettings, run: Run, iteration: int, served: dict[int, Artifact],
+               recorded: dict[int, Artifact]) -> Artifact | None:
+    """The weights that sample ``iteration``'s batch when no earlier iteration sampled it ahead
+    (iterations before the K-th, or a resumed run's first K): version max(0, N - K) under
+    ``max_staleness`` K, None when synchronous (the iteration's own weights). A resumed run knows the
+    versions on record only: the oldest at or after that one (``--save-every`` writes every S-th
+    state), so the lag stays within K. A batch published before the kill is found, not sampled again,
+    whatever these weights are."""
+    lag = s.grpo.max_staleness
+    if not lag or not iteration:
+        return None
+    want = max(0, iteration - lag)
+    version = min(v for v in {*served, *recorded} if v >= want)
+    if version in served:
+        return served[version]
+    return _served(s, run.store.localize(recorded[version]))
 
 
 def write_behind(run: Run, iteration: int, unsaved: Artifact):

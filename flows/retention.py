@@ -11,8 +11,8 @@ Kept, whatever N is:
 - the newest N checkpoints (with ``--save-every K`` there is one every K versions: the newest N of
   those);
 - the latest (``latest.json``): resume continues from it and the engine serves it;
-- with ``--max-staleness 1``, the one before it: a resumed run samples its next batch with the
-  version before the latest when that batch is not published yet.
+- with ``--max-staleness K``, the K before it: a resumed run samples a batch that is not published
+  yet with the version K before its iteration.
 
 Deleting is safe against crashes and never touches work in flight: pruning runs in the flow after
 an iteration is recorded (``lineage.json``, ``metrics.json``), when no stage is writing, and only
@@ -31,13 +31,15 @@ __all__ = ["checkpoints_to_keep", "prune_checkpoints"]
 
 def checkpoints_to_keep(latest: int, keep: int, max_staleness: int = 0, saved: list[int] | None = None) -> set[int]:
     """Weight versions (1..``latest``) whose checkpoints stay; ``keep`` 0 keeps them all. ``saved``:
-    the versions that have one (default: every version)."""
+    the versions that have one (default: every version). Under ``max_staleness`` K the K before the
+    latest stay too: a resumed run samples a batch it has not published yet with the version K before
+    its iteration."""
     versions = sorted(v for v in (saved if saved is not None else range(1, latest + 1)) if 1 <= v <= latest)
     if latest not in versions:
         versions.append(latest)
     if keep <= 0:
         return set(versions)
-    needed = {latest} | ({versions[-2]} if max_staleness and len(versions) > 1 else set())
+    needed = {latest} | set(versions[-(max_staleness + 1):])
     return set(versions[-keep:]) | needed
 
 

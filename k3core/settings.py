@@ -223,9 +223,10 @@ class GRPOSettings(_Section):
     kl_coef: float = _float(0.0, "kl-coef", "coefficient of the KL penalty to the frozen reference policy (the run's "
                             "starting weights: warmed up, or the source checkpoint), k3 estimator per token; its "
                             "logprobs come from a stage of their own (0: off)", min=0.0)
-    max_staleness: int = _int(0, "max-staleness", "0: synchronous (each batch sampled by the weights it trains); 1: "
-                              "one-step-off-policy (iteration N+1's batch is sampled by version N while iteration N "
-                              "trains, TIS corrects the lag)")
+    max_staleness: int = _int(0, "max-staleness", "K: iteration N trains on a batch sampled by version max(0, N-K), "
+                              "each batch sampled K iterations ahead beside the train steps (0: synchronous; 1: "
+                              "one-step-off-policy); the rollout correction (--rollout-is, --rollout-rs) weighs the "
+                              "lag")
 
     def problems(self) -> list[str]:
         out = super().problems()
@@ -243,8 +244,12 @@ class GRPOSettings(_Section):
             out.append(f"--rs-low {self.rs_low!r} must be below --rs-high {self.rs_high!r}")
         if isinstance(self.clip_eps_low, (int, float)) and self.clip_eps_low >= 1:
             out.append(f"--clip-eps-low must be < 1 (the ratio's lower bound is 1 - eps), got {self.clip_eps_low!r}")
-        if isinstance(self.max_staleness, int) and self.max_staleness > 1:
-            out.append(f"--max-staleness must be 0 (synchronous) or 1 (one-step-off-policy), got {self.max_staleness!r}")
+        if (isinstance(self.max_staleness, int) and isinstance(self.refill_rounds, int) and self.max_staleness > 1
+                and self.refill_rounds):
+            out.append(f"--max-staleness {self.max_staleness} with --refill-rounds {self.refill_rounds}: a batch sampled "
+                       f"{self.max_staleness} iterations ahead starts at a data position that the refill rounds of the "
+                       "batches before it have not fixed yet; use --max-staleness 0 or 1 with refills, or "
+                       "--refill-rounds 0")
         return out
 
 
@@ -454,8 +459,9 @@ class RLSettings:
             cross.append(f"--task-runner {runner} runs rollouts on the {runner.capitalize()} workers' own engines; "
                          f"it cannot be combined with --rollout-url {self.rollout.url}")
         if runner in ("dask", "ray") and self.grpo.max_staleness:
-            cross.append("--max-staleness 1 samples the next batch on this process's engine beside the train step; "
-                         f"it is not combined with --task-runner {runner} yet (use one or the other)")
+            cross.append(f"--max-staleness {self.grpo.max_staleness} samples batches ahead on this process's engine "
+                         f"beside the train step; it is not combined with --task-runner {runner} yet (use one or the "
+                         "other)")
         if self.model.source.startswith("init:") and self.model.source.split(":")[1] != self.model.preset:
             cross.append(f"--source {self.model.source} makes a '{self.model.source.split(':')[1]}' checkpoint but "
                          f"--preset is '{self.model.preset}' (the run validates its checkpoint against the preset): "

@@ -18,7 +18,7 @@ links of the trainer state ``iter-(v-1)/trainer``: its bytes are counted once.
 
 Peak under retention: pruning runs after an iteration is recorded, so while a state is written
 (staging) the kept ones are all still there: ``kept + 1`` states at once, ``kept`` being the newest
-N (``--keep-checkpoints N``), at least the latest, and with ``--max-staleness 1`` also the one
+N (``--keep-checkpoints N``), at least the latest, and with ``--max-staleness K`` also the K
 before it. ``--keep-checkpoints 0`` keeps every state written.
 """
 
@@ -157,7 +157,7 @@ def kept_states(keep: int, max_staleness: int) -> int | None:
     """How many states retention keeps at once (``flows.retention.checkpoints_to_keep``); None: all."""
     if keep <= 0:
         return None
-    return max(keep, 2 if max_staleness else 1)
+    return max(keep, 1 + max_staleness)
 
 
 def states_at_peak(writes: int, existing: int, keep: int, max_staleness: int) -> int:

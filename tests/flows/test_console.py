@@ -125,6 +125,8 @@ def test_heartbeat_names_a_long_stage_in_a_pipe():
     (5, 2, 0, {4, 5}),
     (5, 1, 1, {4, 5}),            # one-step-off-policy: a resumed run may sample with the version before
     (1, 1, 1, {1}),
+    (5, 1, 3, {2, 3, 4, 5}),      # staleness K: the K before the latest
+    (2, 1, 3, {1, 2}),
     (3, 10, 0, {1, 2, 3}),
 ])
 def test_checkpoints_to_keep(latest, keep, staleness, kept):

@@ -130,9 +130,82 @@ def test_off_policy_run_resumes_on_the_batch_sampled_ahead(tmp_path, monkeypatch
         assert torch.equal(ma[k], mb[k]), k
 
 
-def test_max_staleness_beyond_one_is_refused():
-    with pytest.raises(SettingsError, match="--max-staleness must be 0 .* or 1"):
-        RLSettings.from_dict({"max_staleness": 2})
+@pytest.mark.slow
+def test_staleness_two_trains_each_batch_two_versions_late_and_resumes_on_the_buffer_in_order(tmp_path, monkeypatch,
+                                                                                              prefect_harness):
+    """``--max-staleness 2``: iteration N trains on version max(0, N-2)'s batch, sampled two
+    iterations ahead. A run killed with two batches sampled ahead and not trained (the buffer on
+    disk) resumes on both, in order, sampling nothing again, and ends bit-identical."""
+    (tmp_path / "flaky_even_for_tests.py").write_text(ENV_SRC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "crash-now"
+    monkeypatch.setenv("K3RL_TEST_CRASH_FILE", str(marker))
+    import k3core.rl.tables as tables
+
+    sampled: list[int] = []  # the iteration of each rollout
+    real_rollout = tables.rollout_table
+
+    def counting_rollout(client, fmt, prompts, params, iteration, *a, **k):
+        sampled.append(iteration)
+        if len(sampled) == crash_at[0]:
+            marker.write_text("crash")  # the next scorer to run (iteration 2's) raises
+        return real_rollout(client, fmt, prompts, params, iteration, *a, **k)
+
+    crash_at = [0]
+    monkeypatch.setattr(tables, "rollout_table", counting_rollout)
+    kw = dict(max_staleness=2, iterations=4, kl_coef=0.0)
+    engines.clear()
+    trainers.clear()
+    rl_run(_settings(tmp_path / "a", "run-a", **kw))
+    root_a = tmp_path / "a" / "runs" / "run-a"
+    # batch 0 in line; 2 ahead (version 0, in iteration 0); 1 in line by version 0; 3 ahead (version 1)
+    assert sampled == [0, 2, 1, 3], sampled
+    metrics = json.loads((root_a / "metrics.json").read_text())
+    assert [m["staleness"] for m in metrics] == [0, 1, 2, 2]
+    assert [m["weight_version"] for m in metrics] == [0, 0, 0, 1]
+    for n, v in enumerate([0, 0, 0, 1]):
+        assert _versions(root_a / f"iter-{n:04d}" / "rollouts.parquet") == {v}
+    # the prompts move on by one batch per iteration, whichever iteration sampled the batch
+    prompts = [pq.read_table(root_a / f"iter-{n:04d}" / "rollouts.parquet", columns=["prompt"]).column("prompt")
+               .to_pylist() for n in range(4)]
+    assert len({tuple(p) for p in prompts}) == 4
+
+    # B: iteration 2's scorer crashes once batch 3 is sampled: batches 2 and 3 are on disk, untrained
+    sampled.clear()
+    crash_at[0] = 4
+    engines.clear()
+    trainers.clear()
+    with pytest.raises(Exception, match="injected scorer crash"):
+        rl_run(_settings(tmp_path / "b", "run-b", **kw))
+    root_b = tmp_path / "b" / "runs" / "run-b"
+    assert sampled == [0, 2, 1, 3]
+    buffer = [root_b / f"iter-{n:04d}" / "rollouts.parquet" for n in (2, 3)]
+    assert [_versions(p) for p in buffer] == [{0}, {1}]
+    assert not (root_b / "iter-0002" / "scored.parquet").exists()
+    stamps = [p.stat().st_mtime_ns for p in buffer]
+
+    marker.unlink()
+    sampled.clear()
+    engines.clear()
+    trainers.clear()
+    rl_run(_settings(tmp_path / "b", "run-b", **kw))
+    assert sampled == [], "a batch of the buffer was sampled again"
+    assert [p.stat().st_mtime_ns for p in buffer] == stamps
+    assert [m["staleness"] for m in json.loads((root_b / "metrics.json").read_text())] == [0, 1, 2, 2]
+    for n in range(4):
+        assert pq.read_table(root_a / f"iter-{n:04d}" / "scored.parquet").equals(
+            pq.read_table(root_b / f"iter-{n:04d}" / "scored.parquet")), n
+    la, ma = _final_state(tmp_path / "a", "run-a")
+    lb, mb = _final_state(tmp_path / "b", "run-b")
+    assert la["iteration"] == lb["iteration"] == 4
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+
+
+def test_a_negative_max_staleness_is_refused():
+    with pytest.raises(SettingsError, match="--max-staleness must be >= 0, got -1"):
+        RLSettings.from_dict({"max_staleness": -1})
+    assert RLSettings.from_dict({"max_staleness": 4}).grpo.max_staleness == 4
     with pytest.raises(SettingsError, match="--kl-coef must be >= 0"):
         RLSettings.from_dict({"kl_coef": -0.1})
     s = RLSettings.from_dict({"grpo": {"max_staleness": 1, "kl_coef": 0.1}})
@@ -142,6 +215,6 @@ def test_max_staleness_beyond_one_is_refused():
 def test_cli_refuses_a_bad_max_staleness_with_exit_2(capsys):
     from flows.cli import main
 
-    assert main(["run", "--preset", "tiny", "--max-staleness", "3", "--kl-coef", "-1"]) == 2
+    assert main(["run", "--preset", "tiny", "--max-staleness", "-3", "--kl-coef", "-1"]) == 2
     err = capsys.readouterr().err
-    assert "--max-staleness must be 0 (synchronous) or 1" in err and "--kl-coef must be >= 0" in err
+    assert "--max-staleness must be >= 0" in err and "--kl-coef must be >= 0" in err

@@ -132,7 +132,8 @@ def test_grpo_bounds():
 
 
 @pytest.mark.parametrize("flat, says", [
-    (dict(task_runner="dask", max_staleness=1), "--max-staleness 1 samples the next batch"),
+    (dict(task_runner="dask", max_staleness=1), "--max-staleness 1 samples batches ahead"),
+    (dict(max_staleness=2, refill_rounds=1), "--max-staleness 2 with --refill-rounds 1"),
     (dict(task_runner="ray", max_staleness=1), "it is not combined with --task-runner ray yet"),
     ({"task_runner": "ray", "rollout-url": "http://127.0.0.1:30000"}, "--task-runner ray runs rollouts on the Ray workers'"),
     (dict(train_procs=2, kl_coef=0.1), "--kl-coef with --train-procs > 1"),
