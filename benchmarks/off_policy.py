@@ -6,7 +6,8 @@ forward per iteration and holds the policy nearer its start.
 The real pipeline (``flows.pipeline.rl_run``, Prefect in embedded mode, every stage and artifact),
 four configurations in one process, one after the other, same seed, same settings otherwise:
 ``sync`` (the baseline), ``off-policy`` (max_staleness 1), ``sync+kl`` and ``off-policy+kl``
-(kl_coef ``--kl-coef``). The supervised warm-up runs once (the ``prepare`` flow of a run of its own);
+(kl_coef ``--kl-coef``), ``stale-2`` and ``stale-4`` (max_staleness 2 and 4: the staleness of a
+peer's asynchronous setting, at the overlap of one engine; ``--configs`` picks some). The supervised warm-up runs once (the ``prepare`` flow of a run of its own);
 every configuration starts from its weights (``--source file://...``, no warm-up of its own), which
 are also the KL reference (``--source URL``: start from that checkpoint instead). Per configuration: median wall seconds per iteration over iterations
 1..N-1 (``seconds_iteration``: the iteration flow's body; iteration 0 of the off-policy mode also
@@ -55,6 +56,8 @@ CONFIGS = {
     "off-policy": dict(max_staleness=1, kl_coef=0.0),
     "sync+kl": dict(max_staleness=0, kl_coef=None),
     "off-policy+kl": dict(max_staleness=1, kl_coef=None),
+    "stale-2": dict(max_staleness=2, kl_coef=0.0),
+    "stale-4": dict(max_staleness=4, kl_coef=0.0),
 }
 
 
