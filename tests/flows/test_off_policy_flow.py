@@ -38,6 +38,23 @@ def _final_state(root: Path, run_id: str):
     return latest, load_trainer_state(path, lr=0.0)[0].state_dict()
 
 
+def _run_to_the_injected_crash(root: Path, run_id: str, **kw) -> Path:
+    """A new "process" running until the scorer's injected crash; the run's directory."""
+    engines.clear()
+    trainers.clear()
+    with pytest.raises(Exception, match="injected scorer crash"):
+        rl_run(_settings(root, run_id, **kw))
+    return root / "runs" / run_id
+
+
+def _assert_same_final_state(tmp_path: Path, iterations: int) -> None:
+    la, ma = _final_state(tmp_path / "a", "run-a")
+    lb, mb = _final_state(tmp_path / "b", "run-b")
+    assert la["iteration"] == lb["iteration"] == iterations
+    for k in ma:
+        assert torch.equal(ma[k], mb[k]), k
+
+
 def _versions(path: Path) -> set[int]:
     return set(pq.read_table(path, columns=["weight_version"]).column("weight_version").to_pylist())
 
@@ -100,11 +117,7 @@ def test_off_policy_run_resumes_on_the_batch_sampled_ahead(tmp_path, monkeypatch
     # published and not yet trained
     calls["rollout"] = 0
     crash_at[0] = 3
-    engines.clear()
-    trainers.clear()
-    with pytest.raises(Exception, match="injected scorer crash"):
-        rl_run(_settings(tmp_path / "b", "run-b", **updates))
-    root_b = tmp_path / "b" / "runs" / "run-b"
+    root_b = _run_to_the_injected_crash(tmp_path / "b", "run-b", **updates)
     assert calls["rollout"] == 3
     ahead = root_b / "iter-0002" / "rollouts.parquet"
     assert _versions(ahead) == {1} and not (root_b / "iter-0002" / "scored.parquet").exists()
@@ -123,11 +136,7 @@ def test_off_policy_run_resumes_on_the_batch_sampled_ahead(tmp_path, monkeypatch
     want = updates.get("ppo_epochs", 1) * updates.get("minibatches", 1)
     assert [m["updates"] for m in metrics_b] == [want] * 3
     assert pq.read_table(root_a / "iter-0002" / "scored.parquet").equals(pq.read_table(root_b / "iter-0002" / "scored.parquet"))
-    la, ma = _final_state(tmp_path / "a", "run-a")
-    lb, mb = _final_state(tmp_path / "b", "run-b")
-    assert la["iteration"] == lb["iteration"] == 3
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
+    _assert_same_final_state(tmp_path, 3)
 
 
 @pytest.mark.slow
@@ -173,11 +182,7 @@ def test_staleness_two_trains_each_batch_two_versions_late_and_resumes_on_the_bu
     # B: iteration 2's scorer crashes once batch 3 is sampled: batches 2 and 3 are on disk, untrained
     sampled.clear()
     crash_at[0] = 4
-    engines.clear()
-    trainers.clear()
-    with pytest.raises(Exception, match="injected scorer crash"):
-        rl_run(_settings(tmp_path / "b", "run-b", **kw))
-    root_b = tmp_path / "b" / "runs" / "run-b"
+    root_b = _run_to_the_injected_crash(tmp_path / "b", "run-b", **kw)
     assert sampled == [0, 2, 1, 3]
     buffer = [root_b / f"iter-{n:04d}" / "rollouts.parquet" for n in (2, 3)]
     assert [_versions(p) for p in buffer] == [{0}, {1}]
@@ -195,11 +200,7 @@ def test_staleness_two_trains_each_batch_two_versions_late_and_resumes_on_the_bu
     for n in range(4):
         assert pq.read_table(root_a / f"iter-{n:04d}" / "scored.parquet").equals(
             pq.read_table(root_b / f"iter-{n:04d}" / "scored.parquet")), n
-    la, ma = _final_state(tmp_path / "a", "run-a")
-    lb, mb = _final_state(tmp_path / "b", "run-b")
-    assert la["iteration"] == lb["iteration"] == 4
-    for k in ma:
-        assert torch.equal(ma[k], mb[k]), k
+    _assert_same_final_state(tmp_path, 4)
 
 
 def test_a_negative_max_staleness_is_refused():
