@@ -157,7 +157,7 @@ def test_staleness_two_trains_each_batch_two_versions_late_and_resumes_on_the_bu
     def counting_rollout(client, fmt, prompts, params, iteration, *a, **k):
         sampled.append(iteration)
         if len(sampled) == crash_at[0]:
-            marker.write_text("crash")  # the next scorer to run (iteration 2's) raises
+            marker.write_text("crash")  # the next reward call (iteration 2's evaluation) raises
         return real_rollout(client, fmt, prompts, params, iteration, *a, **k)
 
     crash_at = [0]
@@ -179,7 +179,7 @@ def test_staleness_two_trains_each_batch_two_versions_late_and_resumes_on_the_bu
                .to_pylist() for n in range(4)]
     assert len({tuple(p) for p in prompts}) == 4
 
-    # B: iteration 2's scorer crashes once batch 3 is sampled: batches 2 and 3 are on disk, untrained
+    # B: iteration 2 crashes (its evaluation's reward) once batch 3 is sampled: batches 2 and 3 are on disk, untrained
     sampled.clear()
     crash_at[0] = 4
     root_b = _run_to_the_injected_crash(tmp_path / "b", "run-b", **kw)
