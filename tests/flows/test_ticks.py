@@ -3,7 +3,7 @@ adds one iteration per tick without replaying the past ones, so the Prefect flow
 versions each tick creates stay constant (a replayed run made a new subflow per past iteration and
 republished every report, so its counts grew with every tick). Embedded Prefect, tiny preset."""
 
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 import pytest
 
@@ -35,7 +35,7 @@ def test_ten_ticks_create_the_same_flow_runs_and_artifacts_each(tmp_path, prefec
     # the embedded server is shared by the tests of one xdist worker: what is read below is only
     # what this test made (other tests' runs also have fetch_checkpoint task runs and rl_continue
     # flow runs)
-    t0 = datetime.now(timezone.utc)
+    t0 = datetime.now(UTC)
     before = _counts()
     for tick in range(TICKS):
         engines.clear()  # each tick is a fresh process on a worker
