@@ -104,7 +104,8 @@ class Trajectory:
         for t in self.turns:
             if t["role"] == "assistant":
                 lo, hi = t["span"]
-                out[lo:hi] = [t.get("weight_version", self.weight_version)] * (min(hi, len(out)) - lo)
+                each = t.get("token_versions")  # a turn a weight update reached mid-generation
+                out[lo:hi] = (each or [t.get("weight_version", self.weight_version)] * (hi - lo))[:max(0, len(out) - lo)]
         return out
 
 
@@ -317,7 +318,9 @@ class _EpisodeDriver:
         text = self.fmt.completion_text(c.output_ids)
         parsed = parse_assistant_text(text)
         ep.turns.append({"role": "assistant", "span": [start, len(ep.output_ids)], "text": text,
-                         "weight_version": c.weight_version})
+                         "weight_version": c.weight_version,
+                         **({"token_versions": list(c.token_versions)}
+                            if c.token_versions and len(set(c.token_versions)) > 1 else {})})
         if c.finish_reason != "stop":
             ep.finish_reason = "length" if c.finish_reason == "length" else c.finish_reason
             return False

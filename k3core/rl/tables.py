@@ -60,7 +60,7 @@ def rollout_table(engine: RolloutEngine, fmt: PromptFormat, prompts: list[str], 
         rows["worker"].append(worker)
         rows["loss_mask"].append(None)
         rows["turns"].append(None)
-        rows["token_versions"].append([c.weight_version] * len(c.output_ids))
+        rows["token_versions"].append(c.token_versions or [c.weight_version] * len(c.output_ids))
     return pa.table(rows, schema=ROLLOUT_SCHEMA)
 
 

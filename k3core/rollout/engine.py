@@ -7,10 +7,18 @@ version that produced them. Stop strings need a tokenizer, so they come in as a 
 ``n`` sequences. Each ``step()`` admits waiting sequences while the batch has room and no weight
 update waits (their distinct prompts prefilled together, their rows joining the running decode
 state), samples one token per running sequence, retires those that stopped (a request's future
-resolves once all its samples are done), and decodes the survivors one token. ``load_weights``
-swaps weights only between batches, so every sequence comes from the one version its
-``Completion`` records. The decode state and its modes: ``k3core.rollout.decode_state``; sampling
-and seeds: ``k3core.rollout.sampling``.
+resolves once all its samples are done), and decodes the survivors one token. The decode state
+and its modes: ``k3core.rollout.decode_state``; sampling and seeds: ``k3core.rollout.sampling``.
+
+Weight updates and the sequences in flight (``load_weights``'s ``in_flight``, ``IN_FLIGHT``):
+``"drain"`` (the default) swaps only between batches: the running sequences finish on the old weights,
+so every sequence comes from the one version its ``Completion`` records. ``"continue"`` swaps between
+two steps: the running sequences go on with the new weights from the next token, on the decode state
+(KDA recurrent states, conv tails, MLA latents) the old weights computed, the partial rollout of
+AReaL and slime. ``"abort"`` puts the running sequences back at the head of the queue, restarted
+from their prompts with their own seeds: they are sampled again whole by the new weights. Every
+output token records the version whose logits it was sampled from (``Completion.token_versions``),
+so a correction can use per-token behaviour log-probabilities.
 
 Sessions (multi-turn episodes, ``k3core.rl.episodes``): a request may name a ``session``. When its
 sequence ends at a stop id, the engine keeps that row's decode state (KDA recurrent states, conv
@@ -42,7 +50,7 @@ from k3core.rollout.decode_state import new_decode_state, resolve_decode
 from k3core.rollout.sampling import SamplingParams, derive_seed, sample_batch, sample_generator
 from k3core.settings import DECODE_MODES
 
-__all__ = ["Completion", "EngineOverloaded", "EngineStopped", "RolloutEngine", "SamplingParams", "StopChecker",
+__all__ = ["IN_FLIGHT", "Completion", "EngineOverloaded", "EngineStopped", "RolloutEngine", "SamplingParams", "StopChecker",
            "derive_seed"]
 
 log = logging.getLogger(__name__)
@@ -62,10 +70,14 @@ class Completion:
     logprobs: list[float]
     routing: torch.Tensor | None  # [len(prompt)+len(output)-1, n_moe, k] int16, prompt positions first
     finish_reason: str  # "stop" | "length" | "abort"
-    weight_version: int = 0
+    weight_version: int = 0  # the version that sampled the first output token (at admission)
     # "matched": the stop token id or stop string; "admitted_step"/"finished_step": engine steps;
     # "logits": [len(output), V] rows sampled from, fp32 or wider (only with record_logits)
     meta: dict = field(default_factory=dict)
+    token_versions: list[int] | None = None  # per output token, the version whose logits it was sampled from
+
+
+IN_FLIGHT = ("drain", "continue", "abort")  # what a weight update does to the running sequences
 
 
 class EngineOverloaded(RuntimeError):
@@ -87,6 +99,7 @@ class _Request:
     completions: list = field(default_factory=list)
     pending: int = 0
     session: str | None = None
+    seed: int = 0
 
 
 @dataclass(eq=False)
@@ -112,6 +125,14 @@ class _Seq:
     logits: list[torch.Tensor] = field(default_factory=list)
     version: int = 0
     admitted_step: int = -1
+    versions: list[int] = field(default_factory=list)  # per output token: the version of its logits
+    logits_version: int = 0  # the version of the forward that computed this row's next-token logits
+
+    def restart(self) -> None:
+        """Back to before admission (aborted at a weight update): no output, the seed's generator anew."""
+        self.gen = sample_generator(self.req.seed, self.sample_index)
+        self.out_ids, self.logprobs, self.routes, self.logits, self.versions = [], [], [], [], []
+        self.prompt_routing, self.admitted_step = None, -1
 
 
 class RolloutEngine:
@@ -143,7 +164,8 @@ class RolloutEngine:
         self.device = next(model.parameters()).device
         self.steps = 0
         self.stats = {"prefill_tokens": 0, "decode_tokens": 0, "admitted": 0, "max_running": 0,
-                      "session_hits": 0, "session_misses": 0, "session_evictions": 0, "reused_tokens": 0}
+                      "session_hits": 0, "session_misses": 0, "session_evictions": 0, "reused_tokens": 0,
+                      "updates_in_flight": 0, "aborted": 0}
         self.session_bytes = session_bytes
         self._kept: OrderedDict[str, _Kept] = OrderedDict()  # session -> state, least recently kept first
         self._kept_bytes = 0
@@ -152,6 +174,7 @@ class RolloutEngine:
         self._decode = new_decode_state(resolve_decode(self.model, decode), self.model, max_batch)  # row j: running[j]
         self._logits: torch.Tensor | None = None  # [len(running), V] fp32: next-token logits
         self._paused = 0  # weight updates waiting: no admission
+        self._swapping = 0  # in-flight weight updates waiting for the model lock: no new step starts
         self._cv = threading.Condition()  # queue, pause flag, driver wake-ups (held briefly)
         self._model_lock = threading.RLock()  # model weights and the running batch (held per step)
         self._update_lock = threading.Lock()
@@ -192,22 +215,33 @@ class RolloutEngine:
                              f"{self.weight_version}): " + "; ".join(errs[:6]) + (" ..." if len(errs) > 6 else ""))
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int, refresh: bool = True) -> None:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], weight_version: int, refresh: bool = True,
+                     in_flight: str = "drain") -> None:
         """Swap in new weights as ``weight_version``. Checked first (``check_state``: on a mismatch
-        nothing is copied and the old version keeps serving). Then admission pauses, the running
-        sequences finish on the old weights (queued requests wait), and under the model lock the
-        weights are copied into the existing tensors and every weight-derived cache is recomputed in
-        place (AttnRes ``w * gamma``; the absorbed MLA matrices are views of ``kv_b_proj``), so
-        captured decode graphs read the new weights (the decode state captures again should storage
-        have moved); the new version is published and admission resumes. ``refresh=False`` exists
-        only so a test can show what a stale AttnRes cache does."""
+        nothing is copied and the old version keeps serving). Then admission pauses and the running
+        sequences are dealt with as ``in_flight`` says (the module docstring: ``"drain"`` lets them
+        finish on the old weights, queued requests waiting; ``"continue"`` keeps them running on the new
+        ones; ``"abort"`` requeues them), and under the model lock, between two steps, the weights are
+        copied into the existing tensors and every weight-derived cache is recomputed in place
+        (AttnRes ``w * gamma``; the absorbed MLA matrices are views of ``kv_b_proj``), so captured
+        decode graphs read the new weights (the decode state captures again should storage have
+        moved); the new version is published and admission resumes. ``refresh=False`` exists only so
+        a test can show what a stale AttnRes cache does."""
+        if in_flight not in IN_FLIGHT:
+            raise ValueError(f"in_flight must be one of {IN_FLIGHT}, got {in_flight!r}")
         self.check_state(state_dict)
         with self._update_lock:
             with self._cv:
                 self._paused += 1
+                self._swapping += in_flight != "drain"
             try:
-                self._drain()
+                if in_flight == "drain":
+                    self._drain()
                 with self._model_lock:
+                    if self._running:
+                        self.stats["updates_in_flight"] += 1
+                        if in_flight == "abort":
+                            self._requeue_running()
                     own = self.model.state_dict(keep_vars=True)
                     for k, t in state_dict.items():
                         own[k].copy_(t)
@@ -220,7 +254,18 @@ class RolloutEngine:
             finally:
                 with self._cv:
                     self._paused -= 1
+                    self._swapping -= in_flight != "drain"
                     self._cv.notify_all()
+
+    def _requeue_running(self) -> None:
+        """Put the running sequences back at the head of the queue, restarted (``_Seq.restart``)."""
+        running = self._running
+        self._clear_batch()
+        for s in running:
+            s.restart()
+        with self._cv:
+            self._queue.extendleft(reversed(running))
+        self.stats["aborted"] += len(running)
 
     def _drain(self) -> None:
         """Wait (admission paused) until no sequence is running; step ourselves without a driver."""
@@ -263,7 +308,7 @@ class RolloutEngine:
                                  f"(got n={params.n}); give each sample its own session")
             seed = params.seed if params.seed is not None else secrets.randbits(63)
             req = _Request(p, params, checker, Future(), prompt_indices[i] if prompt_indices else 0,
-                           [None] * params.n, params.n, session)
+                           [None] * params.n, params.n, session, seed)
             seqs = [_Seq(req, j, sample_generator(seed, j)) for j in range(params.n)]
             built.append((req, seqs))
         n_new = sum(len(s) for _, s in built)
@@ -313,7 +358,12 @@ class RolloutEngine:
     # ------------------------------------------------------------------ the loop
     @torch.no_grad()
     def step(self) -> bool:
-        """Admit, sample one token per running sequence, retire, decode. False when idle."""
+        """Admit, sample one token per running sequence, retire, decode. False when idle. Waits first
+        while an in-flight weight update waits for the model lock (a thread stepping in a loop would
+        otherwise take it back at once)."""
+        with self._cv:
+            while self._swapping:
+                self._cv.wait(0.05)
         with self._model_lock:
             try:
                 joined = self._admit()
@@ -343,7 +393,7 @@ class RolloutEngine:
         cache = parts[0][0] if len(parts) == 1 else K3Cache.concat([c for c, _ in parts])
         logits = parts[0][1] if len(parts) == 1 else torch.cat([lg for _, lg in parts])
         for s in take:
-            s.version, s.admitted_step = self.weight_version, self.steps
+            s.version, s.admitted_step, s.logits_version = self.weight_version, self.steps, self.weight_version
         n_old = len(self._running) - len(take)
         self._decode.admit(cache, n_old, max(len(s.req.prompt) + s.req.params.max_new_tokens for s in self._running))
         self._logits = logits if n_old == 0 else torch.cat([self._logits, logits])
@@ -459,6 +509,7 @@ class RolloutEngine:
         for j, s in enumerate(self._running):
             s.out_ids.append(toks[j])
             s.logprobs.append(lps[j])
+            s.versions.append(s.logits_version)
             if self.record_logits:
                 s.logits.append(logits[j].cpu())
             fin = self._finish(s, toks[j])
@@ -479,6 +530,7 @@ class RolloutEngine:
         r = routing.to(torch.int16).cpu()
         for j, s in enumerate(self._running):
             s.routes.append(r[j])
+            s.logits_version = self.weight_version
 
     def _complete(self, s: _Seq, reason: str, matched, row: int) -> None:
         req = s.req
@@ -492,7 +544,8 @@ class RolloutEngine:
         if req.session is not None and reason == "stop" and self.session_bytes:
             self._keep(s, row, routing)
         req.completions[s.sample_index] = Completion(
-            req.prompt_index, s.sample_index, list(req.prompt), s.out_ids, s.logprobs, routing, reason, s.version, meta)
+            req.prompt_index, s.sample_index, list(req.prompt), s.out_ids, s.logprobs, routing, reason, s.version, meta,
+            s.versions)
         req.pending -= 1
         if req.pending == 0 and not req.future.done():
             req.future.set_result(req.completions)
