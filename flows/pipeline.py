@@ -32,7 +32,11 @@ runner, trains beside it, and joins it before the transfer moves the engine to N
 one version); the batches of iterations 1..K-1 are sampled in line by version 0. The batches sampled
 ahead are published artifacts like any other, a buffer on disk: a resumed run finds them and trains
 on them in order, never samples them again. The schedule of versions is fixed by N and K alone, so a
-run is reproducible at every K.
+run is reproducible at every K. With ``--in-flight continue|abort`` the transfer does not wait for
+the batch sampled ahead: the update reaches its sequences mid-generation (they go on with the new
+weights, or are sampled again by them), each token records the version that sampled it, and the
+batch is joined after the transfer. Which tokens the update reaches depends on timing, so such a
+run is reproducible only from its published tables (a resume finds them).
 """
 
 from __future__ import annotations
@@ -169,8 +173,10 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
         # a resumed run's state may be on disk already: only its commit is left, done here
         later = save_due(s, iteration) and save_behind(s, iteration) and trainers.unwritten(trained)
         saved = save_checkpoint(run, iteration, trained) if save_due(s, iteration) and not later else None
-        next_rollouts = pending.result() if ahead else None  # the engine keeps this version until it is done
-        engine = transfer_weights(run, iteration, trained, s.rollout.quantized)
+        late = ahead and s.rollout.in_flight != "drain"  # --in-flight: the update reaches the batch mid-generation
+        next_rollouts = pending.result() if ahead and not late else None  # else the engine keeps this version till then
+        engine = transfer_weights(run, iteration, trained, s.rollout.quantized, s.rollout.in_flight if late else "drain")
+        next_rollouts = pending.result() if late else next_rollouts
     metrics = reports.iteration_metrics(iteration, batch, trained, engine, heldout, mismatch, seconds)
     metrics.update(seconds_iteration=time.perf_counter() - t0, device=run.device, dtype=run.dtype,
                    **memory_metrics(peaks))

@@ -226,11 +226,13 @@ def iteration_metrics(iteration: int, batch: Batch, trained: Artifact, engine: A
                       mismatch: dict, seconds: dict[str, float]) -> dict:
     """One row of the run's history: what the iteration's stages measured. The reward statistics and
     the tokens are the first sampling round's; ``weight_version`` is the version its rollouts were
-    sampled with (``staleness`` behind the policy's, ``iteration``)."""
+    sampled with (``staleness`` behind the policy's, ``iteration``), and ``newer_tokens`` how many of
+    its tokens a later version sampled (a weight update in flight, ``--in-flight``)."""
     rollouts, scored = batch.rollouts[0], batch.scored[0]
     return {"iteration": iteration, "weight_version": rollouts.version, "qat": trained.info["qat"], **scored.info,
             **{k: v for k, v in trained.info["metrics"].items() if isinstance(v, (int, float))},
-            "rollout_tokens": rollouts.info["tokens"], "transfer_seconds": engine.info["seconds"],
+            "rollout_tokens": rollouts.info["tokens"], "newer_tokens": rollouts.info.get("newer_tokens", 0),
+            "transfer_seconds": engine.info["seconds"],
             **{k: v for k, v in heldout.items() if k.startswith("heldout")}, **mismatch,
             **{f"seconds_{k}": v for k, v in seconds.items()},
             "sampling_rounds": batch.rounds, "policy_version": iteration, "staleness": iteration - rollouts.version}

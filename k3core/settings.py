@@ -129,6 +129,8 @@ class ModelSettings(_Section):
 
 # The rollout engine's decode modes (k3core.rollout.engine); "auto" follows the device (k3core.device.decode_mode).
 DECODE_MODES = ("auto", "dynamic", "static", "graph")
+# What a weight update does to the sequences in flight (k3core.rollout.engine.RolloutEngine.load_weights)
+IN_FLIGHT = ("drain", "continue", "abort")
 PROMPT_FORMATS = ("auto", "chat", "raw")  # k3core.rl.prompting
 
 
@@ -155,9 +157,16 @@ class RolloutSettings(_Section):
     decode: str = _str("auto", "decode", "the embedded engine's decode mode: auto (static on cuda, dynamic on cpu), "
                        "dynamic, static, or graph (cuda only: each batch bucket's decode step replayed as a CUDA graph, "
                        "the fast one; not yet the default, docs/results/gpu_tests.md)")
+    in_flight: str = _str("drain", "in-flight", "what a weight update does to the batch sampled ahead under "
+                          "--max-staleness while it is still generating: drain (it finishes on the old weights, the "
+                          "update waits), continue (its sequences go on with the new weights from the next token, on "
+                          "the decode state the old ones computed) or abort (its running sequences are sampled again "
+                          "whole by the new weights)")
 
     def problems(self) -> list[str]:
         out = super().problems()
+        if isinstance(self.in_flight, str) and self.in_flight not in IN_FLIGHT:
+            out.append(f"--in-flight: unknown choice {self.in_flight!r}; choose one of {', '.join(IN_FLIGHT)}")
         if isinstance(self.decode, str) and self.decode not in DECODE_MODES:
             out.append(f"--decode: unknown decode mode {self.decode!r}; choose one of {', '.join(DECODE_MODES)}")
         if isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and not 0.0 < self.top_p <= 1.0:
@@ -462,6 +471,14 @@ class RLSettings:
             cross.append(f"--max-staleness {self.grpo.max_staleness} samples batches ahead on this process's engine "
                          f"beside the train step; it is not combined with --task-runner {runner} yet (use one or the "
                          "other)")
+        if self.rollout.in_flight != "drain" and not self.grpo.max_staleness:
+            cross.append(f"--in-flight {self.rollout.in_flight} acts on the batch sampled ahead while a weight update "
+                         "arrives, and with --max-staleness 0 none is: use --max-staleness 1 or more (or --in-flight "
+                         "drain)")
+        if self.rollout.in_flight != "drain" and self.rollout.url not in ("", "local"):
+            cross.append(f"--in-flight {self.rollout.in_flight} updates the embedded engine between two decode steps; "
+                         f"a rollout server (--rollout-url {self.rollout.url}) takes its updates between batches: "
+                         "use --rollout-url local, or --in-flight drain")
         if self.model.source.startswith("init:") and self.model.source.split(":")[1] != self.model.preset:
             cross.append(f"--source {self.model.source} makes a '{self.model.source.split(':')[1]}' checkpoint but "
                          f"--preset is '{self.model.preset}' (the run validates its checkpoint against the preset): "

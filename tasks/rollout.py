@@ -25,16 +25,16 @@ from k3core.settings import RolloutSettings
 from tasks.common import Run, round_run_name, stage
 
 
-def engine_for(run: Run, weights: Artifact):
-    """The live engine at ``weights.version`` on the run's device, in its decode mode, with its
-    non-expert weights in the run's dtype, or a new one there built from the durable artifact.
-    Quantised weights run on the W4A8 engine (MXFP4 routed experts, FP8 activations)."""
+def engine_for(run: Run, weights: Artifact, newer: bool = False):
+    """The live engine at ``weights.version`` (``newer``: or at a later one) on the run's device, in
+    its decode mode, with its non-expert weights in the run's dtype, or a new one there built from the
+    durable artifact. Quantised weights run on the W4A8 engine (MXFP4 routed experts, FP8 activations)."""
     from k3core.device import torch_dtype
     from k3core.rl.weights import build_engine, engine_from_model
 
     eng = engines.get(run.run_id)
-    if (eng is not None and eng.weight_version == weights.version and eng.device.type == run.device
-            and eng.decode_mode == run.decode):
+    if (eng is not None and (eng.weight_version == weights.version or newer and eng.weight_version > weights.version)
+            and eng.device.type == run.device and eng.decode_mode == run.decode):
         return eng
     if weights.kind == "dcp":  # a trainer checkpoint: quantise routed experts on the way
         import copy
@@ -61,17 +61,19 @@ def release_decode_state(run_id: str) -> int:
         return 0
 
 
-def rollout_client(run: Run, weights: Artifact, url: str = "local"):
+def rollout_client(run: Run, weights: Artifact, url: str = "local", newer: bool = False):
     """A ``RolloutClient`` serving ``weights.version``: the live embedded engine (``engine_for``), or
     the server at ``url``, pushed the weights through ``/update_weights_from_disk`` when it serves
     another version (a trainer checkpoint is first written in the public layout,
     ``k3core.transfer.write_disk``). The one-step-off-policy flow calls it before it submits the next
     rollout, so that rollout finds its engine ready and never reads the trainer's live model, which
-    the train step running beside it changes in place."""
+    the train step running beside it changes in place. ``newer``: the embedded engine may serve a
+    later version already (``--in-flight continue|abort``: a rollout sampled ahead that the weight
+    update reached before it began samples on the update's weights, never on older ones)."""
     from k3core.rollout.client import RolloutClient
 
     if url in (None, "", "local"):
-        return RolloutClient("local", engine=engine_for(run, weights))
+        return RolloutClient("local", engine=engine_for(run, weights, newer))
 
     config = run.model_config(weights)
     client = RolloutClient(url, config=config)
@@ -127,14 +129,21 @@ def _sampling(run: Run, iteration: int, refill: int, settings: RolloutSettings, 
 def _handle(run: Run, iteration: int, refill: int, settings: RolloutSettings, path, **info) -> Artifact:
     """The rollout table's handle: its rows, tokens, the weight version its rows were sampled with (a
     batch published earlier, sampled ahead by the previous version in one-step-off-policy mode and
-    then resumed in another mode, keeps its own) and the group size the scores normalise over."""
-    table = pq.read_table(path, columns=["output_ids", "weight_version"])
+    then resumed in another mode, keeps its own) and the group size the scores normalise over. A
+    batch a weight update reached mid-generation (``--in-flight``) has the oldest version of its
+    tokens as its version, and ``newer_tokens``: how many of its sampled tokens a later one sampled."""
+    table = pq.read_table(path, columns=["output_ids", "weight_version", "token_versions"])
     tokens = sum(len(x) for x in table.column("output_ids").to_pylist())
-    (version,) = set(table.column("weight_version").to_pylist())
-    where = (f"{info['shards']} shards on workers {', '.join(info['workers'])}" if info
+    sampled = [v for row in table.column("token_versions").to_pylist() for v in (row or ()) if v is not None]
+    version = min(sampled or set(table.column("weight_version").to_pylist()))
+    newer = sum(v > version for v in sampled)
+    if newer:
+        info = {**info, "newer_tokens": newer, "newest_version": max(sampled)}
+    where = (f"{info['shards']} shards on workers {', '.join(info['workers'])}" if "shards" in info
              else f"engine {settings.url}")
+    mixed = f" ({newer} of them sampled by version {max(sampled)}: a weight update in flight)" if newer else ""
     get_run_logger().info(f"iteration {iteration}{f' refill {refill}' if refill else ''}: {table.num_rows} samples, "
-                          f"{tokens} tokens, weight version {version}, {where}")
+                          f"{tokens} tokens, weight version {version}{mixed}, {where}")
     return run.store.handle(_rel(run, iteration, refill), "rollouts", version=version, rows=table.num_rows,
                             tokens=tokens, group_size=settings.samples_per_prompt, **info)
 
@@ -153,9 +162,12 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
     from k3core.rl.tables import rollout_table
     from k3core.rollout.client import WeightVersionMismatch
 
+    newer = settings.in_flight != "drain"  # a weight update may reach this rollout, or come before it starts
+
     def build(tmp):
-        client = rollout_client(run, weights, settings.url)
-        client.check_version(weights.version)
+        client = rollout_client(run, weights, settings.url, newer)
+        if not newer:
+            client.check_version(weights.version)
         fmt = run.prompts(run.model_config(weights), weights.path)
         prompts = _prompts(run, iteration, settings, refill, cursor)
         params = _sampling(run, iteration, refill, settings, fmt.stop_ids)
@@ -163,10 +175,12 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
         table = rollout_table(client, fmt, prompts, params, iteration,
                               first_prompt_index=refill * settings.prompts_per_iteration,
                               episode_limits=EpisodeLimits.of(settings), env_spec=run.env)
-        versions = set(table.column("weight_version").to_pylist())
-        if versions != {weights.version}:
+        versions = {v for row in table.column("token_versions").to_pylist() for v in (row or ()) if v is not None}
+        versions |= set(table.column("weight_version").to_pylist())
+        if (min(versions) < weights.version) if newer else versions != {weights.version}:
             raise WeightVersionMismatch(f"rollout {iteration} came back with weight versions {sorted(versions)}, "
-                                        f"expected {weights.version} only (the weights changed mid-rollout)")
+                                        f"expected {weights.version} " + ("or later (--in-flight)" if newer else
+                                                                          "only (the weights changed mid-rollout)"))
         pq.write_table(table, tmp)
 
     path = run.store.publish_once(_rel(run, iteration, refill), build)

@@ -43,11 +43,13 @@ def _takes(engine, quantized: bool) -> bool:
 @stage(run_name="transfer_weights-iter{iteration}", key="transfer",
        outputs=lambda run, checkpoint, **_: [run.engine_uri(checkpoint.version)],
        inputs=lambda checkpoint, **_: [checkpoint.uri], cache_policy=None, persist_result=False)
-def transfer_weights(run: Run, iteration: int, checkpoint: Artifact, quantized: bool) -> Artifact:
+def transfer_weights(run: Run, iteration: int, checkpoint: Artifact, quantized: bool,
+                     in_flight: str = "drain") -> Artifact:
     """Not cached: the engine lives in this process, so every run pushes (an in-memory copy on the
     run's device: the trainer's tensors go straight into the engine's on the same device, routed experts
     quantised to MXFP4 there, no disk and no host round trip; the disk path,
-    ``k3core.transfer.write_disk``, is for a separate rollout server, ``tasks.rollout.rollout_client``)."""
+    ``k3core.transfer.write_disk``, is for a separate rollout server, ``tasks.rollout.rollout_client``).
+    ``in_flight``: what the update does to a rollout still generating on the engine (``--in-flight``)."""
     from k3core.transfer import push_inprocess
 
     t0 = time.perf_counter()
@@ -57,7 +59,7 @@ def transfer_weights(run: Run, iteration: int, checkpoint: Artifact, quantized: 
             or eng.device.type != run.device or eng.decode_mode != run.decode):
         eng = _blank_engine(model.config, trainers.dtype_of(model), quantized, run.device, run.decode)
         engines.put(run.run_id, eng)
-    rep = push_inprocess(eng, model.state_dict(), checkpoint.version, quantize_experts=quantized)
+    rep = push_inprocess(eng, model.state_dict(), checkpoint.version, quantize_experts=quantized, in_flight=in_flight)
     return Artifact(kind="engine", uri=run.engine_uri(checkpoint.version), path=rep.path,
                     sha256=rep.content_sha256, version=checkpoint.version,
                     info={"bytes": rep.bytes_sent, "tensors": rep.tensors_sent, "seconds": time.perf_counter() - t0,

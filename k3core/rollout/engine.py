@@ -48,7 +48,7 @@ from k3core.model import K3Cache, K3ForCausalLM
 from k3core.model.norm import at_least_fp32
 from k3core.rollout.decode_state import new_decode_state, resolve_decode
 from k3core.rollout.sampling import SamplingParams, derive_seed, sample_batch, sample_generator
-from k3core.settings import DECODE_MODES
+from k3core.settings import DECODE_MODES, IN_FLIGHT
 
 __all__ = ["IN_FLIGHT", "Completion", "EngineOverloaded", "EngineStopped", "RolloutEngine", "SamplingParams", "StopChecker",
            "derive_seed"]
@@ -76,8 +76,6 @@ class Completion:
     meta: dict = field(default_factory=dict)
     token_versions: list[int] | None = None  # per output token, the version whose logits it was sampled from
 
-
-IN_FLIGHT = ("drain", "continue", "abort")  # what a weight update does to the running sequences
 
 
 class EngineOverloaded(RuntimeError):

@@ -34,14 +34,15 @@ def engine_tensors(engine) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def push_inprocess(engine, named_tensors: Mapping[str, torch.Tensor], version: int, *, quantize_experts: bool = False,
                    w4a8: bool = True, algo: str | None = None, verify: bool = False,
-                   refresh: bool = True) -> TransferReport:
+                   refresh: bool = True, in_flight: str = "drain") -> TransferReport:
     """Load ``named_tensors`` (a native trainer state dict: every parameter and persistent buffer)
     into ``engine`` as ``version``.
 
     ``quantize_experts``/``w4a8``: see ``k3core.transfer.wire``. ``algo``: digest algorithm (default
     ``default_algo``); ``"none"`` skips digests (then no ``verify``). ``verify``: hash the engine's
     copies of the raw tensors after loading and compare. ``refresh=False`` is passed to
-    ``load_weights`` (only to demonstrate the stale AttnRes cache). Raises ``TransferError`` (engine
+    ``load_weights`` (only to demonstrate the stale AttnRes cache), and ``in_flight`` (what the update
+    does to sequences still generating: ``RolloutEngine.load_weights``). Raises ``TransferError`` (engine
     untouched) for a version not newer than the engine's, or a name, shape or dtype mismatch.
     """
     if version <= engine.weight_version:
@@ -73,7 +74,7 @@ def push_inprocess(engine, named_tensors: Mapping[str, torch.Tensor], version: i
     digests = [""] * len(items)
     state = {item.name: decode_item(item) for item in items}
     try:
-        engine.load_weights(state, version, refresh=refresh)
+        engine.load_weights(state, version, refresh=refresh, in_flight=in_flight)
     except ValueError as e:  # load_weights refuses a name, shape or dtype mismatch before copying anything
         raise e if isinstance(e, TransferError) else TransferError(str(e)) from e
     finally:

@@ -1,0 +1,89 @@
+"""``--in-flight continue|abort`` end to end on the tiny preset in Prefect's embedded mode: under
+``--max-staleness 1`` the weight update after train step N reaches the batch of N+1 while it is
+still generating (the test holds that batch's rollout after its third decode step until the update
+begins, so the overlap does not depend on the machine's speed). The batch's tokens carry the
+versions that sampled them (``continue``: a row's old tokens then its new ones; ``abort``: each row
+one version's), the iteration's metrics count the newer tokens, and its version is the oldest."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from flows.pipeline import RLSettings, rl_run
+from k3core.rl import engines, trainers
+from k3core.rollout.engine import RolloutEngine
+from k3core.settings import SettingsError
+
+
+def _hold_rollouts_ahead_until_the_update(monkeypatch):
+    """Every rollout but the first (the flow's own thread samples batch 0; the batches sampled ahead
+    run on the task runner's threads) waits after its third decode step until a weight update begins."""
+    import k3core.rl.tables as tables
+
+    local, flow_thread = threading.local(), []
+    real_table, real_step = tables.rollout_table, RolloutEngine.step
+
+    def rollout_table(*a, **k):
+        flow_thread.append(flow_thread[0] if flow_thread else threading.get_ident())
+        local.gate = {"steps": 0, "version": None} if threading.get_ident() != flow_thread[0] else None
+        try:
+            return real_table(*a, **k)
+        finally:
+            local.gate = None
+
+    def step(self):
+        gate = getattr(local, "gate", None)
+        if gate is not None:
+            gate["version"] = self.weight_version if gate["version"] is None else gate["version"]
+            gate["steps"] += 1
+            deadline = time.monotonic() + 60
+            while (gate["steps"] == 3 and self.weight_version == gate["version"] and not self._swapping
+                   and time.monotonic() < deadline):
+                time.sleep(0.01)
+        return real_step(self)
+
+    monkeypatch.setattr(tables, "rollout_table", rollout_table)
+    monkeypatch.setattr(RolloutEngine, "step", step)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("in_flight", ["continue", "abort"])
+def test_the_weight_update_reaches_the_batch_sampled_ahead(tmp_path: Path, monkeypatch, prefect_harness, in_flight):
+    engines.clear()
+    trainers.clear()
+    _hold_rollouts_ahead_until_the_update(monkeypatch)
+    s = RLSettings.from_dict(dict(preset="tiny", source="init:tiny:3", iterations=3, artifacts=str(tmp_path),
+                                  run_id="inflight", prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens=12,
+                                  warmup_steps=0, eval_prompts=4, eval_every=0, lr=1e-3, max_staleness=1,
+                                  in_flight=in_flight))
+    summary = rl_run(s)
+    history = json.loads((tmp_path / "runs" / "inflight" / "metrics.json").read_text())
+    assert summary["iterations"] == 3
+    assert history[0]["weight_version"] == 0 and history[0]["newer_tokens"] == 0
+    for n in (1, 2):
+        table = pq.read_table(tmp_path / "runs" / "inflight" / f"iter-{n:04d}" / "rollouts.parquet").to_pylist()
+        versions = [r["token_versions"] for r in table]
+        assert all(v == sorted(v) and set(v) <= {n - 1, n} for v in versions)
+        oldest = min(x for v in versions for x in v)
+        assert history[n]["weight_version"] == oldest and history[n]["staleness"] == n - oldest
+        assert history[n]["newer_tokens"] == sum(x > oldest for v in versions for x in v)
+        assert any(n in v for v in versions)
+        if in_flight == "continue":  # rows the update reached mid-generation: old tokens, then new ones
+            assert oldest == n - 1 and any(len(set(v)) == 2 for v in versions), versions
+        else:  # aborted rows were sampled again whole
+            assert all(len(set(v)) == 1 for v in versions), versions
+        assert all(r["weight_version"] == r["token_versions"][0] for r in table if r["token_versions"])
+    stats = engines.get("inflight").stats
+    assert stats["updates_in_flight"] == 2 and (stats["aborted"] > 0) == (in_flight == "abort")
+
+def test_in_flight_needs_a_batch_sampled_ahead_and_the_embedded_engine():
+    with pytest.raises(SettingsError, match="--in-flight continue acts on the batch sampled ahead"):
+        RLSettings.from_dict({"in_flight": "continue"})
+    with pytest.raises(SettingsError, match="--rollout-url http://127.0.0.1:1"):
+        RLSettings.from_dict({"in_flight": "abort", "max_staleness": 1, "rollout_url": "http://127.0.0.1:1"})
+    with pytest.raises(SettingsError, match="--in-flight: unknown choice 'finish'"):
+        RLSettings.from_dict({"in_flight": "finish", "max_staleness": 1})
