@@ -85,6 +85,8 @@ CLI_CASES = [
     _run("run-loss-aggregation-unknown", "--loss-aggregation mean", "--loss-aggregation: unknown mode 'mean'"),
     _run("run-max-staleness-negative", "--max-staleness -1", "--max-staleness must be >= 0"),
     _run("run-max-staleness-2-refill", "--max-staleness 2 --refill-rounds 1", "--max-staleness 2 with --refill-rounds 1"),
+    _run("run-in-flight-unknown", "--in-flight finish --max-staleness 1", "--in-flight: unknown choice 'finish'"),
+    _run("run-in-flight-sync", "--in-flight continue", "--in-flight continue acts on the batch sampled ahead"),
     _run("run-qat-maybe", "--qat maybe", "argument --qat: expected true or false, got 'maybe'"),
     _run("run-unknown-flag", "--learning-rate 1e-4", "unrecognized arguments: --learning-rate"),
     _run("run-dtype-unknown", "--dtype half", "--dtype: unknown dtype 'half'; choose one of auto, float32, bfloat16"),
