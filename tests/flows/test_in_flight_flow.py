@@ -18,10 +18,15 @@ from k3core.rl import engines, trainers
 from k3core.rollout.engine import RolloutEngine
 from k3core.settings import SettingsError
 
+# the even-bytes environment of tests/even_bytes_env.py (crash injection included), under this test file's
+# own module name
+ENV_SRC = (Path(__file__).resolve().parents[1] / "even_bytes_env.py").read_text()
 
-def _hold_rollouts_ahead_until_the_update(monkeypatch):
+
+def _hold_rollouts_ahead_until_the_update(monkeypatch, on_rollout=lambda n: None) -> list[int]:
     """Every rollout but the first (the flow's own thread samples batch 0; the batches sampled ahead
-    run on the task runner's threads) waits after its third decode step until a weight update begins."""
+    run on the task runner's threads) waits after its third decode step until a weight update begins.
+    Returns the list the rollouts append to (``on_rollout(how many so far)`` runs as each starts)."""
     import k3core.rl.tables as tables
 
     local, flow_thread = threading.local(), []
@@ -29,6 +34,7 @@ def _hold_rollouts_ahead_until_the_update(monkeypatch):
 
     def rollout_table(*a, **k):
         flow_thread.append(flow_thread[0] if flow_thread else threading.get_ident())
+        on_rollout(len(flow_thread))
         local.gate = {"steps": 0, "version": None} if threading.get_ident() != flow_thread[0] else None
         try:
             return real_table(*a, **k)
@@ -48,6 +54,7 @@ def _hold_rollouts_ahead_until_the_update(monkeypatch):
 
     monkeypatch.setattr(tables, "rollout_table", rollout_table)
     monkeypatch.setattr(RolloutEngine, "step", step)
+    return flow_thread
 
 
 @pytest.mark.slow
@@ -79,6 +86,42 @@ def test_the_weight_update_reaches_the_batch_sampled_ahead(tmp_path: Path, monke
         assert all(r["weight_version"] == r["token_versions"][0] for r in table if r["token_versions"])
     stats = engines.get("inflight").stats
     assert stats["updates_in_flight"] == 2 and (stats["aborted"] > 0) == (in_flight == "abort")
+
+@pytest.mark.slow
+def test_a_crash_after_the_batch_reached_in_flight_resumes_on_it(tmp_path: Path, monkeypatch, prefect_harness):
+    """The scorer of iteration 2 crashes: its batch, sampled ahead during iteration 1 and reached by
+    the update there, is published. The resumed run (a new "process") trains on that very table,
+    never samples it again, and records its newer tokens."""
+    (tmp_path / "flaky_even_for_tests.py").write_text(ENV_SRC)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "crash-now"
+    monkeypatch.setenv("K3RL_TEST_CRASH_FILE", str(marker))
+    rollouts = _hold_rollouts_ahead_until_the_update(monkeypatch, lambda n: n == 3 and marker.write_text("crash"))
+    s = RLSettings.from_dict(dict(preset="tiny", source="init:tiny:3", env="flaky_even_for_tests:make", iterations=3,
+                                  artifacts=str(tmp_path), run_id="crash", prompts_per_iteration=4,
+                                  samples_per_prompt=4, max_new_tokens=12, warmup_steps=0, eval_prompts=4,
+                                  eval_every=0, max_staleness=1, in_flight="continue"))
+    engines.clear()
+    trainers.clear()
+    with pytest.raises(Exception, match="injected scorer crash"):
+        rl_run(s)
+    run = tmp_path / "runs" / "crash"
+    ahead = run / "iter-0002" / "rollouts.parquet"
+    assert len(rollouts) == 3 and not (run / "iter-0002" / "scored.parquet").exists()
+    before, table = ahead.stat().st_mtime_ns, pq.read_table(ahead)
+    versions = table.column("token_versions").to_pylist()
+    assert any(len(set(v)) == 2 for v in versions)  # the update reached it mid-generation
+
+    marker.unlink()
+    engines.clear()
+    trainers.clear()
+    rl_run(s)
+    assert len(rollouts) == 3, "the batch sampled ahead was sampled again"
+    assert ahead.stat().st_mtime_ns == before and pq.read_table(ahead).equals(table)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert len(metrics) == 3 and metrics[2]["weight_version"] == 1
+    assert metrics[2]["newer_tokens"] == sum(x > 1 for v in versions for x in v) > 0
+
 
 def test_in_flight_needs_a_batch_sampled_ahead_and_the_embedded_engine():
     with pytest.raises(SettingsError, match="--in-flight continue acts on the batch sampled ahead"):
