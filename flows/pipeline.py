@@ -164,7 +164,8 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
             # with K > 1 no refill rounds (refused up front), so each batch after this one starts P prompts on
             rollout_client(run, weights, s.rollout.url)
             cursor = batch.next_position + (lag - 1) * s.rollout.prompts_per_iteration
-            pending = rollout.submit(run, iteration + lag, weights, s.rollout, cursor=cursor)
+            pending = rollout.submit(run, iteration + lag, weights, s.rollout, cursor=cursor,
+                                     in_flight=s.rollout.in_flight != "drain")
         mismatch = (rollout_mismatch(run, iteration, policy, batch.rollouts[0], s.evaluation.mismatch_sequences,
                                      s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_due(iteration) else {})

@@ -152,21 +152,21 @@ def _handle(run: Run, iteration: int, refill: int, settings: RolloutSettings, pa
        outputs=lambda run, iteration, refill, **_: [run.uri(_rel(run, iteration, refill))],
        inputs=lambda run, weights, **_: [run.served_uri(weights)])
 def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, refill: int = 0,
-            cursor: int = 0) -> Artifact:
+            cursor: int = 0, in_flight: bool = False) -> Artifact:
     """``settings.prompts_per_iteration`` prompts x ``samples_per_prompt`` completions on the run's
     device. ``refill`` > 0: a dynamic-sampling round of new prompts for the same iteration and
     weights, in a file of its own (task run ``rollout-iterN-refillR``), its prompts numbered after
     the earlier rounds'. ``cursor``: the data position at the start of the iteration (``Batch.cursor``).
-    The embedded engine's decode state is released once the batch is written."""
+    ``in_flight``: the batch sampled ahead under ``--in-flight continue|abort``, which a weight update
+    may reach mid-generation (or before it starts): its tokens come from ``weights.version`` or later,
+    each recording its own. The embedded engine's decode state is released once the batch is written."""
     from k3core.rl.episodes import EpisodeLimits
     from k3core.rl.tables import rollout_table
     from k3core.rollout.client import WeightVersionMismatch
 
-    newer = settings.in_flight != "drain"  # a weight update may reach this rollout, or come before it starts
-
     def build(tmp):
-        client = rollout_client(run, weights, settings.url, newer)
-        if not newer:
+        client = rollout_client(run, weights, settings.url, in_flight)
+        if not in_flight:
             client.check_version(weights.version)
         fmt = run.prompts(run.model_config(weights), weights.path)
         prompts = _prompts(run, iteration, settings, refill, cursor)
@@ -177,9 +177,9 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
                               episode_limits=EpisodeLimits.of(settings), env_spec=run.env)
         versions = {v for row in table.column("token_versions").to_pylist() for v in (row or ()) if v is not None}
         versions |= set(table.column("weight_version").to_pylist())
-        if (min(versions) < weights.version) if newer else versions != {weights.version}:
+        if (min(versions) < weights.version) if in_flight else versions != {weights.version}:
             raise WeightVersionMismatch(f"rollout {iteration} came back with weight versions {sorted(versions)}, "
-                                        f"expected {weights.version} " + ("or later (--in-flight)" if newer else
+                                        f"expected {weights.version} " + ("or later (--in-flight)" if in_flight else
                                                                           "only (the weights changed mid-rollout)"))
         pq.write_table(table, tmp)
 

@@ -77,7 +77,6 @@ class Completion:
     token_versions: list[int] | None = None  # per output token, the version whose logits it was sampled from
 
 
-
 class EngineOverloaded(RuntimeError):
     """The waiting queue is full: retry later (the HTTP server answers 503)."""
 
