@@ -262,6 +262,7 @@ def rl_run(settings: RLSettings = RLSettings()) -> dict:
             it = iterate(s, n, policy, weights, reference, ahead, behind)
             if it.next_rollouts is not None:
                 pending[n + s.grpo.max_staleness] = it.next_rollouts
+            it.metrics["buffer_depth"] = len(pending)  # batches sampled ahead, published, not yet trained on
             unsaved, policy, weights = it.unsaved, it.policy, it.weights
             served[n + 1] = weights
             unrecorded.append((it.metrics, it.lineage))

@@ -226,10 +226,12 @@ def iteration_metrics(iteration: int, batch: Batch, trained: Artifact, engine: A
                       mismatch: dict, seconds: dict[str, float]) -> dict:
     """One row of the run's history: what the iteration's stages measured. The reward statistics and
     the tokens are the first sampling round's; ``weight_version`` is the version its rollouts were
-    sampled with (``staleness`` behind the policy's, ``iteration``), and ``newer_tokens`` how many of
-    its tokens a later version sampled (a weight update in flight, ``--in-flight``)."""
+    sampled with (``staleness`` behind the policy's, ``iteration``), ``newer_tokens`` how many of
+    its tokens a later version sampled (a weight update in flight, ``--in-flight``), and
+    ``tokens_staleness_S`` the staleness histogram: the batch's sampled tokens S versions behind."""
     rollouts, scored = batch.rollouts[0], batch.scored[0]
-    return {"iteration": iteration, "weight_version": rollouts.version, "qat": trained.info["qat"], **scored.info,
+    histogram = {f"tokens_staleness_{iteration - v}": n for v, n in rollouts.info.get("tokens_by_version", [])}
+    return {**histogram,"iteration": iteration, "weight_version": rollouts.version, "qat": trained.info["qat"], **scored.info,
             **{k: v for k, v in trained.info["metrics"].items() if isinstance(v, (int, float))},
             "rollout_tokens": rollouts.info["tokens"], "newer_tokens": rollouts.info.get("newer_tokens", 0),
             "transfer_seconds": engine.info["seconds"],

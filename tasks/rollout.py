@@ -139,6 +139,8 @@ def _handle(run: Run, iteration: int, refill: int, settings: RolloutSettings, pa
     newer = sum(v > version for v in sampled)
     if newer:
         info = {**info, "newer_tokens": newer, "newest_version": max(sampled)}
+    if sampled:  # [version, tokens it sampled] pairs (JSON keeps no int keys)
+        info = {**info, "tokens_by_version": [[v, sampled.count(v)] for v in sorted(set(sampled))]}
     where = (f"{info['shards']} shards on workers {', '.join(info['workers'])}" if "shards" in info
              else f"engine {settings.url}")
     mixed = f" ({newer} of them sampled by version {max(sampled)}: a weight update in flight)" if newer else ""

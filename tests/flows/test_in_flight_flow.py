@@ -78,12 +78,16 @@ def test_the_weight_update_reaches_the_batch_sampled_ahead(tmp_path: Path, monke
         oldest = min(x for v in versions for x in v)
         assert history[n]["weight_version"] == oldest and history[n]["staleness"] == n - oldest
         assert history[n]["newer_tokens"] == sum(x > oldest for v in versions for x in v)
+        histogram = {k: m for k, m in history[n].items() if k.startswith("tokens_staleness_")}
+        assert histogram == {f"tokens_staleness_{n - u}": sum(x == u for v in versions for x in v)
+                             for u in {x for v in versions for x in v}}
         assert any(n in v for v in versions)
         if in_flight == "continue":  # rows the update reached mid-generation: old tokens, then new ones
             assert oldest == n - 1 and any(len(set(v)) == 2 for v in versions), versions
         else:  # aborted rows were sampled again whole
             assert all(len(set(v)) == 1 for v in versions), versions
         assert all(r["weight_version"] == r["token_versions"][0] for r in table if r["token_versions"])
+    assert [m["buffer_depth"] for m in history] == [1, 1, 0]  # batches sampled ahead, not yet trained on
     stats = engines.get("inflight").stats
     assert stats["updates_in_flight"] == 2 and (stats["aborted"] > 0) == (in_flight == "abort")
 
