@@ -174,10 +174,11 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
         # a resumed run's state may be on disk already: only its commit is left, done here
         later = save_due(s, iteration) and save_behind(s, iteration) and trainers.unwritten(trained)
         saved = save_checkpoint(run, iteration, trained) if save_due(s, iteration) and not later else None
-        late = ahead and s.rollout.in_flight != "drain"  # --in-flight: the update reaches the batch mid-generation
-        next_rollouts = pending.result() if ahead and not late else None  # else the engine keeps this version till then
-        engine = transfer_weights(run, iteration, trained, s.rollout.quantized, s.rollout.in_flight if late else "drain")
-        next_rollouts = pending.result() if late else next_rollouts
+        in_flight = s.rollout.in_flight if ahead else "drain"  # continue|abort: the update reaches batch N+K
+        if ahead and in_flight == "drain":
+            pending.result()  # the engine keeps this version until the batch ahead is done (or raises)
+        engine = transfer_weights(run, iteration, trained, s.rollout.quantized, in_flight)
+        next_rollouts = pending.result() if ahead else None
     metrics = reports.iteration_metrics(iteration, batch, trained, engine, heldout, mismatch, seconds)
     metrics.update(seconds_iteration=time.perf_counter() - t0, device=run.device, dtype=run.dtype,
                    **memory_metrics(peaks))

@@ -15,6 +15,7 @@ to the next actor; a finished shard is a published file that a rerun skips."""
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 import pyarrow.parquet as pq
 from prefect import get_run_logger
@@ -126,6 +127,11 @@ def _sampling(run: Run, iteration: int, refill: int, settings: RolloutSettings, 
                           seed=_seed(run, iteration, refill))
 
 
+def _token_versions(table) -> list[int]:
+    """The weight version of every sampled token of a rollout table (environment-written ones have none)."""
+    return [v for row in table.column("token_versions").to_pylist() for v in (row or ()) if v is not None]
+
+
 def _handle(run: Run, iteration: int, refill: int, settings: RolloutSettings, path, **info) -> Artifact:
     """The rollout table's handle: its rows, tokens, the weight version its rows were sampled with (a
     batch published earlier, sampled ahead by the previous version in one-step-off-policy mode and
@@ -134,13 +140,13 @@ def _handle(run: Run, iteration: int, refill: int, settings: RolloutSettings, pa
     tokens as its version, and ``newer_tokens``: how many of its sampled tokens a later one sampled."""
     table = pq.read_table(path, columns=["output_ids", "weight_version", "token_versions"])
     tokens = sum(len(x) for x in table.column("output_ids").to_pylist())
-    sampled = [v for row in table.column("token_versions").to_pylist() for v in (row or ()) if v is not None]
+    sampled = _token_versions(table)
     version = min(sampled or set(table.column("weight_version").to_pylist()))
     newer = sum(v > version for v in sampled)
     if newer:
         info = {**info, "newer_tokens": newer, "newest_version": max(sampled)}
     if sampled:  # [version, tokens it sampled] pairs (JSON keeps no int keys)
-        info = {**info, "tokens_by_version": [[v, sampled.count(v)] for v in sorted(set(sampled))]}
+        info = {**info, "tokens_by_version": sorted(map(list, Counter(sampled).items()))}
     where = (f"{info['shards']} shards on workers {', '.join(info['workers'])}" if "shards" in info
              else f"engine {settings.url}")
     mixed = f" ({newer} of them sampled by version {max(sampled)}: a weight update in flight)" if newer else ""
@@ -177,8 +183,7 @@ def rollout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettin
         table = rollout_table(client, fmt, prompts, params, iteration,
                               first_prompt_index=refill * settings.prompts_per_iteration,
                               episode_limits=EpisodeLimits.of(settings), env_spec=run.env)
-        versions = {v for row in table.column("token_versions").to_pylist() for v in (row or ()) if v is not None}
-        versions |= set(table.column("weight_version").to_pylist())
+        versions = set(_token_versions(table)) | set(table.column("weight_version").to_pylist())
         if (min(versions) < weights.version) if in_flight else versions != {weights.version}:
             raise WeightVersionMismatch(f"rollout {iteration} came back with weight versions {sorted(versions)}, "
                                         f"expected {weights.version} " + ("or later (--in-flight)" if in_flight else
