@@ -1,33 +1,53 @@
 """Triton kernel for the W4A8 expert matmul (the contract and the torch path: ``api.py``).
 
 Imported lazily by ``api.py``: importing this module needs triton. One program computes a
-``[BLOCK_N rows of one expert, BLOCK_M outputs]`` tile: along K it loads FP8 activation bytes (and their
-E8M0 block scales in block32 mode), the packed MXFP4 bytes and E8M0 scales of that expert's
-weight, decodes the weight tile in registers (E2M1 code -> fp32 bits, times 2^(b-127) built from
-bits) and accumulates ``tl.dot`` in fp32; the per-token activation scale multiplies the finished
-tile. Nothing decoded is written to memory: the weight traffic is the packed 4.25 bits per weight.
+``[BN rows of one expert, BM outputs]`` tile. Along K it reads, per step of BK inputs:
+  - the weight tile as it lies in memory, ``[BM rows, BK/2 bytes]`` of packed MXFP4 (each row's bytes
+    contiguous, so a warp's loads are coalesced and vectorised), with the E8M0 scale of each byte's
+    32-input block. The low nibble of byte j holds input 2j, the high nibble input 2j + 1, so the two
+    nibbles decode (E2M1 code -> fp32 bits, times 2^(b-127) built from bits) to the weights of the even
+    and of the odd inputs, ``[BM, BK/2]`` each, without interleaving anything;
+  - the FP8 activations as 16-bit words ``[BN, BK/2]``: the low byte of word j is input 2j, the high
+    byte input 2j + 1, the same split (with their E8M0 block scales in block32 mode);
+and accumulates ``dot(a_even, w_even^T) + dot(a_odd, w_odd^T)`` in fp32. The per-token activation
+scale multiplies the finished tile. Nothing decoded is written to memory: the weight traffic is the
+packed 4.25 bits per weight, read once per row tile.
 
 The dot runs in bf16 (``DOT_BF16``, the default on GPU: every decoded value is exact in bf16, so
 tensor cores lose nothing but accumulation order) or fp32 ("ieee"; used under
 ``TRITON_INTERPRET=1``, whose bf16 dot is not usable, so the kernel's logic can be checked on a CPU).
-Hopper has FP8 tensor cores, but MXFP4's scales change every 32 inputs along K, which an FP8 MMA
-cannot apply inside the reduction; bf16 MMAs with the weight decoded on the fly keep the
-result exact and the memory traffic at 4 bits. Offsets are int64 (an expert stack passes 2^31).
-K is a compile-time constant (a model has two: the latent width and the expert width), which also
-keeps the kernel runnable under the interpreter.
+A decode step is bound by the bytes of its active experts, not by tensor-core work (a few to a few
+tens of rows per expert), so an FP8 MMA would not shorten it. Offsets are int64 (an expert stack
+passes 2^31). K is a compile-time constant (a model has two: the latent width and the expert width),
+which also keeps the kernel runnable under the interpreter.
+
+Tile shapes come from the call's shapes alone (``kernel_config``), never from the counts, so a CUDA
+graph captured at one routing replays at any other.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-# Tile sizes: 64 x 128 outputs, 64 inputs per step (two MXFP4 scale blocks); a decode step with
-# few rows per expert uses 16-row tiles (the smallest tl.dot accepts) to waste less MMA work.
-BLOCK_N, BLOCK_N_SMALL, BLOCK_M, BLOCK_K, NUM_WARPS = 64, 16, 128, 64, 4
+# Rows per tile: 16 (the smallest tl.dot accepts) while experts average at most 16 rows (decode
+# steps), else 64.
+BLOCK_N, BLOCK_N_SMALL = 64, 16
+
+
+class KernelConfig(NamedTuple):
+    """One launch's tile shape: ``bm`` outputs per program, ``bk`` inputs per K step, warps, and
+    software-pipeline stages."""
+
+    bm: int = 128
+    bk: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @triton.jit
@@ -82,25 +102,33 @@ def _w4a8_grouped_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_ptr, M, K: t
     cols = pm * BM + tl.arange(0, BM)
     cmask = cols < M
     cols64 = cols.to(tl.int64)
-    kk = tl.arange(0, BK)
+    jj = tl.arange(0, BK // 2)  # byte j of a step holds inputs 2j (low nibble) and 2j + 1 (high)
+    w_rows = w_ptr + e * stride_we + cols64[:, None] * stride_wm  # [BM, 1]: each output's packed row
+    ws_rows = ws_ptr + e * stride_wse + cols64[:, None] * stride_wsm
+    q_rows = q_ptr + rows64[:, None] * stride_qn  # 16-bit words: (input 2j, input 2j + 1)
     acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        ks = k0 + kk
-        kmask = ks < K
-        amask = rmask[:, None] & kmask[None, :]
-        a = _e4m3(tl.load(q_ptr + rows64[:, None] * stride_qn + ks[None, :], mask=amask, other=0).to(tl.int32))
+    for j0 in range(0, K // 2, BK // 2):
+        j = j0 + jj
+        jmask = j < K // 2
+        wmask = cmask[:, None] & jmask[None, :]
+        byte = tl.load(w_rows + j[None, :], mask=wmask, other=0).to(tl.int32)  # [BM, BK/2]
+        wsc = _e8m0(tl.load(ws_rows + (j // 16)[None, :], mask=wmask, other=127).to(tl.int32))
+        w_even = _e2m1(byte & 0xF) * wsc  # exact in fp32 and bf16
+        w_odd = _e2m1((byte >> 4) & 0xF) * wsc
+        amask = rmask[:, None] & jmask[None, :]
+        word = tl.load(q_rows + j[None, :], mask=amask, other=0).to(tl.int32)  # [BN, BK/2]
+        a_even = _e4m3(word & 0xFF)
+        a_odd = _e4m3((word >> 8) & 0xFF)
         if ACT_BLOCK32:
-            sb = tl.load(s_ptr + rows64[:, None] * stride_sn + (ks // 32)[None, :], mask=amask, other=127)
-            a = a * _e8m0(sb.to(tl.int32))
-        wmask = kmask[:, None] & cmask[None, :]
-        byte = tl.load(w_ptr + e * stride_we + cols64[None, :] * stride_wm + (ks // 2)[:, None], mask=wmask, other=0)
-        code = (byte.to(tl.int32) >> ((ks % 2) * 4)[:, None]) & 0xF  # lower index in the low nibble
-        wsb = tl.load(ws_ptr + e * stride_wse + cols64[None, :] * stride_wsm + (ks // 32)[:, None], mask=wmask, other=127)
-        w = _e2m1(code) * _e8m0(wsb.to(tl.int32))  # [BK, BM]: W^T tile, exact in fp32 and bf16
+            sa = _e8m0(tl.load(s_ptr + rows64[:, None] * stride_sn + (j // 16)[None, :], mask=amask, other=127).to(tl.int32))
+            a_even = a_even * sa
+            a_odd = a_odd * sa
         if DOT_BF16:
-            acc += tl.dot(a.to(tl.bfloat16), w.to(tl.bfloat16))
+            acc += tl.dot(a_even.to(tl.bfloat16), tl.trans(w_even.to(tl.bfloat16)))
+            acc += tl.dot(a_odd.to(tl.bfloat16), tl.trans(w_odd.to(tl.bfloat16)))
         else:
-            acc += tl.dot(a, w, input_precision="ieee")
+            acc += tl.dot(a_even, tl.trans(w_even), input_precision="ieee")
+            acc += tl.dot(a_odd, tl.trans(w_odd), input_precision="ieee")
     if not ACT_BLOCK32:
         sc = tl.load(s_ptr + rows64 * stride_sn, mask=rmask, other=1.0)
         acc = acc * sc[:, None]
@@ -121,8 +149,9 @@ def _tiles(counts: list[int], bn: int, device) -> torch.Tensor:
 
 def max_tiles(n: int, experts: int, bn: int) -> int:
     """An upper bound on the BN-row tiles of ``n`` rows over ``experts`` experts, from shapes alone:
-    sum_e ceil(c_e / bn) <= sum_e (c_e / bn + 1) rounded, at most ceil(n / bn) + experts."""
-    return -(-n // bn) + experts
+    sum_e ceil(c_e / bn) <= sum over the experts in use of (c_e / bn + 1), and at most min(n, E)
+    experts are in use, so it is at most ceil(n / bn) + min(n, E)."""
+    return -(-n // bn) + min(n, experts)
 
 
 def device_tiles(counts: torch.Tensor, n: int, bn: int) -> torch.Tensor:
@@ -151,17 +180,38 @@ def tile_rows(n: int, experts: int) -> int:
     return BLOCK_N_SMALL if n <= BLOCK_N_SMALL * experts else BLOCK_N
 
 
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def kernel_config(n: int, experts: int, M: int, K: int, device: torch.device) -> KernelConfig:
+    """The tile shape for a call, from shapes alone (so a CUDA graph replays it at any routing): the
+    widest output block (128, 64 or 32) that still gives every multiprocessor four programs of real
+    tiles, since few rows (decode at small batch) leave few tiles and the weight bytes must then be
+    read by many programs at once; 128 inputs per K step where K allows it."""
+    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 132
+    real = -(-n // tile_rows(n, experts)) + min(n, experts)  # ``max_tiles``: an upper bound on real tiles
+    bm = 128
+    while bm > 32 and real * -(-M // bm) < 4 * sms:
+        bm //= 2
+    return KernelConfig(bm=bm, bk=128 if K % 128 == 0 else 64)
+
+
 def w4a8_grouped_mm_triton(q: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
-                           wscale: torch.Tensor, out_dtype: torch.dtype, dot_bf16: bool | None = None) -> torch.Tensor:
+                           wscale: torch.Tensor, out_dtype: torch.dtype, dot_bf16: bool | None = None,
+                           config: KernelConfig | None = None) -> torch.Tensor:
     """q fp8 ``[n, K]`` with its scale (fp32 ``[n, 1]`` per token or uint8 ``[n, K/32]``), rows sorted by
     expert (``counts [E]``, summing to n), packed ``[E, M, K/2]``, wscale ``[E, M, K/32]`` -> ``[n, M]``
     ``out_dtype``. Nothing reads ``counts`` on the host: the tile table is built on the device, sized
-    by ``n`` and ``E`` (``device_tiles``), so the call is capturable in a CUDA graph."""
+    by ``n`` and ``E`` (``device_tiles``), so the call is capturable in a CUDA graph. ``config``
+    overrides the tile shape (``kernel_config``; benchmarks sweep it)."""
     n, K = q.shape
     M = packed.shape[1]
     if K % 32:
         raise ValueError(f"w4a8: K={K} is not a multiple of 32")
-    q, s, packed, wscale = q.contiguous().view(torch.uint8), s.contiguous(), packed.contiguous(), wscale.contiguous()
+    words = q.contiguous().view(torch.uint8).view(torch.int16)  # [n, K/2]: two FP8 inputs per word
+    s, packed, wscale = s.contiguous(), packed.contiguous(), wscale.contiguous()
     out = torch.empty(n, M, dtype=out_dtype, device=q.device)
     if n == 0:
         return out
@@ -169,10 +219,12 @@ def w4a8_grouped_mm_triton(q: torch.Tensor, s: torch.Tensor, counts: torch.Tenso
     tiles = device_tiles(counts.to(q.device), n, bn)  # no host read: a CUDA graph can capture this call
     if dot_bf16 is None:
         dot_bf16 = os.environ.get("TRITON_INTERPRET", "0") != "1"
+    cfg = config or kernel_config(n, counts.numel(), M, K, q.device)
     block32 = s.dtype == torch.uint8
-    grid = (tiles.shape[0], triton.cdiv(M, BLOCK_M))
+    grid = (tiles.shape[0], triton.cdiv(M, cfg.bm))
     _w4a8_grouped_kernel[grid](
-        q, s, packed, wscale, out, tiles, M, K,
-        q.stride(0), s.stride(0), packed.stride(0), packed.stride(1), wscale.stride(0), wscale.stride(1), out.stride(0),
-        ACT_BLOCK32=block32, DOT_BF16=dot_bf16, BN=bn, BM=BLOCK_M, BK=BLOCK_K, num_warps=NUM_WARPS)
+        words, s, packed, wscale, out, tiles, M, K,
+        words.stride(0), s.stride(0), packed.stride(0), packed.stride(1), wscale.stride(0), wscale.stride(1), out.stride(0),
+        ACT_BLOCK32=block32, DOT_BF16=dot_bf16, BN=bn, BM=cfg.bm, BK=cfg.bk,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

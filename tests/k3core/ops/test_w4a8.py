@@ -151,6 +151,10 @@ def test_device_tiles_are_the_host_tiles_then_spares(bn):
         assert torch.equal(got[: ref.shape[0]], ref), (counts, got, ref)
         spare = got[ref.shape[0]:]
         assert (spare[:, 1] == spare[:, 2]).all() and (spare[:, 0] < E).all()
+    # the bound's worst cases: one row for each of many experts, and one expert holding every row
+    for counts in (torch.ones(40, dtype=torch.int64), torch.tensor([0, 3 * bn + 1, 0])):
+        n, E = int(counts.sum()), counts.numel()
+        assert T._tiles(counts.tolist(), bn, "cpu").shape[0] <= T.max_tiles(n, E, bn)
     assert T.tile_rows(16 * 64, 64) == 16 and T.tile_rows(16 * 64 + 1, 64) == 64
 
 
@@ -182,6 +186,15 @@ def test_fused_kernel_logic_under_the_triton_interpreter():
             got = w4a8_grouped_mm_triton(q, qs, counts, p, s, torch.float32)
             ref = w4a8_grouped_mm(x, counts, p, s, gr, use_triton=False)
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        # every tile shape: K = 160 leaves a partial K step at 64, 128 and 256 inputs; M = 96 a partial
+        # output block at 64 and 128
+        from k3core.ops.w4a8.grouped_mm_triton import KernelConfig
+        for cfg in (KernelConfig(32, 64), KernelConfig(64, 128), KernelConfig(128, 256)):
+            for gr in ("token", "block32"):
+                q, qs = quantize_fp8(x, gr)
+                got = w4a8_grouped_mm_triton(q, qs, counts, p, s, torch.float32, config=cfg)
+                ref = w4a8_grouped_mm(x, counts, p, s, gr, use_triton=False)
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         # every E4M3 code decodes to torch's value (identity weight), NaN codes to NaN
         codes = torch.arange(256, dtype=torch.uint8)
         codes[(codes & 0x7F) == 0x7F] = 0
@@ -232,3 +245,9 @@ def test_fused_kernel_matches_torch_path_on_gpu(granularity):
     ref = w4a8_grouped_mm(x, counts, packed, scale, granularity, out_dtype=torch.float32, use_triton=False)
     # same exact products, bf16 tensor cores vs fp32 matmul: only accumulation order differs
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    from k3core.ops.w4a8.grouped_mm_triton import KernelConfig, w4a8_grouped_mm_triton
+
+    q, s = quantize_fp8(x, granularity)
+    for cfg in (KernelConfig(32, 64, 4, 2), KernelConfig(64, 256, 8, 3), KernelConfig(128, 128, 4, 4)):
+        torch.testing.assert_close(w4a8_grouped_mm_triton(q, s, counts, packed, scale, torch.float32, config=cfg),
+                                   ref, rtol=1e-4, atol=1e-4)
