@@ -120,14 +120,17 @@ class KimiDeltaAttention(nn.Module):
         if isinstance(cache, StaticKDACache) and T != 1:
             raise ValueError(f"static decode takes one token per slot, got {T}")
         if cache is not None and T == 1 and state is not None:
-            o, new_state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state)
+            # a static cache's state is advanced where it lies: read and written once per step
+            o, new_state = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], state,
+                                    inplace=isinstance(cache, StaticKDACache))
             o = o.unsqueeze(1)
         else:
             o, new_state = kda(q, k, v, g, beta, initial_state=state, output_final_state=cache is not None,
                                lower_bound=self.lower_bound)  # g >= lower_bound: fla's safe-gate path
         if isinstance(cache, StaticKDACache):
             for buf, new in zip((cache.conv_q, cache.conv_k, cache.conv_v, cache.state), (cq, ck, cv, new_state)):
-                buf.copy_(new)
+                if new is not buf:
+                    buf.copy_(new)
         elif cache is not None:
             cache.conv_q, cache.conv_k, cache.conv_v, cache.state = cq, ck, cv, new_state
         o = rms_norm(o.to(x.dtype), self.o_norm.weight, self.eps).reshape(B, T, H * K)

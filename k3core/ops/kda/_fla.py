@@ -232,6 +232,20 @@ def chunk(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_
         **_gate_kwargs(A_log, dt_bias, lower_bound), **_varlen_kwargs(cu_seqlens, q.device, cu_seqlens_cpu))
 
 
+def fused_recurrent_inplace(q, k, v, g, beta, *, scale, state, use_qk_l2norm):
+    """fla's fused recurrent decode with the final state written over ``state`` (fp32, contiguous):
+    ``fused_recurrent_kda_fwd(inplace_final_state=True)``, the entry vLLM's decode uses, which the
+    public ``fused_recurrent_kda`` does not expose. Returns o."""
+    require("kda_step")
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # noqa: PLC0415  (lazy: triton)
+
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    o, _ = fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale if scale is not None else q.shape[-1] ** -0.5,
+                                   initial_state=state, inplace_final_state=True,
+                                   use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return o
+
+
 def fused_recurrent(q, k, v, g, beta, *, scale, initial_state, output_final_state, use_qk_l2norm,
                     cu_seqlens=None, A_log=None, dt_bias=None, lower_bound=None):
     """``fla.ops.kda.fused_recurrent_kda`` (forward only: decode). Shapes as ``chunk``."""

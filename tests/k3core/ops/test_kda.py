@@ -154,6 +154,21 @@ def test_decode_step_from_zero_state_and_state_not_mutated():
     assert torch.equal(h0, h0_copy)
 
 
+def test_decode_step_inplace_advances_the_given_state():
+    """``inplace=True`` returns the given state object, holding what the out-of-place step returns
+    (and the reference's next state); without a state it is refused."""
+    q, k, v, g, beta, h0 = make_inputs(T=3)
+    o_ref, s_ref = naive_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    state = h0.clone()
+    for t in range(3):
+        want_o, want_s = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        o, s = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, inplace=True)
+        assert s is state and torch.equal(o, want_o) and torch.equal(state, want_s)
+    assert max_err(state, s_ref) < 1e-10 and max_err(o, o_ref[:, 2]) < 1e-10
+    with pytest.raises(ValueError, match="inplace=True needs a state"):
+        kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], None, inplace=True)
+
+
 # ----------------------------------------------------------------------------- gradients
 
 def _grads(fn, inputs):
@@ -436,6 +451,10 @@ def test_gpu_fla_decode_matches_torch(gate_in_kernel):
     assert rel_err(o, o_ref) < 1e-4 and rel_err(s, s_ref) < 1e-4
     assert rel_err(o1, o_ref[:, 0]) < 1e-4 and rel_err(s1, s_ref) < 1e-4
     assert torch.equal(h0, h0_copy)
+    # in place (fla writes the final state over the one it read): the same numbers, in h0's storage
+    with torch.no_grad():
+        o2, s2 = kda_step(q[:, 0], k[:, 0], v[:, 0], g_ref[:, 0], beta[:, 0], h0, inplace=True)
+    assert s2 is h0 and torch.equal(o2, o1) and torch.equal(h0, s1)
 
 
 @gpu_test
