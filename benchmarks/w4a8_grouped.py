@@ -7,7 +7,9 @@ Same run, same inputs (rows routed to experts at random, seeded; FP8 per-token a
     ``git show <rev>:k3core/ops/w4a8/grouped_mm_triton.py > /tmp/old.py``) on the same inputs;
   - bf16 experts: ``torch._grouped_mm`` (cuBLAS/CUTLASS grouped GEMM, what the engine runs for bf16
     experts) over the same experts decoded to bf16, which reads 3.8x the weight bytes;
-  - ``--sweep``: every tile shape of a small grid, and the best one per row.
+  - ``--sweep``: every tile shape of a small grid, and the best one per row;
+  - the per-token FP8 quantisation before each call: torch's ``quantize_fp8`` (about eleven
+    kernels) against the one-kernel ``fp8_triton`` quantiser (the same bytes).
 
 Every variant is timed inside a CUDA graph that replays calls over enough copies of the layer's
 expert stack that the weights a call reads exceed 4x the L2 cache: each call reads its weights from
@@ -35,6 +37,7 @@ import torch
 from k3core.ops import mxfp4
 from k3core.ops.w4a8 import quantize_fp8
 from k3core.ops.w4a8 import grouped_mm_triton as kernel
+from k3core.ops.w4a8.fp8_triton import quantize_fp8_token_triton
 
 SHAPES = {  # name: (experts on this GPU, experts in the model, top-k, M, K)
     "medium-up": (64, 64, 8, 768, 768),
@@ -126,6 +129,8 @@ def bench_row(shape: str, batch: int, baseline, sweep: bool, l2: int, g: torch.G
     torch_ref = kernel_torch_path(x, counts, packed, scale)
     row["max_err"] = float((ref - torch_ref).abs().max()) if n else 0.0
     row["new"] = run(kernel.w4a8_grouped_mm_triton)
+    row["quant_torch"] = time_graph(lambda i: quantize_fp8(x, "token"), 8)
+    row["quant_fused"] = time_graph(lambda i: quantize_fp8_token_triton(x), 8)
     row["config"] = kernel.kernel_config(n, local, M, K, q.device)
     if baseline is not None:
         row["baseline"] = run(baseline)
@@ -181,7 +186,7 @@ def main() -> None:
     head = f"{'shape':>12} {'batch':>5} {'rows':>5} {'used':>4} {'MB':>7} {'kernel us':>9} {'% bw':>5}"
     if baseline:
         head += f" {'baseline us':>11} {'speedup':>7}"
-    head += f" {'bf16 us':>8} {'vs bf16':>7} {'max|err|':>9}  config"
+    head += f" {'bf16 us':>8} {'vs bf16':>7} {'quant us torch/fused':>20} {'max|err|':>9}  config"
     print(head)
     for r in rows:
         line = (f"{r['shape']:>12} {r['batch']:>5} {r['rows']:>5} {r['used']:>4} {r['bytes'] / 1e6:>7.2f} "
@@ -189,7 +194,8 @@ def main() -> None:
         if baseline:
             line += f" {r['baseline'] * 1e6:>11.1f} {r['baseline'] / r['new']:>6.1f}x"
         cfg = r["config"]
-        line += (f" {r['bf16'] * 1e6:>8.1f} {r['bf16'] / r['new']:>6.2f}x {r['max_err']:>9.2g}  "
+        line += (f" {r['bf16'] * 1e6:>8.1f} {r['bf16'] / r['new']:>6.2f}x "
+                 f"{r['quant_torch'] * 1e6:>10.1f} /{r['quant_fused'] * 1e6:>8.1f} {r['max_err']:>9.2g}  "
                  f"bm={cfg.bm} bk={cfg.bk} w={cfg.num_warps} st={cfg.num_stages}")
         print(line)
     if a.sweep:

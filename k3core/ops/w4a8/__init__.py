@@ -13,8 +13,8 @@ Public API:
     triton_available(), FP8_MAX, ACT_GRANULARITIES
 
 Modules: ``fp8.py`` (activation quantisation and its scale rules), ``api.py`` (the matmuls, torch
-path and dispatch), ``grouped_mm_triton.py`` (the fused kernel; imported only when used, it needs
-triton), ``naive.py`` (the fp64 references every path is tested against). Importing this package
+path and dispatch), ``grouped_mm_triton.py`` (the fused kernel) and ``fp8_triton.py`` (the per-token quantiser
+in one kernel), imported only when used (they need triton), ``naive.py`` (the fp64 references every path is tested against). Importing this package
 never imports triton.
 """
 

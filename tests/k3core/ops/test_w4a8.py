@@ -229,6 +229,61 @@ def test_fused_kernel_logic_under_the_triton_interpreter():
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
 
 
+_TOKEN_QUANTIZER_CASES = textwrap.dedent("""
+    import torch
+    from k3core.ops.w4a8 import fp8_e4m3_values, quantize_fp8
+    from k3core.ops.w4a8.fp8_triton import quantize_fp8_token_triton
+    dev = "{device}"
+    # scale exactly 1 (each row holds 448): every E4M3 value, every midpoint between neighbours
+    # (ties: to even) and one fp32 ulp either side, subnormals and what rounds to zero, both signs
+    vals = torch.tensor(fp8_e4m3_values(), dtype=torch.float64)
+    mids = (vals[1:] + vals[:-1]) / 2
+    f32 = torch.cat([vals, mids]).float()
+    up, down = torch.nextafter(f32, torch.tensor(1e9)), torch.nextafter(f32, torch.tensor(-1.0))
+    grid = torch.cat([f32, up, down.clamp(min=0), torch.tensor([2.0**-10, 2.0**-11, 1e-30, 0.0])])
+    grid = torch.cat([grid, -grid])
+    pad = (-grid.numel()) % 255
+    rows = torch.cat([grid, torch.zeros(pad)]).reshape(-1, 255)
+    x_exact = torch.cat([rows, torch.full((rows.shape[0], 1), 448.0)], 1)
+    g = torch.Generator().manual_seed(0)
+    # row maxima from 1e-32 up: below about 5e-33 an fp32-subnormal element (which GPU kernels flush
+    # to zero, and the interpreter's bf16 upcast mangles) could quantise to a nonzero code
+    x_rand = torch.randn(64, 300, generator=g) * torch.logspace(-32, 30, 64).unsqueeze(1)
+    x_rand[3] = 0
+    x_rand[5, 7], x_rand[6, 1], x_rand[8, 2] = float("inf"), float("nan"), -float("inf")
+    cases = [(x_exact, torch.float32)] + [(x_rand, dt) for dt in (torch.float32, torch.bfloat16, torch.float16)]
+    cases.append((torch.randn(3, 3584, generator=g), torch.bfloat16))  # a row wider than one warp's share
+    for x, dt in cases:
+        x = x.to(device=dev, dtype=dt)
+        q, s = quantize_fp8_token_triton(x)
+        qr, sr = quantize_fp8(x, "token")
+        assert q.dtype == qr.dtype and s.shape == sr.shape, (q.dtype, s.shape)
+        assert torch.equal(s.isnan(), sr.isnan()) and torch.equal(s[~s.isnan()], sr[~sr.isnan()]), dt
+        qb, qrb = q.view(torch.uint8), qr.view(torch.uint8)
+        nan, nan_ref = (qb & 0x7F) == 0x7F, (qrb & 0x7F) == 0x7F
+        assert torch.equal(nan, nan_ref) and torch.equal(qb[~nan], qrb[~nan_ref]), (dt, int((qb != qrb).sum()))
+    q, s = quantize_fp8_token_triton(torch.zeros(2, 0, device=dev))
+    assert q.shape == (2, 0) and torch.equal(s, quantize_fp8(torch.zeros(2, 0, device=dev), "token")[1])
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(not _triton_importable(), reason="triton is not installed")
+def test_fused_token_quantizer_equals_the_torch_path_under_the_triton_interpreter():
+    """The one-kernel per-token quantiser is ``quantize_fp8(x, "token")`` byte for byte: scales,
+    codes at every E4M3 value, midpoint (ties to even) and neighbouring fp32, subnormals, NaN rows."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", _TOKEN_QUANTIZER_CASES.format(device="cpu")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_token_quantizer_equals_the_torch_path_on_gpu():
+    exec(_TOKEN_QUANTIZER_CASES.format(device="cuda"), {})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("granularity", ["token", "block32"])
