@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import signal
 import subprocess
 import sys
 import time
@@ -83,8 +84,10 @@ def _k3rl(artifacts: Path, home: Path, fault: str | None, api: str | None = None
         env["PREFECT_API_URL"] = api
     if fault:
         env["K3RL_FAULT"] = fault
+    # SIGINT as a terminal delivers it: a suite started in the background of a non-interactive shell
+    # inherits SIGINT ignored, and the run under test would inherit that too (its SIGINT tests then fail)
     p = subprocess.Popen([sys.executable, "-m", "flows.cli", *ARGS, *extra, "--artifacts", str(artifacts)], cwd=ROOT,
-                         env=env,
+                         env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = p.communicate(timeout=600)
