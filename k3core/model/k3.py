@@ -36,6 +36,7 @@ from k3core.model.mlp import SiTUMLP
 from k3core.model.moe import LatentMoE
 from k3core.model.norm import RMSNorm, at_least_fp32
 from k3core.model.varlen import VarlenLayout
+from k3core.ops.norms import fused_inference
 
 # Parameters (and buffers) that stay fp32 whatever the model dtype, as in the release.
 FP32_NAME_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
@@ -222,7 +223,12 @@ class K3ForCausalLM(nn.Module):
 
     def _trunk(self, input_ids, attention_mask, layer_caches, forced_routing, varlen=None,
                forced_checked=False) -> tuple[torch.Tensor, list]:
-        """Embedding, layers, output mix and head -> (logits ``[B, T, V]``, routed ids per MoE layer)."""
+        """Embedding, layers, output mix and head -> (logits ``[B, T, V]``, routed ids per MoE layer).
+        An engine model (inference caches on) runs its norms as fused kernels on CUDA (``k3core.ops.norms``)."""
+        with fused_inference(self.use_inference_caches):
+            return self._layers_and_head(input_ids, attention_mask, layer_caches, forced_routing, varlen, forced_checked)
+
+    def _layers_and_head(self, input_ids, attention_mask, layer_caches, forced_routing, varlen, forced_checked):
         use_cache = self.use_inference_caches
         p = self.model.embed_tokens(input_ids)
         blocks: list[torch.Tensor] = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3core.ops.norms import use_fused
+
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """fp32 for bf16/fp16/fp32 inputs, fp64 stays fp64 (so fp64 reference checks stay exact)."""
@@ -12,7 +14,12 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x ``[..., D]``, weight ``[D]`` or None (no scale). fp32 inside, x's dtype out."""
+    """x ``[..., D]``, weight ``[D]`` or None (no scale). fp32 inside, x's dtype out. Inference on
+    CUDA runs it as one kernel (``k3core.ops.norms``); this torch path is its reference."""
+    if use_fused(x, weight):
+        from k3core.ops.norms.fused_triton import rms_norm as fused
+
+        return fused(x, weight, eps)
     xf = at_least_fp32(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
