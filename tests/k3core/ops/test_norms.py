@@ -44,16 +44,8 @@ CASES = textwrap.dedent("""
 """)
 
 
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _triton_importable(), reason="triton is not installed")
 def test_fused_norms_match_the_torch_paths_under_the_triton_interpreter():
+    pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     res = subprocess.run([sys.executable, "-c", CASES.format(device="cpu")], env=env, capture_output=True, text=True,
                          timeout=300)
