@@ -279,10 +279,10 @@ class EvalSettings(_Section):
     every: int = _int(5, "eval-every", "evaluate every N iterations (0: only at the end)")
     mismatch_sequences: int = _int(16, "mismatch-sequences", "rollouts per iteration for KL(trainer || W4A8 engine) "
                                    "vs KL(trainer || float engine) (0: off)")
-    mismatch_every: int = _int(1, "mismatch-every", "measure the mismatch every N iterations (it builds two extra "
-                               "engines from a copy of the trainer and decodes the sampled rollouts through both, "
-                               "token by token: docs/results/gpu_loop.md has its cost at the medium preset)",
-                               min=1)
+    mismatch_every: int = _int(5, "mismatch-every", "measure the mismatch every N iterations, from iteration 0 "
+                               "(it builds two extra engines from a copy of the trainer and decodes the sampled "
+                               "rollouts through both, token by token: a tenth of a small run when measured every "
+                               "iteration, docs/results/rl_defaults.md)", min=1)
 
     def due(self, iteration: int) -> bool:
         return bool(self.every) and iteration % self.every == 0

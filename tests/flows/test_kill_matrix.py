@@ -57,7 +57,8 @@ RUN_ID = "kill"
 ARGS = ["run", "--preset", "tiny", "--source", "init:tiny:3", "--env", "even_bytes_env:make", "--iterations", "2",
         "--prompts-per-iteration", "2", "--samples-per-prompt", "2", "--max-new-tokens", "3", "--warmup-steps", "1",
         "--warmup-batch", "4", "--eval-prompts", "4", "--eval-every", "1", "--lr", "1e-3", "--minibatches", "2",
-        "--keep-checkpoints", "0", "--run-id", RUN_ID]  # every checkpoint kept: a deleted one would read as rewritten
+        "--keep-checkpoints", "0", "--mismatch-every", "1", "--run-id", RUN_ID]
+# every checkpoint kept: a deleted one would read as rewritten; the mismatch stage in both iterations
 # every stage, in the order the run reaches them; kills in iteration 1 resume a run that has a
 # finished iteration and a live trainer and engine that the killed process lost
 PUBLISHING = ["fetch_checkpoint", "validate_checkpoint", "warmup", "quantize_mxfp4", "rollout-iter1",

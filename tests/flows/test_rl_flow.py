@@ -21,7 +21,8 @@ ENV_SRC = (Path(__file__).resolve().parents[1] / "even_bytes_env.py").read_text(
 def _settings(root: Path, run_id: str, **kw) -> RLSettings:
     base = dict(preset="tiny", source="init:tiny:3", env="flaky_env_for_tests:make", iterations=2,
                 artifacts=str(root), run_id=run_id, prompts_per_iteration=4, samples_per_prompt=4,
-                max_new_tokens=4, warmup_steps=3, warmup_batch=8, eval_prompts=8, eval_every=1, lr=1e-3)
+                max_new_tokens=4, warmup_steps=3, warmup_batch=8, eval_prompts=8, eval_every=1, lr=1e-3,
+                mismatch_every=1)
     base.update(kw)
     return RLSettings.from_dict(base)
 
