@@ -4,9 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 # pytest-xdist workers of `make test` / `make test-quick`: the end-to-end tests spend much of their time
-# waiting on subprocesses and servers, so two workers overlap them on a 2-core machine; whole files go
-# to one worker (--dist loadfile), so a module's fixtures are built once.
-TEST_WORKERS ?= 2
+# waiting on subprocesses and servers, so three workers (one intra-op thread each, tests/conftest.py)
+# keep a 2-core machine busy; whole files go to one worker (--dist loadfile), so a module's fixtures
+# are built once. docs/results/test_suite.md has the times of 2 and 3.
+TEST_WORKERS ?= 3
 # The SGLang release whose K3 code the interop suite (tests/interop) checks k3rl against; installed
 # without its dependencies (they are CUDA builds), see the `interop` extra in pyproject.toml.
 SGLANG_VERSION := 0.5.23
