@@ -20,6 +20,7 @@ train step's own seconds (which overlap does not change) show how loaded the mac
 each configuration.
 
     python benchmarks/off_policy.py [--preset tiny] [--iterations 10] [--seeds 0 1] [--kl-coef 0.1] [--lr 3e-3]
+        [--task-runner dask --rollout-workers 2]
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def run(root: str, preset: str, seed: int, iterations: int, name: str, grpo: dic
     settings = RLSettings.from_dict(dict(
         preset=preset, source=source, warmup_steps=0, iterations=iterations, seed=seed, artifacts=root,
         run_id=f"{name.replace('+', '-')}-s{seed}", env=a.env, eval_prompts=a.eval_prompts, eval_every=0, lr=a.lr,
+        **({"task_runner": a.task_runner, "rollout_workers": a.rollout_workers} if a.task_runner != "local" else {}),
         **{k: (a.kl_coef if v is None else v) for k, v in grpo.items()}))
     summary = rl_run(settings)
     metrics = json.loads(Path(root, "runs", settings.pipeline.run_id, "metrics.json").read_text())
@@ -105,6 +107,10 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=64)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    ap.add_argument("--task-runner", default="local", choices=("local", "dask", "ray"),
+                    help="dask|ray: rollout shards on --rollout-workers resident engines (the batch sampled ahead "
+                         "runs there, beside the train step in this process)")
+    ap.add_argument("--rollout-workers", type=int, default=2)
     ap.add_argument("--json", default=None, help="write every configuration's figures here")
     a = ap.parse_args()
     import torch
@@ -126,7 +132,8 @@ def main() -> None:
                       f"staleness {r['staleness']}; kl_ref last {r['kl_ref_last']:.4f}", flush=True)
     n = a.iterations
     print(f"\npreset {a.preset}, env {a.env}, {n} iterations, seeds {a.seeds}, kl_coef {a.kl_coef}, "
-          f"{a.threads} torch thread(s); medians over seeds")
+          f"{a.threads} torch thread(s), task runner {a.task_runner}"
+          f"{f' ({a.rollout_workers} rollout workers)' if a.task_runner != 'local' else ''}; medians over seeds")
     print("| config | s / iteration | vs sync | train s | rollout ahead s | waited s | reference s | "
           "train reward, last 3 iterations | held-out end | kl_ref (last update) |")
     print("|---|---|---|---|---|---|---|---|---|---|")

@@ -61,7 +61,7 @@ from tasks.fetch import fetch_checkpoint
 from tasks.mismatch import rollout_mismatch
 from tasks.quantize import quantize_mxfp4
 from tasks.reference import reference_logprobs
-from tasks.rollout import rollout, rollout_client, rollout_fanout
+from tasks.rollout import rollout, rollout_client, rollout_fanout, rollout_fanout_submit
 from tasks.save import save_checkpoint
 from tasks.score import fans_out, score_fanout, score_rewards
 from tasks.train import data_position, train_step
@@ -150,8 +150,8 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
     ``rollouts``: this iteration's batch when an earlier iteration sampled it ahead, else sampled
     here by ``behind`` (``sampled_by``: the version ``max_staleness`` before this one) or, without
     it, by ``weights``. Under ``max_staleness`` K the batch of iteration N+K is sampled here, at this
-    version, beside the stages up to the save (the one engine serves one version: the transfer waits
-    for it)."""
+    version: on this process's engine beside the stages up to the save (the one engine serves one
+    version: the transfer waits for it), or on the workers' engines beside all of them."""
     s, run, t0 = settings, Run.of(settings), time.perf_counter()
     lag = s.grpo.max_staleness
     ahead = lag > 0 and iteration + lag < s.pipeline.iterations
@@ -160,12 +160,11 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
                    if s.evaluation.due(iteration) else {})
         batch = sample_round(s, run, iteration, behind or weights, Batch(s.rollout, data_position(policy)), rollouts)
         batch = refill(s, run, iteration, weights, batch)
-        if ahead:  # batch N+K, at this version, beside the stages up to the save (the engine made ready here);
-            # with K > 1 no refill rounds (refused up front), so each batch after this one starts P prompts on
-            rollout_client(run, weights, s.rollout.url)
+        if ahead:  # batch N+K, at this version, beside the stages up to the save (the engine made ready here),
+            # or on the workers' engines, beside every stage up to the iteration's end; with K > 1 no refill
+            # rounds (refused up front), so each batch after this one starts P prompts on
             cursor = batch.next_position + (lag - 1) * s.rollout.prompts_per_iteration
-            pending = rollout.submit(run, iteration + lag, weights, s.rollout, cursor=cursor,
-                                     in_flight=s.rollout.in_flight != "drain")
+            pending = ahead_round(s, run, iteration + lag, weights, cursor)
         mismatch = (rollout_mismatch(run, iteration, policy, batch.rollouts[0], s.evaluation.mismatch_sequences,
                                      s.rollout.temperature)
                     if s.rollout.quantized and s.evaluation.mismatch_due(iteration) else {})
@@ -175,10 +174,10 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
         later = save_due(s, iteration) and save_behind(s, iteration) and trainers.unwritten(trained)
         saved = save_checkpoint(run, iteration, trained) if save_due(s, iteration) and not later else None
         in_flight = s.rollout.in_flight if ahead else "drain"  # continue|abort: the update reaches batch N+K
-        if ahead and in_flight == "drain":
-            pending.result()  # the engine keeps this version until the batch ahead is done (or raises)
+        if ahead and in_flight == "drain" and not fanned_out(s):
+            pending.result()  # this process's engine keeps this version until the batch ahead is done (or raises)
         engine = transfer_weights(run, iteration, trained, s.rollout.quantized, in_flight)
-        next_rollouts = pending.result() if ahead else None
+        next_rollouts = (pending.result(ahead=True) if fanned_out(s) else pending.result()) if ahead else None
     metrics = reports.iteration_metrics(iteration, batch, trained, engine, heldout, mismatch, seconds)
     metrics.update(seconds_iteration=time.perf_counter() - t0, device=run.device, dtype=run.dtype,
                    **memory_metrics(peaks))
@@ -194,13 +193,30 @@ def sample_round(s: RLSettings, run: Run, iteration: int, weights: Artifact, bat
     scored here). The one place that decides where: in this process, or fanned out over the task
     runner's workers (``--task-runner dask|ray``: rollout shards on resident engines, and a sandboxed
     environment's reward calls); the same tables either way."""
-    r, fan, workers = batch.rounds, s.scale_out.task_runner != "local", s.scale_out.rollout_workers
+    r, fan, workers = batch.rounds, fanned_out(s), s.scale_out.rollout_workers
     if rollouts is None:
         rollouts = (rollout_fanout(run, iteration, weights, s.rollout, workers, r, batch.cursor) if fan
                     else rollout(run, iteration, weights, s.rollout, r, batch.cursor))
     scored = (score_fanout(run, iteration, rollouts, s.grpo, s.reward, workers, r) if fan and fans_out(run)
               else score_rewards(run, iteration, rollouts, s.grpo, s.reward, r))
     return batch.plus(rollouts, scored)
+
+
+def fanned_out(s: RLSettings) -> bool:
+    """Rollouts run as shards on the task runner's workers (``--task-runner dask|ray``)."""
+    return s.scale_out.task_runner != "local"
+
+
+def ahead_round(s: RLSettings, run: Run, iteration: int, weights: Artifact, cursor: int):
+    """Submit batch ``iteration`` (round 0 from data position ``cursor``) on ``weights``, to run beside
+    the stages that follow; its ``result()`` is the rollout table. On this process's engine (which
+    then keeps this version until the batch is done, unless ``--in-flight`` lets an update reach it),
+    or as shards on the workers' resident engines, each of which loads this version for them: nothing
+    in this process waits for those."""
+    if fanned_out(s):
+        return rollout_fanout_submit(run, iteration, weights, s.rollout, s.scale_out.rollout_workers, cursor=cursor)
+    rollout_client(run, weights, s.rollout.url)
+    return rollout.submit(run, iteration, weights, s.rollout, cursor=cursor, in_flight=s.rollout.in_flight != "drain")
 
 
 def refill(s: RLSettings, run: Run, iteration: int, weights: Artifact, batch: Batch) -> Batch:

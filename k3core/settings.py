@@ -467,10 +467,10 @@ class RLSettings:
         if runner in ("dask", "ray") and self.rollout.url not in ("", "local"):
             cross.append(f"--task-runner {runner} runs rollouts on the {runner.capitalize()} workers' own engines; "
                          f"it cannot be combined with --rollout-url {self.rollout.url}")
-        if runner in ("dask", "ray") and self.grpo.max_staleness:
-            cross.append(f"--max-staleness {self.grpo.max_staleness} samples batches ahead on this process's engine "
-                         f"beside the train step; it is not combined with --task-runner {runner} yet (use one or the "
-                         "other)")
+        if runner in ("dask", "ray") and self.rollout.in_flight != "drain":
+            cross.append(f"--in-flight {self.rollout.in_flight} updates this process's engine between two decode "
+                         f"steps; with --task-runner {runner} the batch sampled ahead runs on the workers' engines, "
+                         "each at the version its shard names: use --in-flight drain there")
         if self.rollout.in_flight != "drain" and not self.grpo.max_staleness:
             cross.append(f"--in-flight {self.rollout.in_flight} acts on the batch sampled ahead while a weight update "
                          "arrives, and with --max-staleness 0 none is: use --max-staleness 1 or more (or --in-flight "

@@ -443,6 +443,11 @@ class StageFuture:
     def _mark_done(self, _future: Any) -> None:
         self._done_at = time.perf_counter()
 
+    @property
+    def done_at(self) -> float | None:
+        """``time.perf_counter()`` when the stage ended, None while it runs."""
+        return self._done_at
+
     def result(self) -> Any:
         """The stage's result (waits for it; a later call returns at once and is not timed again)."""
         t0 = time.perf_counter()

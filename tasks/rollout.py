@@ -265,14 +265,43 @@ def rollout_merge(run: Run, iteration: int, weights: Artifact, settings: Rollout
     return _handle(run, iteration, refill, settings, path, shards=len(shards), workers=workers)
 
 
-def rollout_fanout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, shards: int,
-                   refill: int = 0, cursor: int = 0) -> Artifact:
-    """The rollout of ``rollout`` (the same prompts: ``refill`` and ``cursor`` as there) as ``shards``
-    ``rollout_shard`` tasks on the flow's task runner, then ``rollout_merge``. Call it from a flow
-    body."""
-    import time
+class FannedOut:
+    """Rollout shards submitted to the flow's task runner (``rollout_fanout_submit``), running on the
+    workers' resident engines while the flow goes on; ``result()`` waits for them and merges them.
+    Call both from one flow body: the shards' futures belong to that flow run's task runner."""
 
-    from tasks.common import record_seconds
+    def __init__(self, run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, futures: list,
+                 refill: int, submitted: float, seconds: float):
+        self.run, self.iteration, self.weights, self.settings = run, iteration, weights, settings
+        self.futures, self.refill, self.submitted, self.seconds = futures, refill, submitted, seconds
+
+    def result(self, ahead: bool = False) -> Artifact:
+        """The merged rollout table. The enclosing stage timings get ``rollout``: the flow's seconds in
+        it (submitting, then waiting here); or with ``ahead`` (it ran beside other stages), as a
+        submitted stage's do, ``rollout_ahead`` (submission to its last shard's end) and
+        ``rollout_wait`` (how long the flow still waited here). The merge times itself."""
+        import time
+
+        from tasks.common import record_seconds
+
+        t0 = time.perf_counter()
+        parts = tuple(f.result() for f in self.futures)
+        t1 = time.perf_counter()
+        if ahead:
+            record_seconds("rollout_wait", t1 - t0)
+            record_seconds("rollout_ahead", max((f.done_at or t1) for f in self.futures) - self.submitted)
+        else:
+            record_seconds("rollout", self.seconds + t1 - t0)
+        return rollout_merge(self.run, self.iteration, self.weights, self.settings, parts, self.refill)
+
+
+def rollout_fanout_submit(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, shards: int,
+                          refill: int = 0, cursor: int = 0) -> FannedOut:
+    """The rollout of ``rollout`` (the same prompts: ``refill`` and ``cursor`` as there) as ``shards``
+    ``rollout_shard`` tasks submitted to the flow's task runner; nothing waits for them here. Each
+    shard carries ``weights`` (path and version), which its worker's engine loads when it serves
+    another version, so shards of two versions may be in flight at once (``--max-staleness``)."""
+    import time
 
     from k3core.rl.envs import load_env
     from k3core.rl.harness import is_harness
@@ -285,6 +314,10 @@ def rollout_fanout(run: Run, iteration: int, weights: Artifact, settings: Rollou
     prompts = tuple(_prompts(run, iteration, settings, refill, cursor))
     futures = [rollout_shard.submit(run, iteration, weights, settings, prompts, (k, shards), refill)
                for k in range(shards)]
-    parts = tuple(f.result() for f in futures)
-    record_seconds("rollout", time.perf_counter() - t0)  # the merge times itself (rollout_merge)
-    return rollout_merge(run, iteration, weights, settings, parts, refill)
+    return FannedOut(run, iteration, weights, settings, futures, refill, t0, time.perf_counter() - t0)
+
+
+def rollout_fanout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, shards: int,
+                   refill: int = 0, cursor: int = 0) -> Artifact:
+    """``rollout_fanout_submit``, waited for and merged (``rollout_merge``). Call it from a flow body."""
+    return rollout_fanout_submit(run, iteration, weights, settings, shards, refill, cursor).result()

@@ -126,6 +126,33 @@ def test_local_cluster_run_gives_the_one_process_run(reference, tmp_path):
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=5e-5, msg=k)
 
 
+@pytest.mark.slow  # two tiny RL runs in embedded Prefect plus a LocalCluster: ~1 min on 2 cores
+def test_staleness_one_on_a_local_cluster_gives_the_one_process_run(env_module, tmp_path, prefect_harness):
+    """``--max-staleness 1`` with rollout shards on the workers: iteration 0 submits batch 1 to the
+    workers' engines at version 0 and trains beside it, and the run equals the one-process run of the
+    same settings (row for row, and in its final weights)."""
+    engines.clear()
+    trainers.clear()
+    assert rl_run(_settings(tmp_path / "local", "ref1", max_staleness=1))["iterations"] == ITERATIONS
+    ref = tmp_path / "local" / "runs" / "ref1"
+    engines.clear()
+    trainers.clear()
+    assert rl_run(_settings(tmp_path, "dask1", task_runner="dask", rollout_workers=2,
+                            max_staleness=1))["iterations"] == ITERATIONS
+    run = tmp_path / "runs" / "dask1"
+    assert _same_rows(run, ref) == [{"0", "1"}] * ITERATIONS
+    # batch 1 was sampled by version 0, ahead, on the workers (its merge's record names the shards)
+    assert set(pq.read_table(run / "iter-0001" / "rollouts.parquet").column("weight_version").to_pylist()) == {0}
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert [m["staleness"] for m in metrics] == [0, 1] and metrics[0]["buffer_depth"] == 1
+    assert metrics[0]["seconds_rollout_ahead"] > 0 and "seconds_rollout_wait" in metrics[0]
+    got, extra = _final_state(run)
+    want, ref_extra = _final_state(ref)
+    assert extra["metrics"]["loss"] == pytest.approx(ref_extra["metrics"]["loss"], rel=1e-3, abs=1e-6)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=5e-5, msg=k)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -293,7 +320,7 @@ def test_k3rl_run_joins_a_separate_ray_cluster(reference, env_module, tmp_path):
     (["--ray-address", "127.0.0.1:1"], "--ray-address needs --task-runner ray"),
     (["--task-runner", "ray", "--ray-address", "tcp://127.0.0.1:1"], "use HOST:PORT of the head node"),
     (["--task-runner", "ray", "--ray-address", "127.0.0.1:1"], "no Ray head answers there"),
-    (["--task-runner", "ray", "--max-staleness", "1"], "not combined with --task-runner ray"),
+    (["--task-runner", "ray", "--max-staleness", "1", "--in-flight", "continue"], "use --in-flight drain there"),
     (["--task-runner", "dask", "--dask-address", "127.0.0.1:1"], "use a scheduler address such as tcp://"),
     (["--task-runner", "dask", "--dask-address", "tcp://127.0.0.1:1"], "no Dask scheduler answers there"),
     (["--train-procs", "0"], "--train-procs must be >= 1"),

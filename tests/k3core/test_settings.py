@@ -132,9 +132,7 @@ def test_grpo_bounds():
 
 
 @pytest.mark.parametrize("flat, says", [
-    (dict(task_runner="dask", max_staleness=1), "--max-staleness 1 samples batches ahead"),
     (dict(max_staleness=2, refill_rounds=1), "--max-staleness 2 with --refill-rounds 1"),
-    (dict(task_runner="ray", max_staleness=1), "it is not combined with --task-runner ray yet"),
     ({"task_runner": "ray", "rollout-url": "http://127.0.0.1:30000"}, "--task-runner ray runs rollouts on the Ray workers'"),
     (dict(train_procs=2, kl_coef=0.1), "--kl-coef with --train-procs > 1"),
 ])
@@ -143,3 +141,13 @@ def test_combinations_not_supported_yet_are_refused_naming_both_flags(flat, says
         RLSettings.from_dict(flat)
     for key, value in flat.items():  # either flag alone is fine
         RLSettings.from_dict({key: value})
+
+
+@pytest.mark.parametrize("runner", ["dask", "ray"])
+def test_batches_ahead_on_workers_take_in_flight_drain_only(runner):
+    """Rollout workers sample batches ahead (``--max-staleness``); an update reaching them mid-batch
+    (``--in-flight continue|abort``, which acts on this process's engine) is refused."""
+    RLSettings.from_dict(dict(task_runner=runner, max_staleness=2))
+    with pytest.raises(SettingsError, match=re.escape(f"with --task-runner {runner} the batch sampled ahead runs on "
+                                                      "the workers' engines")):
+        RLSettings.from_dict(dict(task_runner=runner, max_staleness=1, in_flight="abort"))
