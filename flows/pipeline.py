@@ -177,7 +177,7 @@ def rl_iteration(settings: RLSettings, iteration: int, policy: Artifact, weights
         if ahead and in_flight == "drain" and not fanned_out(s):
             pending.result()  # this process's engine keeps this version until the batch ahead is done (or raises)
         engine = transfer_weights(run, iteration, trained, s.rollout.quantized, in_flight)
-        next_rollouts = (pending.result(ahead=True) if fanned_out(s) else pending.result()) if ahead else None
+        next_rollouts = pending.result() if ahead else None
     metrics = reports.iteration_metrics(iteration, batch, trained, engine, heldout, mismatch, seconds)
     metrics.update(seconds_iteration=time.perf_counter() - t0, device=run.device, dtype=run.dtype,
                    **memory_metrics(peaks))
@@ -214,7 +214,8 @@ def ahead_round(s: RLSettings, run: Run, iteration: int, weights: Artifact, curs
     or as shards on the workers' resident engines, each of which loads this version for them: nothing
     in this process waits for those."""
     if fanned_out(s):
-        return rollout_fanout_submit(run, iteration, weights, s.rollout, s.scale_out.rollout_workers, cursor=cursor)
+        return rollout_fanout_submit(run, iteration, weights, s.rollout, s.scale_out.rollout_workers, cursor=cursor,
+                                     ahead=True)
     rollout_client(run, weights, s.rollout.url)
     return rollout.submit(run, iteration, weights, s.rollout, cursor=cursor, in_flight=s.rollout.in_flight != "drain")
 

@@ -271,14 +271,14 @@ class FannedOut:
     Call both from one flow body: the shards' futures belong to that flow run's task runner."""
 
     def __init__(self, run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, futures: list,
-                 refill: int, submitted: float, seconds: float):
+                 refill: int, submitted: float, seconds: float, ahead: bool):
         self.run, self.iteration, self.weights, self.settings = run, iteration, weights, settings
-        self.futures, self.refill, self.submitted, self.seconds = futures, refill, submitted, seconds
+        self.futures, self.refill, self.submitted, self.seconds, self.ahead = futures, refill, submitted, seconds, ahead
 
-    def result(self, ahead: bool = False) -> Artifact:
+    def result(self) -> Artifact:
         """The merged rollout table. The enclosing stage timings get ``rollout``: the flow's seconds in
-        it (submitting, then waiting here); or with ``ahead`` (it ran beside other stages), as a
-        submitted stage's do, ``rollout_ahead`` (submission to its last shard's end) and
+        it (submitting, then waiting here); or for a batch sampled ahead (it ran beside other stages),
+        as a submitted stage's do, ``rollout_ahead`` (submission to its last shard's end) and
         ``rollout_wait`` (how long the flow still waited here). The merge times itself."""
         import time
 
@@ -287,7 +287,7 @@ class FannedOut:
         t0 = time.perf_counter()
         parts = tuple(f.result() for f in self.futures)
         t1 = time.perf_counter()
-        if ahead:
+        if self.ahead:
             record_seconds("rollout_wait", t1 - t0)
             record_seconds("rollout_ahead", max((f.done_at or t1) for f in self.futures) - self.submitted)
         else:
@@ -296,11 +296,12 @@ class FannedOut:
 
 
 def rollout_fanout_submit(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, shards: int,
-                          refill: int = 0, cursor: int = 0) -> FannedOut:
+                          refill: int = 0, cursor: int = 0, ahead: bool = False) -> FannedOut:
     """The rollout of ``rollout`` (the same prompts: ``refill`` and ``cursor`` as there) as ``shards``
     ``rollout_shard`` tasks submitted to the flow's task runner; nothing waits for them here. Each
     shard carries ``weights`` (path and version), which its worker's engine loads when it serves
-    another version, so shards of two versions may be in flight at once (``--max-staleness``)."""
+    another version, so shards of two versions may be in flight at once (``--max-staleness``;
+    ``ahead``: a batch sampled ahead, timed as one)."""
     import time
 
     from k3core.rl.envs import load_env
@@ -314,7 +315,7 @@ def rollout_fanout_submit(run: Run, iteration: int, weights: Artifact, settings:
     prompts = tuple(_prompts(run, iteration, settings, refill, cursor))
     futures = [rollout_shard.submit(run, iteration, weights, settings, prompts, (k, shards), refill)
                for k in range(shards)]
-    return FannedOut(run, iteration, weights, settings, futures, refill, t0, time.perf_counter() - t0)
+    return FannedOut(run, iteration, weights, settings, futures, refill, t0, time.perf_counter() - t0, ahead)
 
 
 def rollout_fanout(run: Run, iteration: int, weights: Artifact, settings: RolloutSettings, shards: int,
