@@ -153,6 +153,60 @@ def test_staleness_one_on_a_local_cluster_gives_the_one_process_run(env_module, 
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=5e-5, msg=k)
 
 
+@pytest.mark.slow  # three tiny Dask runs of three iterations: ~1.5 min on 2 cores
+def test_a_crash_with_a_batch_sampled_ahead_on_the_workers_resumes_on_that_batch(env_module, tmp_path, monkeypatch,
+                                                                                  prefect_harness):
+    """``--max-staleness 1`` on two Dask workers: the scorer crashes in iteration 2, whose batch the
+    workers sampled by version 1 during iteration 1 (published, not trained). The same run again
+    scores and trains that batch without sampling it again (no shard or table rewritten) and ends
+    bit-identical to an uninterrupted run."""
+    import k3core.rl.train as train
+
+    marker = tmp_path / "crash-now"
+    monkeypatch.setenv("K3RL_TEST_CRASH_FILE", str(marker))  # before the cluster starts: its workers inherit it
+    calls = [0]
+    real_train = train.train_on_table
+
+    def train_then_arm(*a, **k):  # iteration 1's train step arms the crash: the next scorer (iteration 2's) raises
+        calls[0] += 1
+        if calls[0] == arm_at[0]:
+            marker.write_text("crash")
+        return real_train(*a, **k)
+
+    arm_at = [0]
+    monkeypatch.setattr(train, "train_on_table", train_then_arm)
+    kw = dict(task_runner="dask", rollout_workers=2, max_staleness=1, iterations=3)
+
+    def fresh_run(root: Path, run_id: str):
+        engines.clear()
+        trainers.clear()
+        return rl_run(_settings(root, run_id, **kw))
+
+    fresh_run(tmp_path / "a", "a")
+    arm_at[0], calls[0] = 2, 0
+    with pytest.raises(Exception, match="injected scorer crash"):
+        fresh_run(tmp_path / "b", "b")
+    run = tmp_path / "b" / "runs" / "b"
+    ahead = [run / "iter-0002" / "rollouts.parquet", *sorted((run / "iter-0002").rglob("shard-*.parquet"))]
+    assert len(ahead) > 2 and not (run / "iter-0002" / "scored.parquet").exists()
+    assert set(pq.read_table(ahead[0]).column("weight_version").to_pylist()) == {1}
+    stamps = {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in ahead}
+
+    marker.unlink()
+    fresh_run(tmp_path / "b", "b")
+    assert {p: (p.stat().st_ino, p.stat().st_mtime_ns) for p in ahead} == stamps, "the batch ahead was sampled again"
+    a, b = tmp_path / "a" / "runs" / "a", run
+    for n in range(3):
+        for t in ("rollouts.parquet", "scored.parquet"):
+            want, got = pq.read_table(a / f"iter-{n:04d}" / t), pq.read_table(b / f"iter-{n:04d}" / t)
+            assert got.drop_columns(["worker"]).equals(want.drop_columns(["worker"])) if "worker" in want.column_names \
+                else got.equals(want), (n, t)
+    got, _ = _final_state(b)
+    want, _ = _final_state(a)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
