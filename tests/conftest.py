@@ -8,11 +8,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("K3RL_TASK_RETRIES", "1")
-# One intra-op thread per process, for this process and the runs it starts: `make test` runs two
+# One intra-op thread per process, for this process and the runs it starts: `make test` runs several
 # pytest-xdist workers on two cores, and torch's default of one thread per core per process then
-# oversubscribes the machine, where barrier waits cost more than the second thread gains on the
-# suite's small tensors (docs/results/test_suite.md: the suite took a fifth less time). Set before
-# anything imports torch; an explicit OMP_NUM_THREADS wins.
+# oversubscribes the machine, where barrier waits cost more than a second thread gains on the
+# suite's small tensors (docs/results/test_suite.md: with two workers the suite took a fifth less
+# time). Set before anything imports torch; an explicit OMP_NUM_THREADS wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import resource  # noqa: E402
