@@ -118,7 +118,7 @@ def first_step_agreement(a: torch.Tensor | None, b: torch.Tensor | None) -> tupl
     return float((a.argmax(-1) == b.argmax(-1)).double().mean()), float((a - b).abs().max())
 
 
-def profile_steps(model, prompts: torch.Tensor, mode: str, device: str, steps: int) -> None:
+def profile_steps(model, prompts: torch.Tensor, mode: str, device: str, steps: int, rows: int = 15) -> None:
     """torch.profiler over ``steps`` engine steps (decode + sampling) after prefill and capture."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -145,7 +145,7 @@ def profile_steps(model, prompts: torch.Tensor, mode: str, device: str, steps: i
     print(f"  per step: {kernels / steps:.0f} device kernels, {launches / steps:.0f} host launches "
           f"(kernels + graphs), {aten / steps:.0f} aten ops (nested included)")
     key = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=15))
+    print(prof.key_averages().table(sort_by=key, row_limit=rows))
 
 
 @torch.no_grad()
@@ -248,6 +248,7 @@ def main() -> None:
                     help="engine decode modes, comma-separated (default dynamic,static,graph on CUDA; dynamic on CPU)")
     ap.add_argument("--profile", action="store_true", help="profile a few decode steps of each mode at the largest batch")
     ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--profile-rows", type=int, default=15, help="rows of the profile table")
     ap.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
                     help="greedy agreement of each mode with the no-cache forward on a warmed-up small checkpoint")
     ap.add_argument("--quick", action="store_true", help="batches 1,16, 8 new tokens, short prompts and lengths")
@@ -327,7 +328,7 @@ def main() -> None:
     if a.profile:
         prompts = torch.randint(0, min(cfg.vocab_size, 256), (batches[-1], a.prompt_len), generator=g)
         for mode in modes:
-            profile_steps(model, prompts, mode, a.device, a.profile_steps)
+            profile_steps(model, prompts, mode, a.device, a.profile_steps, a.profile_rows)
 
 
 if __name__ == "__main__":

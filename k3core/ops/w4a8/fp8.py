@@ -80,7 +80,9 @@ def quantize_fp8(x: torch.Tensor, granularity: str = "token") -> tuple[torch.Ten
     if granularity == "token":
         amax = xf.abs().amax(dim=-1, keepdim=True) if x.shape[-1] else xf.new_zeros(*x.shape[:-1], 1)
         amax = torch.where(torch.isfinite(xf).all(-1, keepdim=True), amax, float("nan"))
-        scale = (amax / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)  # NaN passes clamp
+        # a tensor divisor: CUDA computes ``t / python_scalar`` as ``t * (1 / scalar)``, which is not the
+        # IEEE quotient the rule (and the fused kernel, and the CPU) use
+        scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_(min=torch.finfo(torch.float32).tiny)  # NaN passes clamp
         q = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return q, scale
     if x.ndim == 0 or x.shape[-1] % BLOCK:

@@ -45,7 +45,7 @@ class KernelConfig(NamedTuple):
     software-pipeline stages."""
 
     bm: int = 128
-    bk: int = 128
+    bk: int = 64
     num_warps: int = 4
     num_stages: int = 3
 
@@ -189,13 +189,14 @@ def kernel_config(n: int, experts: int, M: int, K: int, device: torch.device) ->
     """The tile shape for a call, from shapes alone (so a CUDA graph replays it at any routing): the
     widest output block (128, 64 or 32) that still gives every multiprocessor four programs of real
     tiles, since few rows (decode at small batch) leave few tiles and the weight bytes must then be
-    read by many programs at once; 128 inputs per K step where K allows it."""
+    read by many programs at once; 64 inputs per K step (on an H100, 64 beat 128 at every decode
+    shape of medium and full, by 1.04-1.45x: docs/results/rollout_decode.md)."""
     sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 132
     real = -(-n // tile_rows(n, experts)) + min(n, experts)  # ``max_tiles``: an upper bound on real tiles
     bm = 128
     while bm > 32 and real * -(-M // bm) < 4 * sms:
         bm //= 2
-    return KernelConfig(bm=bm, bk=128 if K % 128 == 0 else 64)
+    return KernelConfig(bm=bm, bk=64)
 
 
 def w4a8_grouped_mm_triton(q: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
