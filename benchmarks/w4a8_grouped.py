@@ -8,6 +8,7 @@ Same run, same inputs (rows routed to experts at random, seeded; FP8 per-token a
   - bf16 experts: ``torch._grouped_mm`` (cuBLAS/CUTLASS grouped GEMM, what the engine runs for bf16
     experts) over the same experts decoded to bf16, which reads 3.8x the weight bytes;
   - ``--sweep``: every tile shape of a small grid, and the best one per row;
+  - ``--variants``: the default tile with each decode variant (``KernelConfig.hw_cvt``, ``scale_once``);
   - the per-token FP8 quantisation before each call: torch's ``quantize_fp8`` (about eleven
     kernels) against the one-kernel ``fp8_triton`` quantiser (the same bytes).
 
@@ -104,7 +105,10 @@ def load_baseline(path: str):
     return mod.w4a8_grouped_mm_triton
 
 
-def bench_row(shape: str, batch: int, baseline, sweep: bool, l2: int, g: torch.Generator) -> dict:
+VARIANTS = {"hw_cvt": dict(hw_cvt=True), "scale_once": dict(scale_once=True), "both": dict(hw_cvt=True, scale_once=True)}
+
+
+def bench_row(shape: str, batch: int, baseline, sweep: bool, l2: int, g: torch.Generator, variants: bool = False) -> dict:
     local, total, topk, M, K = SHAPES[shape]
     counts = route(batch, local, total, topk, g).cuda()
     n = int(counts.sum())
@@ -134,6 +138,12 @@ def bench_row(shape: str, batch: int, baseline, sweep: bool, l2: int, g: torch.G
     row["config"] = kernel.kernel_config(n, local, M, K, q.device)
     if baseline is not None:
         row["baseline"] = run(baseline)
+    if variants:
+        row["variants"] = {}
+        for name, kw in VARIANTS.items():
+            cfg = row["config"]._replace(**kw)
+            err = float((kernel.w4a8_grouped_mm_triton(q, s, counts, packed, scale, torch.float32, config=cfg) - ref).abs().max()) if n else 0.0
+            row["variants"][name] = (run(kernel.w4a8_grouped_mm_triton, cfg), err)
     wb = mxfp4.dequantize(packed, scale, torch.bfloat16)
     bf_bytes = used * M * K * 2 + n * K * 2 + n * M * 2
     bcopies = max(1, min(copies, math.ceil(4 * l2 / bf_bytes), (16 << 30) // wb.numel() // 2))
@@ -173,6 +183,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--baseline", default=None, help="a grouped_mm_triton.py to time on the same inputs")
     ap.add_argument("--sweep", action="store_true", help="time every tile shape of a grid (compiles each)")
+    ap.add_argument("--variants", action="store_true", help="time the decode variants on the default tile")
     a = ap.parse_args()
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
@@ -181,7 +192,8 @@ def main() -> None:
     print(f"{props.name}, {props.multi_processor_count} SMs, L2 {l2 >> 20} MiB, copy bandwidth {bw / 1e9:.0f} GB/s (measured), "
           f"torch {torch.__version__}")
     g = torch.Generator().manual_seed(0)
-    rows = [bench_row(sh, b, baseline, a.sweep, l2, g) for sh in a.shapes.split(",") for b in map(int, a.batches.split(","))]
+    rows = [bench_row(sh, b, baseline, a.sweep, l2, g, a.variants) for sh in a.shapes.split(",")
+            for b in map(int, a.batches.split(","))]
     print("\nper call, inside a CUDA graph, weights read from HBM; bytes = used experts' packed weights + scales + io")
     head = f"{'shape':>12} {'batch':>5} {'rows':>5} {'used':>4} {'MB':>7} {'kernel us':>9} {'% bw':>5}"
     if baseline:
@@ -198,6 +210,12 @@ def main() -> None:
                  f"{r['quant_torch'] * 1e6:>10.1f} /{r['quant_fused'] * 1e6:>8.1f} {r['max_err']:>9.2g}  "
                  f"bm={cfg.bm} bk={cfg.bk} w={cfg.num_warps} st={cfg.num_stages}")
         print(line)
+    if a.variants:
+        print("\ndecode variants on the default tile (us, % bw, speedup against the default; max |diff| to it)")
+        for r in rows:
+            cells = "  ".join(f"{name} {t * 1e6:7.1f} {100 * r['bytes'] / t / bw:4.1f}% {r['new'] / t:5.2f}x {e:.0e}"
+                              for name, (t, e) in r["variants"].items())
+            print(f"{r['shape']:>12} {r['batch']:>5}  {cells}")
     if a.sweep:
         print("\nbest tile shape of the sweep per row (us, % bw, against the default)")
         for r in rows:

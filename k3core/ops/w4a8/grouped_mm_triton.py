@@ -42,12 +42,22 @@ BLOCK_N, BLOCK_N_SMALL = 64, 16
 
 class KernelConfig(NamedTuple):
     """One launch's tile shape: ``bm`` outputs per program, ``bk`` inputs per K step, warps, and
-    software-pipeline stages."""
+    software-pipeline stages; and how codes are decoded on a GPU: ``hw_cvt`` builds E4M3 bytes (the
+    activations as they are, each E2M1 weight re-spelled exactly as E4M3) and converts them with the
+    hardware FP8 conversion instead of integer bit arithmetic; ``scale_once`` loads each 32-input
+    block's E8M0 weight scale once and broadcasts it to the block's 16 bytes instead of gathering it
+    per byte. Both are ignored under ``TRITON_INTERPRET=1`` (no FP8 types there)."""
 
     bm: int = 128
     bk: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    hw_cvt: bool = False
+    scale_once: bool = False
+
+
+# the decode variant ``kernel_config`` picks (benchmarks set these to compare)
+HW_CVT, SCALE_ONCE = False, False
 
 
 @triton.jit
@@ -85,10 +95,27 @@ def _e4m3(byte):
 
 
 @triton.jit
+def _e2m1_as_e4m3(code):
+    """int32 FP4 codes -> the int32 E4M3 byte of the same value (every E2M1 value is one): 0.5 is
+    exponent field 6, 1-6 are fields 7-9 with the mantissa bit moved to the top of three."""
+    mag = code & 7
+    ex = mag >> 1
+    m = mag & 1
+    byte = tl.where(ex == 0, tl.where(m == 1, 6 << 3, 0), ((ex + 6) << 3) | (m << 2))
+    return byte | ((code & 8) << 4)
+
+
+@triton.jit
+def _fp8_hw(byte):
+    """int32 E4M3 bytes -> fp32 through the hardware conversion."""
+    return byte.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _w4a8_grouped_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_ptr, M, K: tl.constexpr,
                          stride_qn, stride_sn, stride_we, stride_wm, stride_wse, stride_wsm, stride_on,
-                         ACT_BLOCK32: tl.constexpr, DOT_BF16: tl.constexpr,
-                         BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                         ACT_BLOCK32: tl.constexpr, DOT_BF16: tl.constexpr, HW_CVT: tl.constexpr,
+                         SCALE_ONCE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     t = tl.program_id(0)
     pm = tl.program_id(1)
     e = tl.load(tile_ptr + t * 3).to(tl.int64)
@@ -112,13 +139,24 @@ def _w4a8_grouped_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_ptr, M, K: t
         jmask = j < K // 2
         wmask = cmask[:, None] & jmask[None, :]
         byte = tl.load(w_rows + j[None, :], mask=wmask, other=0).to(tl.int32)  # [BM, BK/2]
-        wsc = _e8m0(tl.load(ws_rows + (j // 16)[None, :], mask=wmask, other=127).to(tl.int32))
-        w_even = _e2m1(byte & 0xF) * wsc  # exact in fp32 and bf16
-        w_odd = _e2m1((byte >> 4) & 0xF) * wsc
+        if SCALE_ONCE:  # one load per 32-input block, broadcast over its 16 bytes
+            jb = j0 // 16 + tl.arange(0, BK // 32)
+            blk = tl.load(ws_rows + jb[None, :], mask=cmask[:, None] & (jb < K // 32)[None, :], other=127)
+            wsc = _e8m0(tl.reshape(tl.broadcast_to(blk[:, :, None], (BM, BK // 32, 16)), (BM, BK // 2)).to(tl.int32))
+        else:
+            wsc = _e8m0(tl.load(ws_rows + (j // 16)[None, :], mask=wmask, other=127).to(tl.int32))
         amask = rmask[:, None] & jmask[None, :]
         word = tl.load(q_rows + j[None, :], mask=amask, other=0).to(tl.int32)  # [BN, BK/2]
-        a_even = _e4m3(word & 0xFF)
-        a_odd = _e4m3((word >> 8) & 0xFF)
+        if HW_CVT:
+            w_even = _fp8_hw(_e2m1_as_e4m3(byte & 0xF)) * wsc  # exact in fp32 and bf16
+            w_odd = _fp8_hw(_e2m1_as_e4m3((byte >> 4) & 0xF)) * wsc
+            a_even = _fp8_hw(word & 0xFF)
+            a_odd = _fp8_hw((word >> 8) & 0xFF)
+        else:
+            w_even = _e2m1(byte & 0xF) * wsc  # exact in fp32 and bf16
+            w_odd = _e2m1((byte >> 4) & 0xF) * wsc
+            a_even = _e4m3(word & 0xFF)
+            a_odd = _e4m3((word >> 8) & 0xFF)
         if ACT_BLOCK32:
             sa = _e8m0(tl.load(s_ptr + rows64[:, None] * stride_sn + (j // 16)[None, :], mask=amask, other=127).to(tl.int32))
             a_even = a_even * sa
@@ -196,7 +234,7 @@ def kernel_config(n: int, experts: int, M: int, K: int, device: torch.device) ->
     bm = 128
     while bm > 32 and real * -(-M // bm) < 4 * sms:
         bm //= 2
-    return KernelConfig(bm=bm, bk=64)
+    return KernelConfig(bm=bm, bk=64, hw_cvt=HW_CVT, scale_once=SCALE_ONCE)
 
 
 def w4a8_grouped_mm_triton(q: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, packed: torch.Tensor,
@@ -218,14 +256,16 @@ def w4a8_grouped_mm_triton(q: torch.Tensor, s: torch.Tensor, counts: torch.Tenso
         return out
     bn = tile_rows(n, counts.numel())
     tiles = device_tiles(counts.to(q.device), n, bn)  # no host read: a CUDA graph can capture this call
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
     if dot_bf16 is None:
-        dot_bf16 = os.environ.get("TRITON_INTERPRET", "0") != "1"
+        dot_bf16 = not interpreted
     cfg = config or kernel_config(n, counts.numel(), M, K, q.device)
     block32 = s.dtype == torch.uint8
     grid = (tiles.shape[0], triton.cdiv(M, cfg.bm))
     _w4a8_grouped_kernel[grid](
         words, s, packed, wscale, out, tiles, M, K,
         words.stride(0), s.stride(0), packed.stride(0), packed.stride(1), wscale.stride(0), wscale.stride(1), out.stride(0),
-        ACT_BLOCK32=block32, DOT_BF16=dot_bf16, BN=bn, BM=cfg.bm, BK=cfg.bk,
+        ACT_BLOCK32=block32, DOT_BF16=dot_bf16, HW_CVT=cfg.hw_cvt and not interpreted,
+        SCALE_ONCE=cfg.scale_once, BN=bn, BM=cfg.bm, BK=cfg.bk,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
