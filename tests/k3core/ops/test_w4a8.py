@@ -189,8 +189,9 @@ def test_fused_kernel_logic_under_the_triton_interpreter():
         # every tile shape: K = 160 leaves a partial K step at 64, 128 and 256 inputs; M = 96 a partial
         # output block at 64 and 128
         from k3core.ops.w4a8.grouped_mm_triton import KernelConfig
-        for cfg in (KernelConfig(32, 64), KernelConfig(64, 128), KernelConfig(128, 256),
-                    KernelConfig(32, 64, scale_once=True), KernelConfig(128, 256, scale_once=True)):
+        # (hw_cvt does not apply here; the scale is gathered per byte or broadcast per block)
+        for cfg in (KernelConfig(32, 64, scale_once=False), KernelConfig(64, 128, scale_once=False),
+                    KernelConfig(128, 256, scale_once=False), KernelConfig(32, 64), KernelConfig(128, 256)):
             for gr in ("token", "block32"):
                 q, qs = quantize_fp8(x, gr)
                 got = w4a8_grouped_mm_triton(q, qs, counts, p, s, torch.float32, config=cfg)
@@ -304,9 +305,10 @@ def test_fused_kernel_matches_torch_path_on_gpu(granularity):
     from k3core.ops.w4a8.grouped_mm_triton import KernelConfig, w4a8_grouped_mm_triton
 
     q, s = quantize_fp8(x, granularity)
-    # the tile shapes, and the hardware-conversion and scale-broadcast decodes (each alone and together)
+    # the tile shapes, with the default decode (hardware conversion, one scale load per block) and
+    # with integer decoding and per-byte scales, each alone and together
     for cfg in (KernelConfig(32, 64, 4, 2), KernelConfig(64, 256, 8, 3), KernelConfig(128, 128, 4, 4),
-                KernelConfig(64, 64, hw_cvt=True), KernelConfig(128, 128, scale_once=True),
-                KernelConfig(32, 64, hw_cvt=True, scale_once=True), KernelConfig(128, 256, 8, 3, True, True)):
+                KernelConfig(64, 64, hw_cvt=False, scale_once=False), KernelConfig(128, 128, hw_cvt=False),
+                KernelConfig(32, 64, scale_once=False), KernelConfig(128, 256, 8, 3, False, False)):
         torch.testing.assert_close(w4a8_grouped_mm_triton(q, s, counts, packed, scale, torch.float32, config=cfg),
                                    ref, rtol=1e-4, atol=1e-4)

@@ -275,8 +275,10 @@ def test_engine_graph_mode_matches_eager_modes_with_joins_leaves_and_a_weight_up
 def test_every_decode_mode_agrees_with_the_no_cache_forward_bf16(experts):
     """dynamic, static and graph decode in bf16 (16 prompts through max_batch 4: joins and leaves)
     against the same model's no-cache forward on the GPU, on a warmed-up checkpoint: at least 99% of
-    greedy positions agree (the decoded token is an argmax of the forward's logits) and every parting
-    is a near-tie. On the CPU the same check passes dynamic and static and fails a KDA state decayed
+    greedy positions agree (98% with W4A8 experts) (the decoded token is an argmax of the forward's
+    logits) and every parting is a near-tie. FP8 activations turn a last-bit difference of the
+    accumulation order into a whole code step, so W4A8 parts at more near-ties: 3-4 of 384 on an
+    H100, each at a margin of 0.031, one bf16 step of the logit (docs/results/rollout_decode.md). On the CPU the same check passes dynamic and static and fails a KDA state decayed
     by 1% per step (tests/k3core/rollout/test_decode_agreement.py; figures in
     docs/results/rollout_decode.md)."""
     from k3core.rollout.quantized import quantize_engine_model
@@ -289,7 +291,7 @@ def test_every_decode_mode_agrees_with_the_no_cache_forward_bf16(experts):
     for mode in ("dynamic", "static", "graph"):
         got = greedy_agreement(model, prompts, greedy_outputs(copy.deepcopy(model), prompts, mode))
         print(f"{experts} {mode}: {got.describe()}")
-        assert got.fraction >= 0.99, f"{experts} {mode}: {got.describe()}"
+        assert got.fraction >= (0.98 if experts == "w4a8" else 0.99), f"{experts} {mode}: {got.describe()}"
         assert all(p.margin < 4 * TOL[torch.bfloat16]["atol"] for p in got.partings), f"{experts} {mode}: {got.describe()}"
 
 
