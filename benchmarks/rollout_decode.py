@@ -249,17 +249,17 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile a few decode steps of each mode at the largest batch")
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--profile-rows", type=int, default=15, help="rows of the profile table")
-    ap.add_argument("--w4a8-decode", default="default", choices=["default", "hw_cvt", "scale_once", "both"],
-                    help="the W4A8 kernel's decode variant (grouped_mm_triton.KernelConfig)")
+    ap.add_argument("--w4a8-decode", default="both", choices=["both", "hw_cvt", "scale_once", "neither"],
+                    help="the W4A8 kernel's decode variant (grouped_mm_triton.KernelConfig; default both)")
     ap.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
                     help="greedy agreement of each mode with the no-cache forward on a warmed-up small checkpoint")
     ap.add_argument("--quick", action="store_true", help="batches 1,16, 8 new tokens, short prompts and lengths")
     a = ap.parse_args()
-    if a.w4a8_decode != "default":
+    if a.w4a8_decode != "both" and a.experts == "w4a8":
         from k3core.ops.w4a8 import grouped_mm_triton
 
-        grouped_mm_triton.HW_CVT = a.w4a8_decode in ("hw_cvt", "both")
-        grouped_mm_triton.SCALE_ONCE = a.w4a8_decode in ("scale_once", "both")
+        grouped_mm_triton.HW_CVT = a.w4a8_decode == "hw_cvt"
+        grouped_mm_triton.SCALE_ONCE = a.w4a8_decode == "scale_once"
     if a.quick:
         a.batches, a.new_tokens, a.prompt_len, a.lengths = "1,16", 8, 16, "64,256"
     if a.threads:

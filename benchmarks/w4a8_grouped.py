@@ -105,7 +105,8 @@ def load_baseline(path: str):
     return mod.w4a8_grouped_mm_triton
 
 
-VARIANTS = {"hw_cvt": dict(hw_cvt=True), "scale_once": dict(scale_once=True), "both": dict(hw_cvt=True, scale_once=True)}
+VARIANTS = {"neither": dict(hw_cvt=False, scale_once=False), "hw_cvt": dict(hw_cvt=True, scale_once=False),
+            "scale_once": dict(hw_cvt=False, scale_once=True), "both": dict(hw_cvt=True, scale_once=True)}
 
 
 def bench_row(shape: str, batch: int, baseline, sweep: bool, l2: int, g: torch.Generator, variants: bool = False) -> dict:

@@ -40,26 +40,26 @@ import triton.language as tl
 BLOCK_N, BLOCK_N_SMALL = 64, 16
 
 
+# the decode ``KernelConfig`` and ``kernel_config`` default to (benchmarks set these to compare): both
+# on, the same products bit for bit and 1.08-2.01x faster than neither on an H100 at every medium and
+# full decode shape measured (docs/results/w4a8_grouped.md)
+HW_CVT, SCALE_ONCE = True, True
+
+
 class KernelConfig(NamedTuple):
     """One launch's tile shape: ``bm`` outputs per program, ``bk`` inputs per K step, warps, and
     software-pipeline stages; and how codes are decoded on a GPU: ``hw_cvt`` builds E4M3 bytes (the
     activations as they are, each E2M1 weight re-spelled exactly as E4M3) and converts them with the
     hardware FP8 conversion instead of integer bit arithmetic; ``scale_once`` loads each 32-input
     block's E8M0 weight scale once and broadcasts it to the block's 16 bytes instead of gathering it
-    per byte. Both are ignored under ``TRITON_INTERPRET=1`` (no FP8 types there)."""
+    per byte. ``hw_cvt`` is ignored under ``TRITON_INTERPRET=1`` (no FP8 types there)."""
 
     bm: int = 128
     bk: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    hw_cvt: bool = True
-    scale_once: bool = True
-
-
-# the decode variant ``kernel_config`` picks (benchmarks set these to compare): both on, the same
-# products bit for bit and 1.08-2.0x faster than neither on an H100 at every medium and full decode
-# shape measured (docs/results/w4a8_grouped.md)
-HW_CVT, SCALE_ONCE = True, True
+    hw_cvt: bool = HW_CVT
+    scale_once: bool = SCALE_ONCE
 
 
 @triton.jit
@@ -230,7 +230,7 @@ def kernel_config(n: int, experts: int, M: int, K: int, device: torch.device) ->
     widest output block (128, 64 or 32) that still gives every multiprocessor four programs of real
     tiles, since few rows (decode at small batch) leave few tiles and the weight bytes must then be
     read by many programs at once; 64 inputs per K step (on an H100, 64 beat 128 at every decode
-    shape of medium and full, by 1.04-1.45x: docs/results/rollout_decode.md)."""
+    shape of medium and full, by 1.04-1.45x: docs/results/w4a8_grouped.md)."""
     sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 132
     real = -(-n // tile_rows(n, experts)) + min(n, experts)  # ``max_tiles``: an upper bound on real tiles
     bm = 128

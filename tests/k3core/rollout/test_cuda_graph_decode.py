@@ -280,7 +280,7 @@ def test_every_decode_mode_agrees_with_the_no_cache_forward_bf16(experts):
     accumulation order into a whole code step, so W4A8 parts at more near-ties: 3-4 of 384 on an
     H100, each at a margin of 0.031, one bf16 step of the logit (docs/results/rollout_decode.md).
     Known flaky on the GPU: the no-cache forward itself differs by up to 0.08 in a logit from one
-    call to the next (atomic adds), and 2 of 5 H100 runs parted once at a margin of 0.97. On the
+    call to the next (atomic adds), and 3 of 8 H100 runs parted once at a margin of 0.97. On the
     CPU the same check passes dynamic and static and fails a KDA state decayed by 1% per step
     (tests/k3core/rollout/test_decode_agreement.py)."""
     from k3core.rollout.quantized import quantize_engine_model
