@@ -5,7 +5,11 @@ Claims measured (issue 6):
      the baseline ~12 B/param.
   2. step time on one GPU with >= 1B parameters: <= 1.1x the baseline; PCIe GB/s achieved by the
      chunk copies vs the pinned-copy bandwidth measured in the same run.
-  3. host update throughput (parameters/s) vs torch.optim.AdamW(foreach=True) and (fused=True).
+  3. host update throughput (parameters/s) vs torch.optim.AdamW(foreach=True) and (fused=True),
+     and against the host's memory bandwidth (a 1 GiB copy in the same run): the bf16-moment
+     update moves 20 B/param (bf16 grad, moments and weight, fp32 master), so bandwidth / 20 B
+     bounds it. Rows for both host paths: the C kernel (k3core.optim.host_kernel) and the torch
+     path (tile by tile through torch's fused kernel).
 
 Named baseline, "full-buffer offload": how torchao's CPUOffloadOptimizer, DeepSpeed ZeRO-Offload and
 Megatron's HybridDeviceOptimizer work: one device -> host copy of every gradient into a
@@ -180,8 +184,10 @@ def child_optimizer(args) -> dict:
     if device == "cuda":
         torch.cuda.init()
         torch.empty(1, device="cuda")
-    cls = StreamedAdamW if args.child == "streamed" else FullBufferOffloadAdamW
-    kw = dict(lr=1e-4, weight_decay=0.1, max_grad_norm=1.0, chunk_numel=args.chunk_numel, tile_numel=args.tile_numel)
+    cls = FullBufferOffloadAdamW if args.child == "baseline" else StreamedAdamW
+    kernel = "torch" if args.child == "streamed-torch-update" else args.host_kernel
+    kw = dict(lr=1e-4, weight_decay=0.1, max_grad_norm=1.0, chunk_numel=args.chunk_numel, tile_numel=args.tile_numel,
+              host_kernel=kernel)
     # Warm-up on a tiny copy of the workload: the kernels' code pages of libtorch are file-backed
     # RSS faulted in on first use (tens of MB); they are not optimizer state, so not in the delta.
     tiny = make_workload(1, 64, device)
@@ -222,7 +228,8 @@ def child_optimizer(args) -> dict:
         "pinned_bytes": opt.pinned_bytes(), "d2h_bytes": d2h_bytes, "h2d_bytes": weight_bytes,
         "threads": torch.get_num_threads(),
     }  # fmt: skip
-    if device == "cuda" and args.child == "streamed":
+    out["host_kernel"] = opt.host_kernel
+    if device == "cuda" and args.child.startswith("streamed"):
         d2h_s, h2d_s = timers.copy_seconds()
         out["copy_busy_s"] = [d2h_s / args.steps, h2d_s / args.steps]
     return out
@@ -267,8 +274,9 @@ def child_host_update(args) -> dict:
     """StreamedAdamW's host update alone (params and grads on the CPU), bf16 or fp32 moments."""
     params = make_workload(args.params, args.hidden, "cpu")
     moment = torch.float32 if args.child.endswith("fp32") else torch.bfloat16
+    kernel = "c" if args.child.endswith("-c") else "torch"
     opt = StreamedAdamW(params, lr=1e-4, weight_decay=0.1, chunk_numel=args.chunk_numel, tile_numel=args.tile_numel,
-                        moment_dtype=moment)  # fmt: skip
+                        moment_dtype=moment, host_kernel=kernel)  # fmt: skip
     opt.step()
     times = []
     for _ in range(args.steps):
@@ -280,8 +288,48 @@ def child_host_update(args) -> dict:
             "tile_numel": opt._tile}  # fmt: skip
 
 
+def child_kernel_alone(args) -> dict:
+    """The C kernel's pass alone over flat host arrays (no gradient staging, no weight stage copy),
+    noise read from the real table in runs cut where it wraps: what the bandwidth bound compares to."""
+    from k3core.optim import host_kernel
+    from k3core.optim.stochastic_rounding import NOISE_TABLE_NUMEL, make_noise_table
+
+    n = args.params
+    master, g = torch.randn(n), torch.randn(n).bfloat16()
+    m, v, w = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    noise, updater = make_noise_table(0), host_kernel.HostUpdater()
+    times = []
+    for step in range(1, args.steps + 2):
+        coef = host_kernel.coefficients(1e-4, 0.9, 0.999, 1e-8, 0.1, step, None)
+        runs = [(master[a:b], m[a:b], v[a:b], g[a:b], w[a:b], coef, noise, 0, 0)
+                for a in range(0, n, NOISE_TABLE_NUMEL) for b in [min(a + NOISE_TABLE_NUMEL, n)]]
+        t = time.perf_counter()
+        updater.run(runs)
+        times.append(time.perf_counter() - t)
+    return {"variant": args.child, "params": n, "step_s": statistics.median(times[1:]), "threads": updater.threads}
+
+
+def child_host_bandwidth(args) -> dict:
+    """Host memory bandwidth: a 1 GiB fp32 copy with torch's threads, bytes read plus written, best of 5."""
+    a = torch.ones(1 << 28)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(5))
+    return {"variant": args.child, "GBps": 2 * a.numel() * 4 / best / 1e9, "threads": torch.get_num_threads()}
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 CHILDREN = {
     "streamed": child_optimizer,
+    "streamed-torch-update": child_optimizer,
+    "host-update-bf16-c": child_host_update,
+    "host-kernel-alone": child_kernel_alone,
+    "host-bandwidth": child_host_bandwidth,
     "baseline": child_optimizer,
     "bandwidth": child_pinned_bandwidth,
     "torch-foreach": child_torch_adamw,
@@ -294,7 +342,8 @@ CHILDREN = {
 def run_child(name: str, args, device: str | None = None, params: int | None = None, tile: int | None = None) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--device", device or args.device,
            "--params", str(params or args.params), "--hidden", str(args.hidden), "--steps", str(args.steps),
-           "--chunk-numel", str(args.chunk_numel), "--tile-numel", str(tile or args.tile_numel)]  # fmt: skip
+           "--chunk-numel", str(args.chunk_numel), "--tile-numel", str(tile or args.tile_numel),
+           "--host-kernel", args.host_kernel]  # fmt: skip
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -317,6 +366,8 @@ def main() -> None:
                     help="parameters for the host throughput table (default: cpu --params, cuda 256M)")
     ap.add_argument("--tiles", default="65536,262144,1048576,4194304", help="tile sizes swept for the host update")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--host-kernel", choices=["auto", "c", "torch"], default="auto",
+                    help="StreamedAdamW's host path in the step-time rows (the streamed-torch-update row always uses torch)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads in every child (0: torch's default)")
     ap.add_argument("--quick", action="store_true", help="8M parameters, 2 steps")
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
@@ -337,7 +388,7 @@ def main() -> None:
     print(f"# StreamedAdamW benchmark: device={args.device} ({where}), target params={args.params:,}, "
           f"chunk_numel={args.chunk_numel:,}, steps={args.steps}, host threads={args.threads or torch.get_num_threads()}")  # fmt: skip
     bw = run_child("bandwidth", args) if args.device == "cuda" else None
-    res = {name: run_child(name, args) for name in ("baseline", "streamed")}
+    res = {name: run_child(name, args) for name in ("baseline", "streamed", "streamed-torch-update")}
     n = res["streamed"]["params"]
 
     print("\n## Host memory (fresh process each; RSS peak minus RSS before the optimizer existed)")
@@ -378,13 +429,21 @@ def main() -> None:
     tp["host-update-fp32"] = run_child("host-update-fp32", args, device="cpu", params=tp_params)
     for tile in (int(t) for t in args.tiles.split(",")):
         tp[f"host-update-bf16 tile {tile}"] = run_child("host-update-bf16", args, device="cpu", params=tp_params, tile=tile)
+    tp["host-update-bf16 C kernel"] = run_child("host-update-bf16-c", args, device="cpu", params=tp_params)
+    tp["C kernel pass alone"] = run_child("host-kernel-alone", args, device="cpu", params=tp_params)
     fused = tp["torch-fused"]["params"] / tp["torch-fused"]["step_s"]
     for name, r in tp.items():
         rate = r["params"] / r["step_s"]
         desc = "16 (fp32 p,g,m,v)" if name.startswith("torch") else ("12 + 2 bf16 grad" if "fp32" in name else "8 + 2 bf16 grad")
         print(f"| {name} | {desc} | {r.get('tile_numel', '-')} | {r['step_s']:.3f} | {rate / 1e6:.1f}M | {rate / fused:.2f} |")
+    hbw = run_child("host-bandwidth", args, device="cpu")
+    bound = hbw["GBps"] * 1e9 / 20
+    alone = tp["C kernel pass alone"]["params"] / tp["C kernel pass alone"]["step_s"]
     print(f"(threads per child: {tp['torch-fused']['threads']}; host-update rows are full StreamedAdamW steps on CPU "
-          f"tensors: grad staging, unpack, fused kernel, moment rounding, weight write-back)")  # fmt: skip
+          f"tensors: grad staging, the update, weight write-back; on CUDA the staging copies are DMA)")  # fmt: skip
+    print(f"host memory bandwidth (1 GiB copy, read + write): {hbw['GBps']:.1f} GB/s -> bound at 20 B/param "
+          f"{bound / 1e6:.0f}M params/s; C kernel pass alone {alone / 1e6:.0f}M params/s = {alone / bound:.2f} of the bound, "
+          f"{alone / fused:.2f}x torch fused fp32")  # fmt: skip
 
 
 if __name__ == "__main__":

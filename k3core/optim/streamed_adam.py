@@ -42,8 +42,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from k3core.optim import host_kernel as host_kernel_lib
 from k3core.optim.host_arena import HostArena
 from k3core.optim.stochastic_rounding import (
+    NOISE_TABLE_NUMEL,
     make_noise_table,
     noise_offset,
     stochastic_round_to_bf16_,
@@ -233,6 +235,11 @@ class StreamedAdamW(torch.optim.Optimizer):
         moment_rounding: "stochastic" (default) or "nearest" for bf16 moments.
         pin_memory: page-lock host state and stages; default: when the parameters are on CUDA.
         seed: seeds the stochastic-rounding noise table (saved in the state dict).
+        host_kernel: how the host updates bf16 moments: "c" (``k3core.optim.host_kernel``: one pass
+            per element, threaded), "torch" (tile by tile through torch ops and the fused AdamW
+            kernel), or "auto" (default: "c" where a C compiler builds it, else "torch"). Both
+            apply the same update (tests hold them to each other); fp32 moments always take "torch".
+        host_threads: threads of the "c" kernel (default: torch.get_num_threads()).
 
     Parameters without a gradient at a step are skipped (no state change), as in torch. Param
     groups are fixed at construction: the host state is laid out once.
@@ -253,6 +260,8 @@ class StreamedAdamW(torch.optim.Optimizer):
         moment_rounding: str = "stochastic",
         pin_memory: bool | None = None,
         seed: int = 0,
+        host_kernel: str = "auto",
+        host_threads: int | None = None,
     ) -> None:
         errors = []
         if not lr >= 0.0:
@@ -273,6 +282,12 @@ class StreamedAdamW(torch.optim.Optimizer):
             errors.append(f"moment_dtype must be bfloat16 or float32, got {moment_dtype}")
         if moment_rounding not in ("stochastic", "nearest"):
             errors.append(f"moment_rounding must be 'stochastic' or 'nearest', got {moment_rounding!r}")
+        if host_kernel not in ("auto", "c", "torch"):
+            errors.append(f"host_kernel must be 'auto', 'c' or 'torch', got {host_kernel!r}")
+        elif host_kernel == "c" and moment_dtype != torch.bfloat16:
+            errors.append("host_kernel 'c' updates bf16 moments only: use moment_dtype=torch.bfloat16 or host_kernel='torch'")
+        elif host_kernel == "c" and not host_kernel_lib.available():
+            errors.append(f"host_kernel 'c' is unavailable: {host_kernel_lib.why_not()}; or pass host_kernel='torch'")
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -321,6 +336,9 @@ class StreamedAdamW(torch.optim.Optimizer):
 
         self._stochastic = moment_dtype == torch.bfloat16 and moment_rounding == "stochastic"
         self._noise = make_noise_table(self.seed) if self._stochastic else None
+        use_c = moment_dtype == torch.bfloat16 and (host_kernel == "c" or (host_kernel == "auto" and host_kernel_lib.available()))
+        self.host_kernel = "c" if use_c else "torch"
+        self._updater = host_kernel_lib.HostUpdater(host_threads) if use_c else None
         self._stage_itemsize = {"grad": 0, "weight": 0}
         self._grad_stages: list[HostArena] = []
         self._weight_stages: list[HostArena] = []
@@ -407,7 +425,7 @@ class StreamedAdamW(torch.optim.Optimizer):
             self._weight_stages = [HostArena(C * wsz, torch.uint8, self._pin) for _ in range(2)]
             self._stage_itemsize["weight"] = wsz
             self._transport = None
-        if not self._scratch:
+        if not self._scratch and self._updater is None:  # the C kernel needs no scratch
             names = ("grad",) if self.moment_dtype == torch.float32 else ("grad", "exp_avg", "exp_avg_sq")
             self._scratch = {k: torch.empty(self._tile, dtype=torch.float32) for k in names}
         if self._transport is None:
@@ -452,6 +470,46 @@ class StreamedAdamW(torch.optim.Optimizer):
             yield a, b, out
 
     def _update_chunk(
+        self, chunk: _Chunk, grads: torch.Tensor, weights: torch.Tensor, grad_scale: torch.Tensor | None
+    ) -> None:
+        if self._updater is not None:
+            self._update_chunk_c(chunk, grads, weights, grad_scale)
+        else:
+            self._update_chunk_torch(chunk, grads, weights, grad_scale)
+
+    def _update_chunk_c(
+        self, chunk: _Chunk, grads: torch.Tensor, weights: torch.Tensor, grad_scale: torch.Tensor | None
+    ) -> None:
+        """The whole chunk in one threaded pass of the C kernel. Runs are cut where either
+        moment's noise slice wraps around the table, so each run reads contiguous draws."""
+        group = chunk.group
+        beta1, beta2 = group["betas"]
+        scale = None if grad_scale is None else float(grad_scale)
+        T = NOISE_TABLE_NUMEL
+        runs = []
+        for s in chunk.segments:
+            st, step = s.state, int(s.state["step"])
+            coef = host_kernel_lib.coefficients(float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
+                                                float(group["weight_decay"]), step, scale)
+            views = (st["master"].view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1))
+            n = s.end - s.start
+            if self._stochastic:
+                pm = (noise_offset(self.seed, s.index, step, 0) + s.start) % T
+                pv = (noise_offset(self.seed, s.index, step, 1) + s.start) % T
+            j = 0
+            while j < n:
+                take = n - j
+                if self._stochastic:
+                    take = min(take, T - (pm + j) % T, T - (pv + j) % T)
+                a, b = s.start + j, s.start + j + take
+                o = s.offset + j
+                noise = (self._noise, (pm + j) % T, (pv + j) % T) if self._stochastic else (None, 0, 0)
+                runs.append((views[0][a:b], views[1][a:b], views[2][a:b], grads[o:o + take], weights[o:o + take],
+                             coef, *noise))
+                j += take
+        self._updater.run(runs)
+
+    def _update_chunk_torch(
         self, chunk: _Chunk, grads: torch.Tensor, weights: torch.Tensor, grad_scale: torch.Tensor | None
     ) -> None:
         """AdamW on the host for one chunk, tile by tile: grads [n] staged in the gradient dtype;
