@@ -29,7 +29,11 @@ from torch import nn
 from k3core.model.cache import KDALayerCache, StaticKDACache
 from k3core.model.norm import at_least_fp32, rms_norm
 from k3core.model.varlen import VarlenLayout
-from k3core.ops.kda import kda, kda_gate, kda_step
+from k3core.ops.kda import _fla, kda, kda_gate, kda_step
+
+# CUDA training and scoring run the packed short convolutions through fla's varlen kernel
+# (``_fla.short_conv_packed``); off, or without fla, the torch path below runs everywhere.
+FLA_SHORT_CONV = True
 
 
 class ShortConv(nn.Module):
@@ -56,7 +60,11 @@ class ShortConv(nn.Module):
         The row is re-laid with ``kernel - 1`` zeros in front of every sequence (what each sees alone:
         no tail), one unpadded conv1d runs over it, and the outputs at the real tokens are read back,
         so no token of one sequence reaches the next. Same conv1d as ``forward`` (same numerics),
-        one copy of the input saved for backward."""
+        one copy of the input saved for backward. On CUDA with fla: fla's varlen kernel instead,
+        this path being its reference."""
+        if FLA_SHORT_CONV and x.is_cuda and _fla.available():
+            return _fla.short_conv_packed(x, self.weight.view(self.weight.shape[0], self.kernel),
+                                          varlen.cu_seqlens_device, varlen.cu_seqlens)
         T, C = x.shape[1], x.shape[2]
         gap = self.kernel - 1
         # position of every packed token in the re-laid row: shifted by the gaps up to its sequence's

@@ -255,3 +255,16 @@ def fused_recurrent(q, k, v, g, beta, *, scale, initial_state, output_final_stat
         initial_state=_state(initial_state), output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm, **_gate_kwargs(A_log, dt_bias, lower_bound),
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(device=q.device, dtype=torch.long))
+
+
+def short_conv_packed(x, weight, cu_seqlens, cu_seqlens_cpu):
+    """fla's varlen causal depthwise conv1d + SiLU (``fla.modules.causal_conv1d``, Triton forward and
+    backward) on packed rows: x ``[1, T, C]`` in its dtype, weight ``[C, W]`` (fp32 here; the kernel
+    loads and accumulates in fp32, and its weight gradient is summed in fp32), every sequence from a
+    zero tail. The same arithmetic as ``ShortConv.forward_packed``'s torch path, which the GPU test
+    holds it to, in two kernels a direction instead of about ten plus fp32 copies of the row."""
+    require("short conv")
+    from fla.modules.causal_conv1d import causal_conv1d  # noqa: PLC0415  (lazy: triton)
+
+    y, _ = causal_conv1d(x, weight, activation="silu", **_varlen_kwargs(cu_seqlens, x.device, cu_seqlens_cpu))
+    return y

@@ -83,3 +83,30 @@ def test_packed_fla_equals_each_sequence_alone():
     want = torch.cat(alone, 1)
     diff = (lp - want).abs().max().item()
     torch.testing.assert_close(lp, want, rtol=1e-2, atol=1e-2, msg=lambda m: f"{m}\nmax |diff| {diff:.3g}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_short_conv_fla_matches_the_torch_path(monkeypatch, dtype):
+    """fla's varlen causal conv (the CUDA default) against ShortConv's torch path: output, input
+    gradient and the fp32 weight gradient, over sequences shorter than the kernel and longer."""
+    from k3core.model.varlen import VarlenLayout
+
+    torch.manual_seed(0)
+    conv = kda_layer.ShortConv(256, 4).cuda()
+    cu = _cu(LENGTHS)
+    T = int(cu[-1])
+    varlen = VarlenLayout.from_cu_seqlens(cu, T, torch.device("cuda"))
+    x = torch.randn(1, T, 256, device="cuda", dtype=dtype, requires_grad=True)
+    dy = torch.randn(1, T, 256, device="cuda", dtype=dtype)
+
+    def run():
+        y = conv.forward_packed(x, varlen)
+        return (y, *torch.autograd.grad(y, (x, conv.weight), dy))
+
+    fla = run()
+    monkeypatch.setattr(kda_layer, "FLA_SHORT_CONV", False)
+    ref = run()
+    tol = dict(rtol=1.6e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    for name, a, b in zip(("y", "dx", "dw"), fla, ref):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
