@@ -16,16 +16,25 @@ import torch
 from torch import nn
 
 from k3core.model.norm import at_least_fp32
+from k3core.ops.compiled import compiled, use_compiled
 from k3core.ops.norms import use_fused
 
 
 def attn_res_mix(p: torch.Tensor, blocks: list[torch.Tensor], w_gamma: torch.Tensor, eps: float) -> torch.Tensor:
     """p ``[..., D]``, blocks: list of ``[..., D]``, w_gamma ``[D]`` -> ``[..., D]`` (p's dtype). Inference
-    on CUDA runs it as one stack and one kernel (``k3core.ops.norms``); this torch path is its reference."""
+    on CUDA runs it as one stack and one kernel (``k3core.ops.norms``), the trainer on CUDA as its
+    torch.compile'd form (``k3core.ops.compiled``); ``attn_res_mix_reference`` is the reference of both."""
     if all(b.dtype == p.dtype and b.shape == p.shape for b in blocks) and use_fused(p, w_gamma, *blocks):
         from k3core.ops.norms.fused_triton import attn_res_mix as fused
 
         return fused(p, blocks, w_gamma, eps)
+    if use_compiled(p):
+        return compiled(attn_res_mix_reference)(p, list(blocks), w_gamma, eps)
+    return attn_res_mix_reference(p, blocks, w_gamma, eps)
+
+
+def attn_res_mix_reference(p: torch.Tensor, blocks: list[torch.Tensor], w_gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """The mix in plain torch ops (the module docstring's formula)."""
     V = at_least_fp32(torch.stack(list(blocks) + [p], dim=0))  # [C, ..., D]
     normed = V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps)
     scores = (normed * w_gamma.to(V.dtype)).sum(-1)  # [C, ...]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3core.ops.compiled import compiled, use_compiled
 from k3core.ops.norms import use_fused
 
 
@@ -15,11 +16,19 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x ``[..., D]``, weight ``[D]`` or None (no scale). fp32 inside, x's dtype out. Inference on
-    CUDA runs it as one kernel (``k3core.ops.norms``); this torch path is its reference."""
+    CUDA runs it as one kernel (``k3core.ops.norms``), the trainer on CUDA as its torch.compile'd form
+    (``k3core.ops.compiled``); ``rms_norm_reference`` is the reference of both."""
     if use_fused(x, weight):
         from k3core.ops.norms.fused_triton import rms_norm as fused
 
         return fused(x, weight, eps)
+    if use_compiled(x):
+        return compiled(rms_norm_reference)(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm in plain torch ops."""
     xf = at_least_fp32(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:

@@ -27,7 +27,7 @@ import contextvars
 
 import torch
 
-__all__ = ["FUSED", "fused_available", "fused_inference", "use_fused"]
+__all__ = ["FUSED", "fused_available", "fused_inference", "in_engine", "use_fused"]
 
 FUSED = True
 _IN_ENGINE = contextvars.ContextVar("k3core_fused_inference", default=False)
@@ -56,6 +56,11 @@ def fused_inference(on: bool = True):
         yield
     finally:
         _IN_ENGINE.reset(token)
+
+
+def in_engine() -> bool:
+    """Whether this call runs inside an engine forward (``fused_inference``)."""
+    return _IN_ENGINE.get()
 
 
 def use_fused(*tensors: torch.Tensor | None) -> bool:

@@ -110,3 +110,26 @@ def test_packed_short_conv_fla_matches_the_torch_path(monkeypatch, dtype):
     for name, a, b in zip(("y", "dx", "dw"), fla, ref):
         assert a.dtype == b.dtype, name
         torch.testing.assert_close(a.float(), b.float(), **tol, msg=name)
+
+
+def test_compiled_trainer_regions_match_eager_on_cuda(monkeypatch):
+    """The trainer's CUDA default compiles the AttnRes mix, RMSNorm and the KDA gate
+    (k3core.ops.compiled): the packed batch's log-probabilities and every gradient against the
+    eager regions, fp32 weights, routing forced."""
+    import k3core.ops.compiled as regions
+
+    gpu, _, ids, tgt, routing = _setup()
+
+    def run():
+        gpu.zero_grad()
+        logp = _packed(gpu, ids, tgt, routing)
+        logp.sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in gpu.named_parameters() if p.grad is not None}
+
+    fast = run()
+    assert regions._CACHE, "no region was compiled"
+    monkeypatch.setattr(regions, "COMPILED", False)
+    ref = run()
+    torch.testing.assert_close(fast[0], ref[0], rtol=1e-4, atol=1e-4)
+    for name, g in ref[1].items():
+        torch.testing.assert_close(fast[1][name], g, rtol=1e-3, atol=1e-5, msg=name)
