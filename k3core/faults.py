@@ -28,6 +28,10 @@ kill and the injected ``OSError``. Does not own: where the points sit (``k3core.
   is handled where Python handles it (the main thread), while a stage in another thread may still
   finish and publish (``flows.signals``).
 
+``K3RL_FAULT_SCOPE=group`` makes a kill take the whole process group instead of the one process
+(``os.killpg``), as a power cut would: a stage running in a scale-out worker (a Dask worker process,
+started by the run and in its group) then takes the run and every other worker down with it.
+
 Unset (always, outside these tests) ``SPEC`` is None: ``reached`` returns after one comparison and
 stages run unwrapped.
 """
@@ -59,6 +63,7 @@ def parse(text: str | None) -> tuple[str, str] | None:
 
 
 SPEC = parse(os.environ.get("K3RL_FAULT"))
+GROUP = os.environ.get("K3RL_FAULT_SCOPE") == "group"
 _stage: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("k3rl_fault_stage", default=())
 
 
@@ -91,6 +96,8 @@ def reached(point: str, staging: Path | None = None) -> None:
     victim = _cut_in_half(staging) if point == "mid-write" and staging is not None else None
     if disk_full:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(victim or staging))
+    if GROUP:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
