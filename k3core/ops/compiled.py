@@ -4,9 +4,8 @@ the KDA gate.
 Why: eager, each region is a chain of small kernels (the AttnRes mix alone: stack, upcast, square,
 mean, rsqrt, products, sum, softmax, weighted sum, downcast, and their backward), and autograd keeps
 the fp32 intermediates of each for the backward. Inductor fuses each region into a few kernels
-forward and backward and saves less: on the medium preset at 32k tokens per step (H100) the
-compiled mix and norm took fwd+bwd from 2.22 s to 1.75 s, launches from 56,867 to 40,601 and the
-peak from 68.8 to 52.5 GiB (docs/results/train_mfu.md).
+forward and backward and saves less for the backward, so the step launches fewer kernels and peaks
+lower (figures: docs/results/train_mfu.md).
 
 Contract: ``use_compiled(x)`` says whether a call takes its region's compiled form: ``COMPILED`` on,
 a CUDA tensor, and not inside an engine forward (``k3core.ops.norms.fused_inference``: the engine

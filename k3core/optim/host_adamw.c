@@ -13,8 +13,9 @@
  * p = p + (-step_size * m) / (sqrt(v) / sqrt(bc2) + eps). The two fused multiply-adds are where
  * torch's vectorised kernel has them (its lerp, and the compiler's contraction of the second
  * moment); built with -ffp-contract=off so the compiler fuses nothing else. The tests hold the
- * two paths bit-equal on the installed torch. Stochastic rounding is k3core.optim.stochastic_rounding's recipe:
- * bf16 bits = (fp32 bits + noise) >> 16, noise from the table, contiguous from `pos` and wrapping.
+ * two paths bit-equal where torch runs its vector loop (its scalar tail may differ by an ulp).
+ * Stochastic rounding is k3core.optim.stochastic_rounding's recipe: bf16 bits = (fp32 bits +
+ * noise) >> 16, the noise read contiguously from the table (the caller cuts runs where it wraps).
  *
  * Compiled by k3core/optim/host_kernel.py (which says how it is cached) and called through ctypes,
  * which releases the GIL: the Python side splits a chunk into ranges for its threads.
