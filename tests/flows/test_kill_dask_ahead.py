@@ -1,7 +1,7 @@
 """Kill -9 of the whole run while a Dask worker writes a shard of the batch sampled ahead.
 
 ``k3rl run --task-runner dask --rollout-workers 2 --max-staleness 1`` (real processes, tiny preset):
-during iteration 1 the workers sample iteration 2's batch. ``K3RL_FAULT=rollout-iter2-shard0-of-2:
+during iteration 0 the workers sample iteration 1's batch. ``K3RL_FAULT=rollout-iter1-shard0-of-2:
 mid-write`` with ``K3RL_FAULT_SCOPE=group`` (``k3core/faults.py``) makes the worker writing that
 shard SIGKILL the run's whole process group with the shard half written in its staging path: the
 flow process, its embedded Prefect server, the Dask scheduler and both workers die at once, as in a
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-FAULT = "rollout-iter2-shard0-of-2:mid-write"
-ARGS = ["run", "--preset", "tiny", "--source", "init:tiny:3", "--env", "even_bytes_env:make", "--iterations", "3",
+FAULT = "rollout-iter1-shard0-of-2:mid-write"
+ARGS = ["run", "--preset", "tiny", "--source", "init:tiny:3", "--env", "even_bytes_env:make", "--iterations", "2",
         "--prompts-per-iteration", "4", "--samples-per-prompt", "2", "--max-new-tokens", "3", "--warmup-steps", "1",
         "--warmup-batch", "4", "--eval-prompts", "4", "--eval-every", "0", "--mismatch-sequences", "0", "--lr", "1e-3",
         "--keep-checkpoints", "0", "--task-runner", "dask", "--rollout-workers", "2", "--max-staleness", "1",
@@ -70,7 +70,7 @@ def _table(path: Path):
     return t.drop_columns([c for c in ("worker",) if c in t.column_names])
 
 
-@pytest.mark.slow  # three tiny Dask runs of three iterations, each with its own cluster and Prefect server: ~2 min
+@pytest.mark.slow  # three tiny Dask runs of two iterations, each with its own cluster and Prefect server: ~1 min
 def test_a_power_cut_mid_shard_of_the_batch_ahead_resumes_equal(tmp_path):
     base = _k3rl(tmp_path / "base", tmp_path / "home-base", None)
     assert base.returncode == 0, base.stdout[-3000:]
@@ -78,9 +78,9 @@ def test_a_power_cut_mid_shard_of_the_batch_ahead_resumes_equal(tmp_path):
     killed = _k3rl(tmp_path / "cut", tmp_path / "home-cut", FAULT)
     assert killed.returncode == -9, f"expected the group SIGKILL, got {killed.returncode}\n{killed.stdout[-3000:]}"
     run = tmp_path / "cut" / "runs" / "ahead"
-    staged = [p for p in (run / "iter-0002").rglob(".tmp-*")]
+    staged = [p for p in (run / "iter-0001").rglob(".tmp-*")]
     assert staged, "the shard was not caught mid-write"
-    assert not (run / "iter-0002" / "scored.parquet").exists()
+    assert not (run / "iter-0001" / "scored.parquet").exists()
     before = _published(run)
 
     resumed = _k3rl(tmp_path / "cut", tmp_path / "home-cut", None)
@@ -90,7 +90,7 @@ def test_a_power_cut_mid_shard_of_the_batch_ahead_resumes_equal(tmp_path):
     assert {k: after.get(k) for k in before} == before, "an artifact published before the kill was written again"
 
     ref = tmp_path / "base" / "runs" / "ahead"
-    for n in range(3):
+    for n in range(2):
         for name in ("rollouts.parquet", "scored.parquet"):
             assert _table(run / f"iter-{n:04d}" / name).equals(_table(ref / f"iter-{n:04d}" / name)), (n, name)
     got, want = _weights(run), _weights(ref)
