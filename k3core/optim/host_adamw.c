@@ -25,16 +25,14 @@
 #include <string.h>
 
 typedef struct {
-    float grad_scale;      /* divide gradients by this (clipping); 1 disables */
-    float decay;           /* 1 - lr * weight_decay */
-    int32_t apply_decay;   /* weight_decay != 0 */
+    float grad_scale;      /* divide gradients by this (clipping); 1: no clip */
+    float decay;           /* 1 - lr * weight_decay; 1: no decay */
     float lerp_weight;     /* 1 - beta1 */
     float beta2;
     float sq_coef;         /* 1 - beta2 */
     float bc2_sqrt;        /* sqrt(1 - beta2^t) */
     float eps;
     float neg_step_size;   /* -lr / (1 - beta1^t) */
-    int32_t use_scale;
 } k3_adamw_coef;
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -110,13 +108,11 @@ void k3_adamw_bf16_moments(int64_t n, float *restrict master, uint16_t *restrict
                            uint16_t *restrict exp_avg_sq, const void *restrict grad, int32_t grad_f32,
                            void *restrict wout, int32_t wout_f32, const k3_adamw_coef *restrict c,
                            const int32_t *restrict noise_m, const int32_t *restrict noise_v) {
-    const int k = (!!grad_f32 << 4) | (!!wout_f32 << 3) | ((noise_m != 0) << 2) | (!!c->use_scale << 1) |
-                  !!c->apply_decay;
+    /* a unit scale or decay skips its operation: x / 1 and x * 1 are x, so skipping is exact */
+    const int k = (!!grad_f32 << 4) | (!!wout_f32 << 3) | ((noise_m != 0) << 2) | ((c->grad_scale != 1.0f) << 1) |
+                  (c->decay != 1.0f);
     switch (k) {
         K3_CASES4(0) K3_CASES4(4) K3_CASES4(8) K3_CASES4(12)
         K3_CASES4(16) K3_CASES4(20) K3_CASES4(24) K3_CASES4(28)
     }
 }
-
-/* The ABI version the loader checks, so a stale build of an older source is never called. */
-int32_t k3_host_adamw_abi(void) { return 1; }

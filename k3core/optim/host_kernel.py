@@ -33,7 +33,6 @@ import torch
 
 SOURCE = Path(__file__).with_name("host_adamw.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c11"]
-ABI = 1
 # A run shorter than this is not split across threads: the call and the pool hand-off cost more.
 MIN_RUN = 1 << 16
 
@@ -42,14 +41,12 @@ class _Coef(ctypes.Structure):
     _fields_ = [
         ("grad_scale", ctypes.c_float),
         ("decay", ctypes.c_float),
-        ("apply_decay", ctypes.c_int32),
         ("lerp_weight", ctypes.c_float),
         ("beta2", ctypes.c_float),
         ("sq_coef", ctypes.c_float),
         ("bc2_sqrt", ctypes.c_float),
         ("eps", ctypes.c_float),
         ("neg_step_size", ctypes.c_float),
-        ("use_scale", ctypes.c_int32),
     ]
 
 
@@ -117,9 +114,7 @@ def load() -> ctypes.CDLL | None:
             _why_not = "no C compiler found (install gcc, or set CC)"
             return None
         try:
-            lib = ctypes.CDLL(str(_build(cc)))
-            if lib.k3_host_adamw_abi() != ABI:
-                raise RuntimeError(f"kernel ABI {lib.k3_host_adamw_abi()} != {ABI}")
+            lib = ctypes.CDLL(str(_build(cc)))  # named by the source's hash: never a stale build
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _why_not = f"the host AdamW kernel could not be built: {e}"
             return None
@@ -149,14 +144,12 @@ def coefficients(lr: float, beta1: float, beta2: float, eps: float, weight_decay
     return _Coef(
         grad_scale=1.0 if grad_scale is None else grad_scale,
         decay=1.0 - lr * weight_decay,
-        apply_decay=int(weight_decay != 0.0),
         lerp_weight=1.0 - beta1,
         beta2=beta2,
         sq_coef=1.0 - beta2,
         bc2_sqrt=bias_correction2**0.5,
         eps=eps,
         neg_step_size=-(lr / bias_correction1),
-        use_scale=int(grad_scale is not None),
     )
 
 

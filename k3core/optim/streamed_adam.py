@@ -337,7 +337,6 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._stochastic = moment_dtype == torch.bfloat16 and moment_rounding == "stochastic"
         self._noise = make_noise_table(self.seed) if self._stochastic else None
         use_c = moment_dtype == torch.bfloat16 and (host_kernel == "c" or (host_kernel == "auto" and host_kernel_lib.available()))
-        self.host_kernel = "c" if use_c else "torch"
         self._updater = host_kernel_lib.HostUpdater(host_threads) if use_c else None
         self._stage_itemsize = {"grad": 0, "weight": 0}
         self._grad_stages: list[HostArena] = []
@@ -345,6 +344,11 @@ class StreamedAdamW(torch.optim.Optimizer):
         self._scratch: dict[str, torch.Tensor] = {}
         self._transport: _ChunkTransport | None = None
         self._laid_out = True
+
+    @property
+    def host_kernel(self) -> str:
+        """The host path this optimizer updates with: "c" or "torch"."""
+        return "c" if self._updater is not None else "torch"
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_laid_out", False):

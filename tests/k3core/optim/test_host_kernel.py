@@ -145,3 +145,20 @@ def test_a_build_is_cached_by_source_and_reused(fresh_kernel_module, monkeypatch
     monkeypatch.setattr(host_kernel, "_lib", None)
     assert host_kernel.available()
     assert list(tmp_path.iterdir()) == objects and os.stat(objects[0]).st_mtime_ns == mtime
+
+
+def test_the_updater_refuses_runs_it_cannot_take():
+    updater = host_kernel.HostUpdater(threads=1)
+    coef = host_kernel.coefficients(1e-3, 0.9, 0.999, 1e-8, 0.0, 1, None)
+    bf = lambda n: torch.zeros(n, dtype=torch.bfloat16)  # noqa: E731
+    good = (torch.zeros(8), bf(8), bf(8), bf(8), bf(8), coef, None, 0, 0)
+    cases = [
+        ((torch.zeros(8), bf(8), bf(7), bf(8), bf(8)), "different lengths"),
+        ((torch.zeros(8).bfloat16(), bf(8), bf(8), bf(8), bf(8)), "master must be fp32"),
+        ((torch.zeros(8), bf(8), bf(8), torch.zeros(8, dtype=torch.float16), bf(8)), "bf16 or fp32"),
+        ((torch.zeros(16)[::2], bf(8), bf(8), bf(8), bf(8)), "contiguous host tensors"),
+    ]
+    for tensors, message in cases:
+        with pytest.raises(ValueError, match=message):
+            updater.run([(*tensors, coef, None, 0, 0)])
+    updater.run([good])  # and the well-formed run goes through
