@@ -43,10 +43,23 @@ def _episodes(eng: RolloutEngine, prompts, turns: int, turn_tokens: int, tool_to
             pass
         for i, f in enumerate(futures):
             ids[i] = ids[i] + f.result()[0].output_ids + (tools[t][i] if t < turns - 1 else [])
+    secs = time.perf_counter() - t0
     if keep:
         kept = eng.kept_sessions()["bytes"] / len(prompts)
+        held = _allocated(eng)
         eng.release_sessions(sessions)
-    return time.perf_counter() - t0, ids, kept
+        freed = (held - _allocated(eng)) / len(prompts)
+    return secs, ids, kept, (freed if keep else 0)
+
+
+def _allocated(eng: RolloutEngine) -> int:
+    """Bytes the engine's device allocator holds (CUDA), or this process's RSS (CPU): what releasing
+    the sessions gives back is measured beside the sessions' own count of their tensors."""
+    dev = next(eng.model.parameters()).device
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        return torch.cuda.memory_allocated(dev)
+    return 0
 
 
 def main() -> None:
@@ -58,6 +71,7 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=16)
     ap.add_argument("--tool-tokens", type=int, default=24)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda: also the device memory the sessions free)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = ap.parse_args()
     if args.threads:
@@ -66,27 +80,28 @@ def main() -> None:
     torch.manual_seed(0)
     model = K3ForCausalLM(cfg)
     model.reset_parameters(0)
-    model = model.cast(getattr(torch, args.dtype))
+    model = model.cast(getattr(torch, args.dtype)).to(args.device)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=g).tolist()
                for _ in range(args.episodes)]
     eng = RolloutEngine(model, max_batch=args.episodes, decode="dynamic")
-    print(f"preset {args.preset} ({args.dtype}, {torch.get_num_threads()} threads), {args.episodes} episodes at once, "
+    print(f"preset {args.preset} ({args.dtype} on {args.device}, {torch.get_num_threads()} threads), {args.episodes} episodes at once, "
           f"prompt {args.prompt_tokens} tokens, turns of {args.turn_tokens} sampled + {args.tool_tokens} tool tokens")
     print(f"{'turns':>5} {'history':>8} {'re-prefill s':>13} {'kept s':>8} {'speedup':>8} {'prefill tokens (re / kept)':>27} "
-          f"{'kept MiB/episode':>17}")
+          f"{'kept MiB/episode':>17} {'freed device MiB/episode':>25}")
     _episodes(eng, prompts[:2], 2, 4, 4, seed=0, keep=True)  # first calls (allocator, kernels) out of the timing
     for turns in (int(x) for x in args.turns.split(",")):
         rows = {}
         for keep in (False, True):
             eng.session_bytes = 64 << 30 if keep else 0
             before = eng.stats["prefill_tokens"]
-            secs, ids, kept = _episodes(eng, prompts, turns, args.turn_tokens, args.tool_tokens, seed=turns, keep=keep)
-            rows[keep] = (secs, eng.stats["prefill_tokens"] - before, ids, kept)
+            secs, ids, kept, freed = _episodes(eng, prompts, turns, args.turn_tokens, args.tool_tokens, seed=turns,
+                                               keep=keep)
+            rows[keep] = (secs, eng.stats["prefill_tokens"] - before, ids, kept, freed)
         same = rows[False][2] == rows[True][2]
         print(f"{turns:>5} {len(rows[True][2][0]):>8} {rows[False][0]:>13.2f} {rows[True][0]:>8.2f} "
               f"{rows[False][0] / rows[True][0]:>7.2f}x {rows[False][1]:>13} / {rows[True][1]:<11} "
-              f"{rows[True][3] / 2**20:>17.2f}" + ("" if same else "   (sampled ids differ: rounding flipped a sample)"))
+              f"{rows[True][3] / 2**20:>17.2f} {rows[True][4] / 2**20:>25.2f}" + ("" if same else "   (sampled ids differ: rounding flipped a sample)"))
 
 
 if __name__ == "__main__":

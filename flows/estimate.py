@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from k3core.settings import RLSettings
+from k3core.settings import COPY_BATCH_FACTOR, RLSettings
 
 __all__ = ["estimate", "estimate_line"]
 
@@ -60,7 +60,8 @@ def estimate(s: RLSettings, cores: int | None = None) -> float | None:
                         if s.evaluation.mismatch_every else 0.0))
     n = s.pipeline.iterations
     evals = 1 + (len(range(0, n, s.evaluation.every)) if s.evaluation.every else 0)
-    total = (cal.start + s.warmup.steps * s.warmup.batch * cal.warmup_sequence + n * per_iteration
+    warm = (s.warmup.steps + COPY_BATCH_FACTOR * s.warmup.copy_steps) * s.warmup.batch  # a copy sequence: about a demo's
+    total = (cal.start + warm * cal.warmup_sequence + n * per_iteration
              + evals * s.evaluation.prompts * cal.eval_prompt)
     return total * 2 / min(max(cores, 1), 2)  # calibrated on 2 cores; more cores than 2 are not counted on
 

@@ -80,11 +80,11 @@ def check_environment(s: RLSettings) -> bool:
     from k3core.rl.envs import load_env
 
     env = load_env(s.pipeline.env)
-    if s.warmup.steps > 0 and not any(callable(getattr(env, m, None)) for m in ("reference", "reference_turns")):
+    if s.warmup.runs() and not any(callable(getattr(env, m, None)) for m in ("reference", "reference_turns")):
         get_run_logger().warning(f"environment {s.pipeline.env!r} has no reference(prompt): skipping the supervised "
                                  "warm-up (RL starts from the fetched checkpoint; --warmup-steps 0 silences this)")
         return False
-    return s.warmup.steps > 0
+    return s.warmup.runs()
 
 
 @dataclass

@@ -262,13 +262,26 @@ class GRPOSettings(_Section):
         return out
 
 
+# Copy sequences per copy step of the warm-up, per reference sequence of a reference step: a copy
+# sequence is a few dozen tokens where a reference episode is a few hundred (k3core.rl.warmup).
+COPY_BATCH_FACTOR = 4
+
+
 @dataclass
 class WarmupSettings(_Section):
-    """Supervised warm-up on the environment's reference answers before RL (needs ``reference``)."""
+    """Supervised warm-up on the environment's reference answers before RL (needs ``reference``),
+    after an optional copy phase (``k3core.rl.warmup``)."""
 
     steps: int = _int(25, "warmup-steps", "supervised steps (0: no warm-up)")
     batch: int = _int(32, "warmup-batch", "sequences per warm-up step", min=1)
     lr: float = _float(1e-3, "warmup-lr", "warm-up learning rate", min=0.0)
+    copy_steps: int = _int(0, "warmup-copy-steps", f"steps repeating the environment's own prompts back ({COPY_BATCH_FACTOR}x "
+                           "--warmup-batch short sequences each) before the reference steps: teaches a model trained "
+                           "from scratch to copy, which agentic episodes need (tool arguments, tool results); a "
+                           "pretrained checkpoint needs none")
+
+    def runs(self) -> bool:
+        return self.steps > 0 or self.copy_steps > 0
 
 
 @dataclass

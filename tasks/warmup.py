@@ -1,5 +1,6 @@
 """warmup (optional first stage of RL): teach the answer format from the environment's reference
-completions on training prompts, then publish the policy in the public bf16 layout."""
+completions on training prompts (after the copy phase, where asked), then publish the policy in the
+public bf16 layout."""
 
 from __future__ import annotations
 
@@ -24,14 +25,15 @@ def warmup(run: Run, checkpoint: Artifact, settings: WarmupSettings) -> Artifact
     from k3core.rl.warmup import supervised_warmup
     from k3core.rl.weights import load_policy
     log = get_run_logger()
-    metrics: dict = {"warmup_steps": settings.steps}
+    metrics: dict = {"warmup_steps": settings.steps, "warmup_copy_steps": settings.copy_steps}
 
     def build(tmp):
         model = load_policy(checkpoint.path, torch_dtype(run.dtype), device=run.device)
         metrics.update(supervised_warmup(model, load_env(run.env), run.env, run.prompts(model.config, checkpoint.path),
                                          settings.steps, settings.batch, settings.lr, run.seed, log=log.info,
                                          progress=lambda done, total: progress_event(
-                                             "stage_step", name="warmup", done=done, total=total)))
+                                             "stage_step", name="warmup", done=done, total=total),
+                                         copy_steps=settings.copy_steps))
         save_hf(model, tmp / "ckpt", model.config, target="bf16", extra_files=tokenizer_files(checkpoint.path))
 
     run.store.publish_once(_rel(run), build, is_dir=True)

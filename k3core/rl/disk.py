@@ -255,7 +255,7 @@ def run_disk_need(s, progress: RunProgress = RunProgress(), prompt_tokens: int =
     writes = len([v for v in saved_versions(p.iterations, p.save_every) if v > progress.latest_version])
     states = states_at_peak(writes, progress.states, p.keep_checkpoints, s.grpo.max_staleness)
     prep = prepared_bytes(config, source="source" not in progress.prepared,
-                          warmup=s.warmup.steps > 0 and "warmup" not in progress.prepared,
+                          warmup=s.warmup.runs() and "warmup" not in progress.prepared,
                           rollout_weights="rollout-weights-v0" not in progress.prepared, source_bytes=source_bytes)
     remaining = max(0, p.iterations - progress.iterations_done)
     tables = remaining * table_bytes_per_iteration(config, s, prompt_tokens, agentic)

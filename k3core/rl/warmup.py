@@ -1,8 +1,19 @@
-"""Supervised warm-up: teach the answer format from an environment's reference completions."""
+"""Supervised warm-up: teach the answer format from an environment's reference completions, after
+an optional copy phase that teaches a fresh model to repeat what it reads.
+
+A model trained from scratch (the CPU presets) cannot copy: an agentic episode must copy the
+prompt's operands into its tool call and the tool's result into its answer, and a fresh `small`
+model learns that only after a long plateau of the reference warm-up (the induction-head phase
+change), which on full reference episodes costs hundreds of steps of a few hundred tokens each. The
+copy phase teaches the same skill on sequences of a few dozen tokens: the user turn is one of the
+environment's own training prompts and the answer is that prompt again, in a bare conversation (no
+system turn, no tools). A checkpoint that already copies (any pretrained one) needs no copy phase.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -10,32 +21,53 @@ from k3core.model import K3ForCausalLM
 from k3core.rl.train import RLSequence, sft_step
 from k3core.rl.trainer_state import make_optimizer
 from k3core.rl.prompting import PromptFormat
+from k3core.settings import COPY_BATCH_FACTOR
 
 
 def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, fmt: PromptFormat, steps: int, batch_size: int,
-                      lr: float, seed: int, log=None, progress=None) -> dict:
-    """Teach the answer format from ``env.reference`` on training prompts (never held-out ones).
-    ``log(text)``: every tenth step's loss; ``progress(done, steps)``: after every step (a display).
+                      lr: float, seed: int, log=None, progress=None, copy_steps: int = 0) -> dict:
+    """``copy_steps`` steps of the copy phase (module docstring; ``COPY_BATCH_FACTOR * batch_size``
+    sequences each), then ``steps`` steps teaching ``env.reference`` (or, agentic,
+    ``reference_turns``), both on training prompts (never held-out ones), with one optimizer.
+    ``log(text)``: every tenth step's loss; ``progress(done, total)``: after every step (a display).
     ``fmt``: the prompts as the rollouts write them, the answer ending as a sampled one would
     (``k3core.rl.prompting``)."""
     from k3core.rl.data import training_prompts
 
-    if not (hasattr(env, "reference") or hasattr(env, "reference_turns")):
+    if steps and not (hasattr(env, "reference") or hasattr(env, "reference_turns")):
         raise ValueError(f"environment {env_spec!r} has no reference(prompt) (or, agentic, reference_turns(prompt)) "
                          "method: run with --warmup-steps 0")
     torch.manual_seed(seed)
     opt = make_optimizer(model, lr)
-    losses, t0 = [], time.perf_counter()
-    for step in range(steps):
-        prompts = training_prompts(env, seed + 7919, step, batch_size, env_spec)
-        seqs = [_taught(fmt, env, p) for p in prompts]
-        losses.append(sft_step(model, opt, seqs, fmt.pad_id)["loss"])
-        if log and (step % 10 == 0 or step == steps - 1):
-            log(f"warm-up step {step + 1}/{steps}: loss {losses[-1]:.3f}")
+    total, t0 = copy_steps + steps, time.perf_counter()
+    copied, losses = [], []
+    for step in range(total):
+        if step < copy_steps:
+            prompts = training_prompts(env, seed + COPY_STREAM, step, COPY_BATCH_FACTOR * batch_size, env_spec)
+            seqs, phase, done, of = [copy_sequence(fmt, p) for p in prompts], copied, step, copy_steps
+        else:
+            prompts = training_prompts(env, seed + 7919, step - copy_steps, batch_size, env_spec)
+            seqs, phase, done, of = [_taught(fmt, env, p) for p in prompts], losses, step - copy_steps, steps
+        phase.append(sft_step(model, opt, seqs, fmt.pad_id)["loss"])
+        if log and (done % 10 == 0 or done == of - 1):
+            log(f"warm-up {'copy ' if phase is copied else ''}step {done + 1}/{of}: loss {phase[-1]:.3f}")
         if progress:
-            progress(step + 1, steps)
-    return {"warmup_steps": steps, "warmup_loss_first": losses[0] if losses else None,
-            "warmup_loss_last": losses[-1] if losses else None, "warmup_seconds": time.perf_counter() - t0}
+            progress(step + 1, total)
+    out = {"warmup_steps": steps, "warmup_loss_first": losses[0] if losses else None,
+           "warmup_loss_last": losses[-1] if losses else None, "warmup_seconds": time.perf_counter() - t0}
+    if copy_steps:
+        out.update(warmup_copy_steps=copy_steps, warmup_copy_loss_last=copied[-1])
+    return out
+
+
+COPY_STREAM = 104729  # the copy phase's prompts are a stream of their own (the reference phase's stays as it was)
+
+
+def copy_sequence(fmt: PromptFormat, prompt: str) -> RLSequence:
+    """``prompt`` as the user turn and again as the answer, in a bare conversation (a chat without the
+    environment's system turn and tools; a raw prompt as it is): what the copy phase teaches."""
+    bare = replace(fmt, env=None)
+    return RLSequence(bare.prompt_ids(prompt), bare.answer_ids(prompt))
 
 
 def _taught(fmt: PromptFormat, env, prompt: str) -> RLSequence:
