@@ -1,10 +1,10 @@
 """Supervised warm-up: teach the answer format from an environment's reference completions, after
 an optional copy phase that teaches a fresh model to repeat what it reads.
 
-A model trained from scratch (the CPU presets) cannot copy: an agentic episode must copy the
+A model trained from scratch (the CPU presets) does not copy: an agentic episode must copy the
 prompt's operands into its tool call and the tool's result into its answer, and a fresh `small`
-model learns that only after a long plateau of the reference warm-up (the induction-head phase
-change), which on full reference episodes costs hundreds of steps of a few hundred tokens each. The
+model learns that only after a long plateau of the reference warm-up (then its loss falls at once),
+which on full reference episodes costs hundreds of steps of a few hundred tokens each. The
 copy phase teaches the same skill on sequences of a few dozen tokens: the user turn is one of the
 environment's own training prompts and the answer is that prompt again, in a bare conversation (no
 system turn, no tools). A checkpoint that already copies (any pretrained one) needs no copy phase.
@@ -22,6 +22,8 @@ from k3core.rl.train import RLSequence, sft_step
 from k3core.rl.trainer_state import make_optimizer
 from k3core.rl.prompting import PromptFormat
 from k3core.settings import COPY_BATCH_FACTOR
+
+COPY_STREAM = 104729  # the copy phase's prompts are a stream of their own (the reference phase's stays as it was)
 
 
 def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, fmt: PromptFormat, steps: int, batch_size: int,
@@ -42,15 +44,16 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, fmt: PromptForma
     total, t0 = copy_steps + steps, time.perf_counter()
     copied, losses = [], []
     for step in range(total):
-        if step < copy_steps:
-            prompts = training_prompts(env, seed + COPY_STREAM, step, COPY_BATCH_FACTOR * batch_size, env_spec)
-            seqs, phase, done, of = [copy_sequence(fmt, p) for p in prompts], copied, step, copy_steps
+        copying = step < copy_steps
+        done, of, phase = (step, copy_steps, copied) if copying else (step - copy_steps, steps, losses)
+        if copying:
+            prompts = training_prompts(env, seed + COPY_STREAM, done, COPY_BATCH_FACTOR * batch_size, env_spec)
+            seqs = [copy_sequence(fmt, p) for p in prompts]
         else:
-            prompts = training_prompts(env, seed + 7919, step - copy_steps, batch_size, env_spec)
-            seqs, phase, done, of = [_taught(fmt, env, p) for p in prompts], losses, step - copy_steps, steps
+            seqs = [_taught(fmt, env, p) for p in training_prompts(env, seed + 7919, done, batch_size, env_spec)]
         phase.append(sft_step(model, opt, seqs, fmt.pad_id)["loss"])
         if log and (done % 10 == 0 or done == of - 1):
-            log(f"warm-up {'copy ' if phase is copied else ''}step {done + 1}/{of}: loss {phase[-1]:.3f}")
+            log(f"warm-up {'copy ' if copying else ''}step {done + 1}/{of}: loss {phase[-1]:.3f}")
         if progress:
             progress(step + 1, total)
     out = {"warmup_steps": steps, "warmup_loss_first": losses[0] if losses else None,
@@ -58,9 +61,6 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, fmt: PromptForma
     if copy_steps:
         out.update(warmup_copy_steps=copy_steps, warmup_copy_loss_last=copied[-1])
     return out
-
-
-COPY_STREAM = 104729  # the copy phase's prompts are a stream of their own (the reference phase's stays as it was)
 
 
 def copy_sequence(fmt: PromptFormat, prompt: str) -> RLSequence:

@@ -78,6 +78,7 @@ CLI_CASES = [
     _run("run-iterations-fraction", "--iterations 2.5", "argument --iterations: invalid int value: '2.5'"),
     _run("run-seed-negative", "--seed -1", "--seed must be >= 0"),
     _run("run-warmup-batch-0", "--warmup-batch 0", "--warmup-batch must be >= 1"),
+    _run("run-warmup-copy-steps-negative", "--warmup-copy-steps -5", "--warmup-copy-steps must be >= 0"),
     _run("run-eval-prompts-0", "--eval-prompts 0", "--eval-prompts must be >= 1"),
     _run("run-ppo-epochs-0", "--ppo-epochs 0", "--ppo-epochs must be >= 1"),
     _run("run-clip-eps-low-1.5", "--clip-eps-low 1.5", "--clip-eps-low must be < 1"),
