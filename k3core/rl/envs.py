@@ -115,6 +115,11 @@ class ToolsCalcEnv:
             term *= int(tok)
         return str(total + (term if op == "+" else -term))
 
+    def copied(self, prompt: str) -> str:
+        """What an episode copies (the warm-up's copy phase repeats it): the operands, as its call writes them."""
+        a, b = self._operands(prompt)
+        return f"{a}*{b}"
+
     def reference_turns(self, prompt: str) -> list[str]:
         from k3core.tokenizer.tool_calls import format_tool_calls
 

@@ -5,9 +5,13 @@ A model trained from scratch (the CPU presets) does not copy: an agentic episode
 prompt's operands into its tool call and the tool's result into its answer, and a fresh `small`
 model learns that only after a long plateau of the reference warm-up (then its loss falls at once),
 which on full reference episodes costs hundreds of steps of a few hundred tokens each. The
-copy phase teaches the same skill on sequences of a few dozen tokens: the user turn is one of the
-environment's own training prompts and the answer is that prompt again, in a bare conversation (no
-system turn, no tools). A checkpoint that already copies (any pretrained one) needs no copy phase.
+copy phase teaches the same skill on sequences of a few dozen tokens: the user turn is a text drawn
+from the environment's own training prompts and the answer is that text again, in a bare
+conversation (no system turn, no tools). The text is ``env.copied(prompt)`` where the environment
+says what its episodes copy (``tools-calc``: the operands its calls repeat), else the prompt. That
+matters: on ``small``, copies of the operands were learned in about 120 steps and copies of whole
+``tools-calc`` prompts not in 150 (docs/results/tools_calc.md). A checkpoint that already copies
+(any pretrained one) needs no copy phase.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, fmt: PromptForma
         done, of, phase = (step, copy_steps, copied) if copying else (step - copy_steps, steps, losses)
         if copying:
             prompts = training_prompts(env, seed + COPY_STREAM, done, COPY_BATCH_FACTOR * batch_size, env_spec)
-            seqs = [copy_sequence(fmt, p) for p in prompts]
+            copied_of = env.copied if callable(getattr(env, "copied", None)) else (lambda p: p)
+            seqs = [copy_sequence(fmt, copied_of(p)) for p in prompts]
         else:
             seqs = [_taught(fmt, env, p) for p in training_prompts(env, seed + 7919, done, batch_size, env_spec)]
         phase.append(sft_step(model, opt, seqs, fmt.pad_id)["loss"])

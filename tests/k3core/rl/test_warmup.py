@@ -2,6 +2,8 @@
 prompts repeated back in a bare conversation, and the reference phase after it teaches exactly what
 a warm-up without a copy phase teaches (its prompt stream is untouched)."""
 
+import re
+
 import pytest
 import torch
 
@@ -61,15 +63,32 @@ def test_copy_phase_comes_first_and_leaves_the_reference_phase_as_it_was(monkeyp
     plain, plain_out = _recorded(monkeypatch, "tools-calc", fmt, steps=2, copy_steps=0)
     both, out = _recorded(monkeypatch, "tools-calc", fmt, steps=2, copy_steps=3)
     assert len(both) == 5 and [len(b) for b in both[:3]] == [COPY_BATCH_FACTOR * 2] * 3
-    for batch in both[:3]:
+    for batch in both[:3]:  # tools-calc says what its episodes copy: the operands of its prompts
         for prompt_ids, output_ids, mask in batch:
             asked = tok.decode(prompt_ids).split("<|im_middle|>")[-2].removesuffix("<|im_end|><|im_assistant|>assistant")
-            assert tok.decode(output_ids[:-1]) == asked and asked.startswith("Compute ") and mask is None
+            assert tok.decode(output_ids[:-1]) == asked and re.fullmatch(r"\d{3}\*\d{3}", asked) and mask is None
     assert both[3:] == plain  # the reference steps see the same episodes, in the same order
     assert out["warmup_copy_steps"] == 3 and out["warmup_steps"] == 2 and plain_out.get("warmup_copy_steps") is None
     # Distinct prompts in the copy phase's stream: it draws its own, not the reference phase's again.
     copied = {tuple(p) for b in both[:3] for p, _, _ in b}
     assert len(copied) > COPY_BATCH_FACTOR * 2
+
+
+def test_without_copied_the_copy_phase_repeats_the_prompt(monkeypatch):
+    class Plain:
+        def prompts(self, rng, n):
+            return [f"say {rng.randint(10, 99)}" for _ in range(n)]
+
+    seen = []
+    monkeypatch.setattr(warmup, "copy_sequence", lambda fmt, text: seen.append(text) or warmup_copy(fmt, text))
+    fmt = PromptFormat.of(ByteTokenizer(K3Config.preset("tiny")), Plain(), mode="raw")
+    model = K3ForCausalLM(K3Config.preset("tiny"))
+    model.reset_parameters(0)
+    warmup.supervised_warmup(model, Plain(), "mine:make", fmt, 0, 1, 1e-3, 0, copy_steps=1)
+    assert len(seen) == COPY_BATCH_FACTOR and all(re.fullmatch(r"say \d\d", t) for t in seen)
+
+
+warmup_copy = warmup.copy_sequence
 
 
 def test_copy_steps_alone_need_no_reference(monkeypatch):
