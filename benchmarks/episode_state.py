@@ -53,8 +53,8 @@ def _episodes(eng: RolloutEngine, prompts, turns: int, turn_tokens: int, tool_to
 
 
 def _allocated(eng: RolloutEngine) -> int:
-    """Bytes the engine's device allocator holds (CUDA), or this process's RSS (CPU): what releasing
-    the sessions gives back is measured beside the sessions' own count of their tensors."""
+    """Bytes the engine's device allocator holds on CUDA (0 on the CPU: not measured there): what
+    releasing the sessions gives back, beside the sessions' own count of their tensors."""
     dev = next(eng.model.parameters()).device
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)

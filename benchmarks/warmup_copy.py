@@ -1,5 +1,5 @@
 """Claim: the warm-up's copy phase (``--warmup-copy-steps``, ``k3core.rl.warmup``) lets a fresh model
-learn an agentic environment's reference episodes in a fraction of the reference-only warm-up's time.
+learn an agentic environment's reference episodes in fewer steps than the reference-only warm-up.
 
 Each configuration warms up a fresh model of ``--preset`` (same seed, same prompts) with
 ``k3core.rl.warmup.supervised_warmup``, the function the warmup stage runs, and every
@@ -51,20 +51,18 @@ def main() -> None:
     from k3core.rl.episodes import reference_trajectory
     from k3core.rl.prompting import PromptFormat
     from k3core.rl.train import RLSequence, pack_sequences
-    from k3core.rl.warmup import supervised_warmup
+    from k3core.rl.warmup import copy_sequence, copy_text, supervised_warmup
     from k3core.tokenizer import BUNDLED_K3_BPE, load_tokenizer
 
     cfg = _with_tokenizer(K3Config.preset(a.preset), "bpe")[0]
     env = load_env(a.env)
     fmt = PromptFormat.of(load_tokenizer(BUNDLED_K3_BPE), env)
-    held = []
+    held, copies = [], []
     for p in heldout_prompts(env, a.seed, 64, a.env):
         ep = reference_trajectory(fmt, env, p)
         held.append(RLSequence(ep.prompt_ids, ep.output_ids, loss_mask=ep.loss_mask))
-    from k3core.rl.warmup import copy_sequence
-
-    episodes = pack_sequences(held, fmt.pad_id)
-    copies = pack_sequences([copy_sequence(fmt, p) for p in heldout_prompts(env, a.seed, 64, a.env)], fmt.pad_id)
+        copies.append(copy_sequence(fmt, copy_text(env, p)))
+    episodes, copies = pack_sequences(held, fmt.pad_id), pack_sequences(copies, fmt.pad_id)
 
     @torch.no_grad()
     def exact(model, batch) -> float:

@@ -60,7 +60,7 @@ def estimate(s: RLSettings, cores: int | None = None) -> float | None:
                         if s.evaluation.mismatch_every else 0.0))
     n = s.pipeline.iterations
     evals = 1 + (len(range(0, n, s.evaluation.every)) if s.evaluation.every else 0)
-    warm = (s.warmup.steps + COPY_BATCH_FACTOR * s.warmup.copy_steps) * s.warmup.batch  # a copy sequence: about a demo's
+    warm = (s.warmup.steps + COPY_BATCH_FACTOR * s.warmup.copy_steps) * s.warmup.batch  # a copy sequence costs about a demo's
     total = (cal.start + warm * cal.warmup_sequence + n * per_iteration
              + evals * s.evaluation.prompts * cal.eval_prompt)
     return total * 2 / min(max(cores, 1), 2)  # calibrated on 2 cores; more cores than 2 are not counted on

@@ -275,8 +275,9 @@ class WarmupSettings(_Section):
     steps: int = _int(25, "warmup-steps", "supervised steps (0: no warm-up)")
     batch: int = _int(32, "warmup-batch", "sequences per warm-up step", min=1)
     lr: float = _float(1e-3, "warmup-lr", "warm-up learning rate", min=0.0)
-    copy_steps: int = _int(0, "warmup-copy-steps", f"steps repeating the environment's own prompts back ({COPY_BATCH_FACTOR}x "
-                           "--warmup-batch short sequences each) before the reference steps: teaches a model trained "
+    copy_steps: int = _int(0, "warmup-copy-steps", f"steps repeating short texts of the environment's training prompts back (what its copied(prompt) "
+                           f"says its episodes copy, else the prompt; {COPY_BATCH_FACTOR}x --warmup-batch each) before the "
+                           "reference steps: teaches a model trained "
                            "from scratch to copy, which agentic episodes need (tool arguments, tool results); a "
                            "pretrained checkpoint needs none")
 

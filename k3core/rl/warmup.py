@@ -52,8 +52,7 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, fmt: PromptForma
         done, of, phase = (step, copy_steps, copied) if copying else (step - copy_steps, steps, losses)
         if copying:
             prompts = training_prompts(env, seed + COPY_STREAM, done, COPY_BATCH_FACTOR * batch_size, env_spec)
-            copied_of = env.copied if callable(getattr(env, "copied", None)) else (lambda p: p)
-            seqs = [copy_sequence(fmt, copied_of(p)) for p in prompts]
+            seqs = [copy_sequence(fmt, copy_text(env, p)) for p in prompts]
         else:
             seqs = [_taught(fmt, env, p) for p in training_prompts(env, seed + 7919, done, batch_size, env_spec)]
         phase.append(sft_step(model, opt, seqs, fmt.pad_id)["loss"])
@@ -66,6 +65,13 @@ def supervised_warmup(model: K3ForCausalLM, env, env_spec: str, fmt: PromptForma
     if copy_steps:
         out.update(warmup_copy_steps=copy_steps, warmup_copy_loss_last=copied[-1])
     return out
+
+
+def copy_text(env, prompt: str) -> str:
+    """What the copy phase repeats for ``prompt``: ``env.copied(prompt)`` where the environment says
+    what its episodes copy, else the prompt."""
+    copied = getattr(env, "copied", None)
+    return copied(prompt) if callable(copied) else prompt
 
 
 def copy_sequence(fmt: PromptFormat, prompt: str) -> RLSequence:

@@ -79,16 +79,13 @@ def test_without_copied_the_copy_phase_repeats_the_prompt(monkeypatch):
         def prompts(self, rng, n):
             return [f"say {rng.randint(10, 99)}" for _ in range(n)]
 
-    seen = []
-    monkeypatch.setattr(warmup, "copy_sequence", lambda fmt, text: seen.append(text) or warmup_copy(fmt, text))
+    seen, real = [], warmup.copy_sequence
+    monkeypatch.setattr(warmup, "copy_sequence", lambda fmt, text: seen.append(text) or real(fmt, text))
     fmt = PromptFormat.of(ByteTokenizer(K3Config.preset("tiny")), Plain(), mode="raw")
     model = K3ForCausalLM(K3Config.preset("tiny"))
     model.reset_parameters(0)
     warmup.supervised_warmup(model, Plain(), "mine:make", fmt, 0, 1, 1e-3, 0, copy_steps=1)
     assert len(seen) == COPY_BATCH_FACTOR and all(re.fullmatch(r"say \d\d", t) for t in seen)
-
-
-warmup_copy = warmup.copy_sequence
 
 
 def test_copy_steps_alone_need_no_reference(monkeypatch):
