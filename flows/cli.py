@@ -125,9 +125,13 @@ def resume_command(argv: list[str], run_id: str) -> str:
 def _run_locked(a, s, lock_file) -> int:
     """The run, holding its lock: a finished run replays its summary; otherwise first clear what a
     killed process of it left (``flows.resume``)."""
+    from flows import resume
+
+    if not resume.has_summary(s):  # not a replay of a finished run, which starts no server
+        resume.check_prefect_environment()
+        resume.launch_embedded_server()  # imports beside this process's imports; waited for below
     from prefect import tags
 
-    from flows import resume
     from flows.console import progress_wanted, run_progress, stage_heartbeat
     from flows.pipeline import rl_run
 

@@ -2,13 +2,14 @@
 previous process of the same run killed at any point (kill -9, OOM, power) leaves nothing behind.
 
 Owns:
-- the embedded Prefect server's lifetime. Prefect starts it as a child process (``python -m uvicorn``,
-  ``prefect.server.api.server.SubprocessASGIServer``) and stops it from ``atexit``, which a SIGKILL
-  never runs: the server then outlives its parent, listening, holding its memory and database.
-  ``start_embedded_server`` starts it here, from the main thread, with ``PR_SET_PDEATHSIG`` set in the
-  child between fork and exec: the kernel kills the server the moment this process dies, however it
-  dies, with nothing left to sweep on the next run (a pid recorded for a later sweep would leave the
-  orphan running until a resume that may never come, and could name a recycled pid).
+- the embedded Prefect server's lifetime (``EmbeddedServer``). Prefect's own embedded mode starts it
+  as a child process (``python -m uvicorn``) and stops it from ``atexit``, which a SIGKILL never
+  runs: the server then outlives its parent, listening, holding its memory and database. k3rl starts
+  Prefect's server app itself, from the main thread, with ``PR_SET_PDEATHSIG`` set in the child
+  between fork and exec: the kernel kills the server the moment this process dies, however it dies,
+  with nothing left to sweep on the next run (a pid recorded for a later sweep would leave the
+  orphan running until a resume that may never come, and could name a recycled pid). It starts
+  before the run's heavy imports and is waited for after them.
 - the staging paths (``.tmp-*``) of the run's dead writers (``ArtifactStore.remove_dead_staging``).
 - flow runs of the run left ``Running`` (or ``Pending``) by a killed process: set ``Crashed``, with
   their unfinished task runs. They are found by ``run_tag``, which only ``k3rl run`` puts on its flow
@@ -21,14 +22,16 @@ artifacts, ``flows.pipeline``).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import hashlib
 import os
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
-from typing import Any
 
 PR_SET_PDEATHSIG = 1
 _UNFINISHED = ("RUNNING", "PENDING", "SCHEDULED", "PAUSED", "CANCELLING")
@@ -62,6 +65,15 @@ def _pdeathsig_preexec():
             os._exit(126)
 
     return bind
+
+
+def has_summary(s) -> bool:
+    """Whether the run (``RLSettings``) has recorded a summary: it may be finished, and then only
+    replays it (``flows.reports.finished_summary`` decides)."""
+    from k3core.artifacts import ArtifactStore
+    from k3core.rl.layout import RunLayout
+
+    return ArtifactStore(s.pipeline.artifacts).exists(RunLayout(s.pipeline.run_id).summary)
 
 
 def check_prefect_environment() -> None:
@@ -100,43 +112,130 @@ def check_prefect_environment() -> None:
                      "start), or unset PREFECT_API_URL to run on an embedded one")
 
 
-def start_embedded_server() -> Any | None:
-    """Start Prefect's embedded server as a child that dies with this process, and make it the one
-    Prefect's clients use (the server registered for ``port=None``). None when ``PREFECT_API_URL``
-    names a server (nothing embedded) or the embedded server is already running. Call it from the
-    main thread: the kernel signals the child when the thread that forked it ends."""
-    from prefect.server.api.server import SubprocessASGIServer
+EMBEDDED_LINE = "k3rl: Prefect's embedded server is up"  # what a run prints once its embedded server answers
+
+
+class EmbeddedServer:
+    """Prefect's own server app (``prefect.server.api.server:create_app``) under uvicorn, in a child
+    process of this one, as Prefect's embedded mode runs it (UI off, ephemeral services), with
+    ``PR_SET_PDEATHSIG`` set in the child between fork and exec. Started by ``launch`` without
+    waiting: the server imports Prefect's whole API (about 3 s of CPU) while this process imports the
+    model and pipeline, on the other core; ``ready`` waits for its health check and makes it the API
+    this process's Prefect clients use (``PREFECT_API_URL`` in a settings context held for the
+    process's life). This process never imports the server's code. One per process, stopped from
+    ``atexit`` after Prefect's own exit handlers have sent their last logs and events to it (they
+    were registered later, and ``atexit`` runs last-registered first)."""
+
+    APP = "prefect.server.api.server:create_app"
+    TRIES = 3  # a port taken between choosing it and binding it: another port, as Prefect does
+
+    def __init__(self) -> None:
+        from prefect.settings import get_current_settings
+
+        # the settings this process resolved (profile, environment) reach the server as variables
+        self._env = {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True),
+                     "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        self._settings = None
+        # the server's own output, read back only when it fails to start: a server stopped while a
+        # request is in flight logs a cancelled database call, which is not the run's to print
+        self._output = tempfile.TemporaryFile()
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self._spawn()
+        atexit.register(self.stop)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def _spawn(self) -> None:
+        with socket.socket() as s:  # a free port now; the server binds it a moment later
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        # a session of its own: a Ctrl-C in the terminal reaches this process, which stops the run
+        # and then the server, not the server first (the run would then fail on its connection)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--factory", self.APP, "--host", "127.0.0.1", "--port", str(self.port),
+             "--log-level", "error", "--lifespan", "on"],
+            env=self._env, preexec_fn=_pdeathsig_preexec(), start_new_session=True, stdin=subprocess.DEVNULL,
+            stdout=self._output, stderr=subprocess.STDOUT)
+
+    def _tail(self, n: int = 2000) -> str:
+        self._output.seek(0)
+        return self._output.read().decode(errors="replace")[-n:]
+
+    def ready(self, timeout: float) -> EmbeddedServer:
+        """Wait until the server answers its health check (spawning it again on another port if its
+        port was taken), then point this process's Prefect clients at it. ``RuntimeError`` naming the
+        exit status when it dies or does not answer within ``timeout`` seconds."""
+        import time
+        import urllib.error
+        import urllib.request
+
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        deadline, tries = time.monotonic() + timeout, 1
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                if tries >= self.TRIES:
+                    raise RuntimeError(f"Prefect's embedded server exited with status {code} on start ({tries} tries): "
+                                       f"{self._tail()}\nSet PREFECT_API_URL to a running server to use that one")
+                tries += 1
+                self._spawn()
+                continue
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"Prefect's embedded server did not answer on {self.url} within {timeout:.0f} s "
+                                   f"(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); its output: {self._tail()}")
+            time.sleep(0.05)
+        if self._settings is None:
+            self._settings = temporary_settings(updates={PREFECT_API_URL: self.url})
+            self._settings.__enter__()  # held for the process's life: Prefect's exit handlers use it too
+            print(f"{EMBEDDED_LINE} on {self.url} (the UI, and flow runs that outlive the run: `prefect server "
+                  "start` and PREFECT_API_URL)", file=sys.stderr, flush=True)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+_embedded: EmbeddedServer | None = None
+
+
+def launch_embedded_server() -> EmbeddedServer | None:
+    """This process's embedded server, started (``EmbeddedServer``) if none is; None when
+    ``PREFECT_API_URL`` names a server (nothing embedded) or Prefect's embedded mode is off. Call it
+    from the main thread: the kernel signals the child when the thread that forked it ends."""
+    global _embedded
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
+    if _embedded is not None and _embedded.proc.poll() is None:
+        return _embedded
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return None  # a server of the user's, or none allowed: as Prefect's own client decides
-    current = SubprocessASGIServer._instances.get(None)
-    if current is not None and current.running:
-        return None
+    _embedded = EmbeddedServer()
+    return _embedded
 
-    class DiesWithParent(SubprocessASGIServer):
-        def _run_uvicorn_command(self) -> subprocess.Popen:
-            preexec = _pdeathsig_preexec()
-            real = subprocess.Popen
 
-            def popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
-                # a session of its own: a Ctrl-C in the terminal reaches this process, which stops the run
-                # and then the server, not the server first (the run would then fail on its connection)
-                kwargs.setdefault("start_new_session", True)
-                return real(*args, preexec_fn=preexec, **kwargs)
+def start_embedded_server() -> EmbeddedServer | None:
+    """``launch_embedded_server``, waited for: the run's Prefect clients talk to it from here on."""
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
-            # Prefect's method makes one Popen call and takes no preexec_fn, so the module attribute
-            # is swapped for its duration; the CLI starts no other process meanwhile (no flow runs yet)
-            subprocess.Popen = popen
-            try:
-                return super()._run_uvicorn_command()
-            finally:
-                subprocess.Popen = real
-
-    SubprocessASGIServer._instances.pop(None, None)
-    server = DiesWithParent()  # registers itself under port=None: Prefect's get_client() finds it
-    server.start()
-    return server
+    server = launch_embedded_server()
+    return server.ready(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()) if server else None
 
 
 def crash_stale_flow_runs(tag: str) -> list[str]:

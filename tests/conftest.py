@@ -103,6 +103,27 @@ def kill_matrix():
 
 
 @pytest.fixture(scope="session")
+def kill_matrix_baseline(tmp_path_factory, prefect_server, kill_matrix):
+    """The kill matrix's command (``kill_matrix.ARGS``) run once, never killed: its final state
+    (``kill_matrix._final_state``), the run that every chain of the kill matrix, the stop signals
+    and the full disk must end equal to. Run once per test session, not once per file: the first
+    pytest-xdist worker to ask runs it holding a lock in the session's shared temporary root (the
+    parent of each worker's own), the others wait for it and read its artifacts."""
+    import fcntl
+
+    own = tmp_path_factory.getbasetemp()
+    shared = own.parent if os.environ.get("PYTEST_XDIST_WORKER") else own
+    base = shared / "kill-matrix-baseline"
+    with open(shared / "kill-matrix-baseline.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this worker dies
+        if not (base / "finished").exists():
+            done, _ = kill_matrix._k3rl(base / "artifacts", base / "prefect-home", None, prefect_server.api)
+            assert done.returncode == 0, done.stdout[-3000:]
+            (base / "finished").write_text("")
+    return kill_matrix._final_state(base / "artifacts")
+
+
+@pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
     """One real ``prefect server start`` for the session (``tests/prefect_local.py``), for end-to-end
     chains of ``k3rl run`` processes that report to a server (``PREFECT_API_URL``) instead of each

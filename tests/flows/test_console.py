@@ -206,6 +206,7 @@ def test_tiny_run_console_retention_replay_and_resume(tmp_path, prefect_harness)
     assert m, first.stderr[:2000]
     resume, run_id = m.group(1), m.group(2)
     assert "(a new run id)" in first.stderr
+    assert "k3rl: Prefect's embedded server is up on http://127.0.0.1:" in first.stderr, first.stderr[:2000]
     assert BAR_CHARACTER not in first.stderr + first.stdout
     assert WARNING_LINE.findall(first.stderr) == [], first.stderr
 
@@ -224,7 +225,7 @@ def test_tiny_run_console_retention_replay_and_resume(tmp_path, prefect_harness)
     replay = subprocess.run([*cli, *argv], env=env, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert "finished its 3 iterations already" in replay.stderr
-    assert "Starting temporary server" not in replay.stderr  # no Prefect server, no flow run, no stage
+    assert "embedded server is up" not in replay.stderr  # no Prefect server, no flow run, no stage
     assert _files(run_dir) == before
     assert {n: (run_dir / n).read_bytes() for n in records} == records
     summary = json.loads(records["summary.json"])

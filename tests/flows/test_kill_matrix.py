@@ -194,12 +194,10 @@ def _assert_same(a, b, where: str = "") -> None:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, prefect_server):
-    """The same command, never killed (reporting to the session's server: no embedded one to start)."""
-    base = tmp_path_factory.mktemp("baseline")
-    done, _ = _k3rl(base / "artifacts", base / "prefect-home", None, prefect_server.api)
-    assert done.returncode == 0, done.stdout[-3000:]
-    return _final_state(base / "artifacts")
+def baseline(kill_matrix_baseline):
+    """The same command, never killed (reporting to the session's server: no embedded one to start;
+    run once per test session, tests/conftest.py)."""
+    return kill_matrix_baseline
 
 
 @pytest.mark.slow

@@ -63,7 +63,7 @@ def test_run_on_s3_survives_faults_and_resumes_on_another_machine(local_s3, tmp_
     p = k3rl(server, tmp_path / "a", "run", *SMALL, "--iterations", "1", "--artifacts", "s3://no-such-bucket-k3rl/k3rl")
     assert p.returncode == 2, p.stderr
     assert "artifact root s3://no-such-bucket-k3rl/k3rl is not usable" in p.stderr and "bucket does not exist" in p.stderr
-    assert "Starting temporary server" not in p.stderr + p.stdout
+    assert "embedded server is up" not in p.stderr + p.stdout
 
     # machine a, two iterations: transient errors while publishing iteration 0's scores, then access
     # denied on one file of the checkpoint after iteration 1

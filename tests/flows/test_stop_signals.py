@@ -29,11 +29,8 @@ CHAINS = {
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, prefect_server, kill_matrix):
-    km, base = kill_matrix, tmp_path_factory.mktemp("baseline")
-    done, _ = km._k3rl(base / "artifacts", base / "prefect-home", None, prefect_server.api)
-    assert done.returncode == 0, done.stdout[-3000:]
-    return km._final_state(base / "artifacts")
+def baseline(kill_matrix_baseline):
+    return kill_matrix_baseline
 
 
 @pytest.mark.slow
