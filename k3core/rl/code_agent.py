@@ -70,6 +70,14 @@ class CodeAgentEnv:
         n = len(self._task(prompt)["tests"])
         return why if why.startswith("error:") else (why or f"{n}/{n} tests passed")
 
+    def copied(self, prompt: str) -> str:
+        """What an episode copies (the warm-up's copy phase repeats it): the numbers of the task's
+        description, in order, as its expression writes them (``x times 5 plus 8`` -> ``5 8``; the
+        words become operators, which the reference turns teach)."""
+        import re
+
+        return " ".join(re.findall(r"\d+", prompt.splitlines()[0]))
+
     def reference_turns(self, prompt: str) -> list[str]:
         from k3core.tokenizer.tool_calls import format_tool_calls
 

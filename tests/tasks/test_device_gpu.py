@@ -78,7 +78,13 @@ def test_greedy_rollout_tokens_match_the_cpu(runs):
         f"{same} of {len(tables['cpu'])} greedy rollouts equal; CPU top-2 margins where they part: {ties}")
 
 
-def test_train_step_loss_matches_the_cpu(runs, tmp_path):
+def test_train_step_loss_matches_the_cpu(runs, tmp_path, monkeypatch):
+    # the eager regions: this compares devices; the compiled regions (the CUDA default) are compared
+    # with the eager ones in test_packed_gpu.py, and their first backward compiles, which took past
+    # this test's 300 s with eight test processes compiling at once on the H100
+    import k3core.ops.compiled as regions
+
+    monkeypatch.setattr(regions, "COMPILED", False)
     sampled = RolloutSettings(prompts_per_iteration=4, samples_per_prompt=4, max_new_tokens=6, temperature=1.0)
     cpu = runs["cpu"]
     (tmp_path / f"{ENV_MODULE}.py").write_text(ENV_SRC)

