@@ -50,3 +50,17 @@ def test_an_episode_reads_the_failures_fixes_and_submits():
 def test_an_unknown_task_is_a_clear_error():
     with pytest.raises(ValueError, match="not one of its tasks"):
         load_env("code-agent").call_tool("# f(x) = nothing", "run_tests", {"expression": "1"})
+
+
+def test_what_an_episode_copies_is_the_descriptions_numbers_as_the_answer_writes_them():
+    """``copied`` (the warm-up's copy phase): the numbers of the task's description in order, each of
+    which the reference expression writes, in the same order (checked on every bundled task)."""
+    from k3core.rl.code_agent import CodeAgentEnv
+
+    env = CodeAgentEnv()
+    assert env.copied("# f(x) = x times 5 plus 8\ndef f(x):\n    return ") == "5 8"
+    for prompt, task in env.tasks.items():
+        numbers, answer, at = env.copied(prompt).split(), task["answer"], 0
+        assert numbers, prompt
+        for n in numbers:
+            at = answer.index(n, at) + len(n)  # ValueError: a number the answer does not write, in order
