@@ -127,7 +127,8 @@ def _run_locked(a, s, lock_file) -> int:
     killed process of it left (``flows.resume``)."""
     from flows import resume
 
-    if not resume.has_summary(s):  # not a replay of a finished run, which starts no server
+    checked = not resume.has_summary(s)  # not a replay of a finished run, which starts no server
+    if checked:
         resume.check_prefect_environment()
         resume.launch_embedded_server()  # imports beside this process's imports; waited for below
     from prefect import tags
@@ -157,7 +158,8 @@ def _run_locked(a, s, lock_file) -> int:
     if removed:
         print(f"k3rl: run '{run_id}': removed {len(removed)} staging path(s) of a killed process "
               f"({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})", file=sys.stderr)
-    resume.check_prefect_environment()
+    if not checked:  # a run with a summary that continues (a larger --iterations)
+        resume.check_prefect_environment()
     resume.start_embedded_server()
     tag = resume.run_tag(lock_file)
     crashed = resume.crash_stale_flow_runs(tag)

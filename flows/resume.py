@@ -118,8 +118,8 @@ EMBEDDED_LINE = "k3rl: Prefect's embedded server is up"  # what a run prints onc
 class EmbeddedServer:
     """Prefect's own server app (``prefect.server.api.server:create_app``) under uvicorn, in a child
     process of this one, as Prefect's embedded mode runs it (UI off, ephemeral services), with
-    ``PR_SET_PDEATHSIG`` set in the child between fork and exec. Started by ``launch`` without
-    waiting: the server imports Prefect's whole API (about 3 s of CPU) while this process imports the
+    ``PR_SET_PDEATHSIG`` set in the child between fork and exec. Started (``launch_embedded_server``)
+    without waiting: the server imports Prefect's whole API (about 3 s of CPU) while this process imports the
     model and pipeline, on the other core; ``ready`` waits for its health check and makes it the API
     this process's Prefect clients use (``PREFECT_API_URL`` in a settings context held for the
     process's life). This process never imports the server's code. One per process, stopped from
