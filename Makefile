@@ -18,9 +18,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-# pip without byte-compiling what it installs: a module is compiled when it is first imported, and
-# a run or the suite imports a small part of torch, Ray or transformers (about 30 s less setup).
-PIP := $(BIN)/python -m pip install -q --no-compile
+# pip byte-compiles what it installs (its default, about 30 s of setup): where PYTHONDONTWRITEBYTECODE
+# is set, as on this workplace's machines and CI, an import never writes a .pyc, so without them
+# every process compiles torch's and Prefect's sources again: a tiny `k3rl run` took 45 s instead
+# of 21 (docs/results/test_suite.md), and the suite pays that for each of its hundreds of processes.
+PIP := $(BIN)/python -m pip install -q
 
 # What running needs: the pinned CPU build of torch first on machines without an NVIDIA GPU (a plain
 # `torch` requirement would pull a multi-GB CUDA build), then k3rl itself.
@@ -39,11 +41,17 @@ run: setup-run
 	PYTHONUNBUFFERED=1 $(BIN)/k3rl run --preset small --run-id demo $(ARGS)
 
 # Every test (CI runs this).
+# The project's own modules byte-compiled first (about a second): the suite's hundreds of `k3rl run`
+# processes import them, and where PYTHONDONTWRITEBYTECODE is set no import writes a .pyc.
+BYTECODE := $(BIN)/python -m compileall -q k3core flows tasks tests benchmarks >/dev/null
+
 test: setup
+	$(BYTECODE)
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 # The inner loop: every test not marked `slow` (an unmarked test may take at most 20 s, tests/conftest.py).
 test-quick: setup
+	$(BYTECODE)
 	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(ARGS)
 
 lint: setup
