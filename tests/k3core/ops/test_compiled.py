@@ -30,6 +30,8 @@ def _leaves(*shapes):
     return [torch.randn(s, generator=gen).requires_grad_() for s in shapes]
 
 
+# slow: the first case pays Inductor's C++ compile of every region (24-80 s of CPU on the 2-core machine)
+@pytest.mark.slow
 @pytest.mark.parametrize("n_blocks", [1, 3])
 def test_regions_equal_their_references_with_gradients(on_cpu, n_blocks):
     p, *blocks, wg = _leaves(*[(2, 7, 48)] * (n_blocks + 1), (48,))
