@@ -40,11 +40,11 @@ setup: setup-run
 run: setup-run
 	PYTHONUNBUFFERED=1 $(BIN)/k3rl run --preset small --run-id demo $(ARGS)
 
-# Every test (CI runs this).
 # The project's own modules byte-compiled first (about a second): the suite's hundreds of `k3rl run`
 # processes import them, and where PYTHONDONTWRITEBYTECODE is set no import writes a .pyc.
 BYTECODE := $(BIN)/python -m compileall -q k3core flows tasks tests benchmarks >/dev/null
 
+# Every test (CI runs this).
 test: setup
 	$(BYTECODE)
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile $(ARGS)
