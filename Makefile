@@ -21,7 +21,7 @@ $(BIN)/python:
 # pip byte-compiles what it installs (its default, about 30 s of setup): where PYTHONDONTWRITEBYTECODE
 # is set, as on this workplace's machines and CI, an import never writes a .pyc, so without them
 # every process compiles torch's and Prefect's sources again: a tiny `k3rl run` took 45 s instead
-# of 21 (docs/results/test_suite.md), and the suite pays that for each of its hundreds of processes.
+# of 21-26 (docs/results/test_suite.md), and the suite pays that for each of its hundreds of processes.
 PIP := $(BIN)/python -m pip install -q
 
 # What running needs: the pinned CPU build of torch first on machines without an NVIDIA GPU (a plain

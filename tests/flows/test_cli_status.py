@@ -265,3 +265,34 @@ def test_status_without_a_run_id_shows_the_newest_run_and_an_empty_root_is_exit_
     assert newest_run(str(tmp_path)) == "alpha"
     assert main(["status", "--artifacts", str(tmp_path / "empty")]) == 2
     assert "no runs under" in capsys.readouterr().err
+
+
+def test_the_program_ends_without_teardown_and_keeps_its_output_and_status():
+    """``python -m flows.cli`` (``flows.cli.entry``) ends with ``os._exit`` after its exit handlers:
+    its buffered output to a pipe still arrives whole, equal to ``main``'s in process, with the
+    status ``main`` returned (0 here, 2 for bad input), and an exit handler registered during the
+    command still runs."""
+    import contextlib
+    import io
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from flows.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["model-info", "--preset", "full", "--json"]) == 0
+    buffered = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # output to a pipe stays in buffers
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "model-info", "--preset", "full", "--json"], cwd=root,
+                          env=buffered, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, buf.getvalue()), done.stderr
+    # an exit handler registered while the command runs (as Prefect's and the embedded server's are)
+    handler = ("import atexit, sys, flows.cli as c; run = c.main\n"
+               "def main():\n    atexit.register(lambda: print('handler ran', file=sys.stderr))\n    return run()\n"
+               "c.main = main; sys.argv = ['k3rl', 'model-info', '--preset', 'nope']; sys.exit(c.entry())")
+    bad = subprocess.run([sys.executable, "-c", handler], cwd=root, env=buffered, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "handler ran" in bad.stderr, bad.stderr
